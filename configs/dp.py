@@ -1,0 +1,45 @@
+"""Data-parallel baseline: one learner over every visible device, no syncer.
+
+Run (8 emulated CPU devices, about 5 minutes; eval/loss falls from ~5.6 to ~2):
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python -m diloco.main --config=configs/dp.py:small --workdir=runs/dp_small
+Presets: tiny (tests, < 1 min), small (CPU, ~6M parameters), and TPU-sized
+gemma_2b / gemma_5b / gemma_9b / moe_2_8b / moe_3_8b, which expect pre-tokenised
+shards (`--config.data.path=gs://.../shards`, see scripts/prepare_data.py).
+"""
+
+from diloco import config_lib
+
+_CPU = {
+    "tiny": dict(seq_len=64, batch_size=16, steps=60, eval_every=30, lr=3e-3, warmup=10),
+    "small": dict(seq_len=128, batch_size=16, steps=400, eval_every=100, lr=3e-3, warmup=40),
+}
+_TPU = ("gemma_2b", "gemma_5b", "gemma_9b", "moe_2_8b", "moe_3_8b")
+
+
+def get_config(preset: str = "small"):
+  if preset not in _CPU and preset not in _TPU:
+    raise ValueError(f"configs/dp.py: unknown preset {preset!r}; allowed: "
+                     f"{sorted(_CPU) + list(_TPU)}")
+  cfg = config_lib.base_config(preset)
+  if preset in _CPU:
+    p = _CPU[preset]
+    cfg.data.seq_len = p["seq_len"]
+    cfg.train.batch_size = p["batch_size"]
+    cfg.train.steps = p["steps"]
+    cfg.train.eval_every = p["eval_every"]
+    cfg.checkpoint.every_steps = p["eval_every"]
+    cfg.optim.learning_rate = p["lr"]
+    cfg.optim.warmup_steps = p["warmup"]
+  else:
+    # One TPU slice: FSDP over the slice, tensor parallelism inside a host.
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, -1, 4
+    cfg.data.source = "array_record"
+    cfg.data.seq_len = 4096
+    cfg.train.batch_size = 256
+    cfg.train.steps = 100_000
+    cfg.train.eval_every = 1000
+    cfg.checkpoint.every_steps = 1000
+    cfg.optim.learning_rate = 3e-4
+    cfg.optim.warmup_steps = 2000
+  return cfg

@@ -1,0 +1,1 @@
+"""Decoupled DiLoCo in JAX: asynchronous, fault-tolerant, low-bandwidth LM pre-training."""

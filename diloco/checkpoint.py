@@ -1,0 +1,63 @@
+"""Orbax checkpoints of a learner: train state, Grain iterator position and metadata.
+
+Saves are asynchronous (Orbax copies device arrays to host, then writes in the
+background), so the training loop does not wait on disk; `close()` waits for the last
+save. Each step directory is complete only once Orbax commits it, and
+`latest_step()` only sees committed steps.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grain
+import orbax.checkpoint as ocp
+
+from diloco.config_lib import CheckpointConfig, ConfigError
+
+PyTree = Any
+
+
+class Checkpointer:
+  """A CheckpointManager over `Composite(state, data, meta)`."""
+
+  def __init__(self, directory: str, cfg: CheckpointConfig):
+    self.directory = os.path.abspath(directory)
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.max_to_keep, enable_async_checkpointing=cfg.async_save,
+            create=True))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: PyTree, data_iter, meta: dict) -> None:
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(data_iter),
+        meta=ocp.args.JsonSave(meta)), force=True)
+
+  def restore(self, step: int, abstract_state: PyTree, data_iter,
+              expect_meta: dict | None = None) -> tuple[PyTree, dict]:
+    """Restores `step` into `abstract_state`'s shardings and advances `data_iter` in place.
+
+    `expect_meta` entries must equal the saved ones (e.g. the model config), so a
+    checkpoint of another model fails with a readable error, not a shape mismatch.
+    """
+    meta = self._manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore())).meta
+    for key, expected in (expect_meta or {}).items():
+      if meta.get(key) != expected:
+        raise ConfigError(f"checkpoint {self.directory}/{step} was written with {key}="
+                          f"{meta.get(key)!r}, but this run has {key}={expected!r}; use a "
+                          "fresh --workdir or the original config")
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data=grain.checkpoint.CheckpointRestore(data_iter)))
+    return restored.state, meta
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()

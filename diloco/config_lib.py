@@ -1,0 +1,248 @@
+"""Frozen, validated configuration: the library never reads a raw ConfigDict.
+
+Experiment files (`configs/*.py`) build an `ml_collections.ConfigDict` with
+`base_config()`; `from_config_dict()` turns it into the frozen dataclasses below
+after `validate()`, so every bad value fails at start with a message that names
+the field and what it may be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from typing import Any
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+  """A configuration value is invalid; the message names the field."""
+
+
+def _frozen(cls):
+  return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
+
+
+@_frozen
+class ModelConfig:
+  """A Gemma-style decoder-only LM (see `diloco.model`)."""
+  name: str = "custom"
+  vocab_size: int = 384
+  embed_dim: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 16
+  mlp_dim: int = 256
+  # One letter per layer, repeated cyclically: L = local sliding window, G = global.
+  attention_pattern: str = "LG"
+  sliding_window: int = 64
+  rope_base_local: float = 10_000.0
+  rope_base_global: float = 1_000_000.0
+  qk_norm: bool = True
+  # Queries are scaled by query_pre_attn_scalar**-0.5; 0 means head_dim.
+  query_pre_attn_scalar: float = 0.0
+  # 0 disables soft-capping of the final logits.
+  final_logit_softcap: float = 0.0
+  # Mixture of experts: num_experts = 0 gives the dense GeGLU MLP in every layer.
+  num_experts: int = 0
+  experts_per_token: int = 2
+  expert_mlp_dim: int = 0
+  capacity_factor: float = 1.25
+  moe_aux_loss_weight: float = 0.01
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: bool = False
+
+
+@_frozen
+class DataConfig:
+  """Where tokens come from. `source`: stdlib | text | array_record."""
+  source: str = "stdlib"
+  # Directory or glob of text files (source=text) or of prepared shards (array_record).
+  path: str = ""
+  # "byte", or the path of a SentencePiece model written by scripts/prepare_data.py.
+  tokenizer: str = "byte"
+  seq_len: int = 128
+  # Cap on the corpus size read into memory for text sources (0 = no cap).
+  max_bytes: int = 8_000_000
+  # Fraction of documents held out for evaluation (chosen by a hash of the name).
+  eval_fraction: float = 0.02
+  prefetch: int = 4
+
+
+@_frozen
+class MeshConfig:
+  """Learner mesh axis sizes; exactly one may be -1 (fill with the rest)."""
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@_frozen
+class OptimConfig:
+  """Inner AdamW with linear warmup then cosine decay."""
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+  # 0 means decay over all training steps.
+  decay_steps: int = 0
+  end_lr_fraction: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  grad_clip_norm: float = 1.0
+  z_loss_weight: float = 1e-4
+
+
+@_frozen
+class TrainConfig:
+  steps: int = 100
+  # Sequences per step for the whole learner (split over data x fsdp).
+  batch_size: int = 16
+  eval_every: int = 50
+  eval_batches: int = 4
+
+
+@_frozen
+class CheckpointConfig:
+  # 0 disables checkpoints.
+  every_steps: int = 50
+  max_to_keep: int = 2
+  async_save: bool = True
+
+
+@_frozen
+class LogConfig:
+  tensorboard: bool = False
+  progress_every_s: float = 5.0
+
+
+@_frozen
+class Config:
+  model: ModelConfig
+  data: DataConfig
+  mesh: MeshConfig
+  optim: OptimConfig
+  train: TrainConfig
+  checkpoint: CheckpointConfig
+  log: LogConfig
+  seed: int = 0
+
+
+_GROUPS = {
+    "model": ModelConfig, "data": DataConfig, "mesh": MeshConfig, "optim": OptimConfig,
+    "train": TrainConfig, "checkpoint": CheckpointConfig, "log": LogConfig,
+}
+DATA_SOURCES = ("stdlib", "text", "array_record")
+DTYPES = ("float32", "bfloat16")
+
+
+def base_config(model_preset: str) -> ml_collections.ConfigDict:
+  """The default ConfigDict with the model fields filled from a preset."""
+  from diloco import model_presets  # pylint: disable=import-outside-toplevel
+  model = model_presets.get(model_preset)
+  groups = {name: dataclasses.asdict(cls()) for name, cls in _GROUPS.items()}
+  groups["model"] = dataclasses.asdict(model)
+  cfg = ml_collections.ConfigDict({k: ml_collections.ConfigDict(v) for k, v in groups.items()})
+  cfg.seed = 0
+  return cfg
+
+
+def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
+  """Validated frozen Config from a ConfigDict (or a plain nested dict)."""
+  raw = cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else dict(cfg)
+  unknown = set(raw) - set(_GROUPS) - {"seed"}
+  if unknown:
+    raise ConfigError(f"unknown config groups {sorted(unknown)}; allowed: "
+                      f"{sorted(_GROUPS) + ['seed']}")
+  kwargs: dict[str, Any] = {}
+  for name, cls in _GROUPS.items():
+    values = dict(raw.get(name, {}))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in values:
+      if key not in fields:
+        raise ConfigError(f"unknown field {name}.{key}; allowed: {sorted(fields)}")
+    for key, value in values.items():
+      expected = type(getattr(cls(), key))
+      if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        values[key] = float(value)
+      elif not isinstance(values[key], expected) or (
+          expected is int and isinstance(value, bool)):
+        raise ConfigError(f"{name}.{key} must be {expected.__name__}, got {value!r}")
+    kwargs[name] = cls(**values)
+  config = Config(**kwargs, seed=int(raw.get("seed", 0)))
+  validate(config)
+  return config
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+  if not ok:
+    raise ConfigError(f"{field}: {message}")
+
+
+def validate(cfg: Config) -> None:
+  """Raises ConfigError naming the first invalid field. Device-free checks only."""
+  m = cfg.model
+  for field in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "mlp_dim", "sliding_window"):
+    _check(getattr(m, field) >= 1, f"model.{field}", f"must be >= 1, got {getattr(m, field)}")
+  _check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
+         f"must divide model.num_heads={m.num_heads}, got {m.num_kv_heads}")
+  _check(bool(m.attention_pattern) and set(m.attention_pattern) <= {"L", "G"},
+         "model.attention_pattern", f"must be a string of L and G, got {m.attention_pattern!r}")
+  _check(m.final_logit_softcap >= 0, "model.final_logit_softcap", "must be >= 0 (0 = off)")
+  _check(m.query_pre_attn_scalar >= 0, "model.query_pre_attn_scalar", "must be >= 0")
+  _check(m.num_experts >= 0, "model.num_experts", "must be >= 0 (0 = dense)")
+  if m.num_experts:
+    _check(1 <= m.experts_per_token <= m.num_experts, "model.experts_per_token",
+           f"must be in [1, num_experts={m.num_experts}], got {m.experts_per_token}")
+    _check(m.expert_mlp_dim >= 1, "model.expert_mlp_dim", "must be >= 1 for an MoE model")
+    _check(m.capacity_factor > 0, "model.capacity_factor", "must be > 0")
+    _check(m.moe_aux_loss_weight >= 0, "model.moe_aux_loss_weight", "must be >= 0")
+  for field in ("dtype", "param_dtype"):
+    _check(getattr(m, field) in DTYPES, f"model.{field}",
+           f"must be one of {DTYPES}, got {getattr(m, field)!r}")
+
+  d = cfg.data
+  _check(d.source in DATA_SOURCES, "data.source",
+         f"must be one of {DATA_SOURCES}, got {d.source!r}")
+  _check(d.seq_len >= 2, "data.seq_len", f"must be >= 2, got {d.seq_len}")
+  _check(0 < d.eval_fraction < 1, "data.eval_fraction", f"must be in (0, 1), got {d.eval_fraction}")
+  _check(d.max_bytes >= 0, "data.max_bytes", "must be >= 0 (0 = no cap)")
+  _check(d.prefetch >= 0, "data.prefetch", "must be >= 0")
+  if d.source in ("text", "array_record"):
+    _check(bool(d.path), "data.path", f"is required when data.source={d.source!r}")
+    _check(os.path.isdir(d.path) or bool(glob.glob(d.path)), "data.path",
+           f"no directory or files match {d.path!r}")
+  if d.tokenizer != "byte":
+    _check(d.source != "array_record", "data.tokenizer",
+           "array_record shards are already tokenised; leave data.tokenizer='byte' "
+           "(the shards' meta.json names their tokenizer)")
+    _check(os.path.isfile(d.tokenizer), "data.tokenizer",
+           f"must be 'byte' or an existing SentencePiece .model file, got {d.tokenizer!r}")
+
+  mesh = cfg.mesh
+  sizes = {"mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp, "mesh.tensor": mesh.tensor}
+  for field, size in sizes.items():
+    _check(size == -1 or size >= 1, field, f"must be -1 (fill) or >= 1, got {size}")
+  _check(list(sizes.values()).count(-1) <= 1, "mesh", "at most one axis may be -1")
+
+  o = cfg.optim
+  for field in ("learning_rate", "eps", "weight_decay", "grad_clip_norm", "z_loss_weight"):
+    _check(getattr(o, field) >= 0, f"optim.{field}", f"must be >= 0, got {getattr(o, field)}")
+  _check(o.learning_rate > 0, "optim.learning_rate", "must be > 0")
+  _check(o.warmup_steps >= 0 and o.decay_steps >= 0, "optim.warmup_steps/decay_steps",
+         "must be >= 0")
+  _check(0 <= o.end_lr_fraction <= 1, "optim.end_lr_fraction", "must be in [0, 1]")
+  _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1/b2", "must be in [0, 1)")
+
+  t = cfg.train
+  _check(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
+  _check(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
+  _check(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = only at the end)")
+  _check(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")
+  _check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 = off)")
+  _check(cfg.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
+  _check(cfg.log.progress_every_s > 0, "log.progress_every_s", "must be > 0")

@@ -1,0 +1,116 @@
+"""Metrics: JSON lines always, TensorBoard optionally, a loss plot, and live progress."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+
+from absl import logging
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricWriter:
+  """Appends one JSON record per call to `workdir/metrics.jsonl` (flat, `/`-named keys)."""
+
+  def __init__(self, workdir: str, *, role: str, learner: int | None = None,
+               tensorboard: bool = False):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, METRICS_FILE)
+    self._file = open(self.path, "a", encoding="utf-8")
+    self._role, self._learner = role, learner
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      name = role if learner is None else f"{role}_{learner}"
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard", name))
+
+  def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    record = {"t": time.time(), "role": self._role, "step": int(step)}
+    if self._learner is not None:
+      record["learner"] = self._learner
+    record.update({k: float(v) for k, v in metrics.items()})
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for key, value in metrics.items():
+        self._tb.add_scalar(key, float(value), int(step))
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_metrics(path: str) -> list[dict]:
+  """Records of a metrics.jsonl; a torn last line (crash mid-write) is skipped."""
+  records = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return records
+
+
+def last_per_step(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+  """Sorted (steps, values) of `key`, keeping the latest record of a step (resumed runs)."""
+  by_step = {r["step"]: r[key] for r in records if key in r}
+  steps = sorted(by_step)
+  return steps, [by_step[s] for s in steps]
+
+
+def plot_loss(records: list[dict], path: str, title: str = "") -> None:
+  """Train and eval loss against step, written as a PNG."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for key, style in (("train/loss", "-"), ("eval/loss", "o-")):
+    steps, values = last_per_step(records, key)
+    if steps:
+      ax.plot(steps, values, style, label=key, markersize=4)
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy (nats/token)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  h, rem = divmod(seconds, 3600)
+  return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+class Progress:
+  """Logs `step n/N | tokens/s | loss | ETA` at most every `every_s` seconds."""
+
+  def __init__(self, total_steps: int, every_s: float, start_step: int = 0):
+    self._total, self._every = total_steps, every_s
+    self._t0 = self._last = time.monotonic()
+    self._start = start_step
+    self._tokens = 0.0
+
+  def update(self, step: int, tokens: float, loss: float, force: bool = False) -> str | None:
+    self._tokens += tokens
+    now = time.monotonic()
+    if not force and now - self._last < self._every:
+      return None
+    self._last = now
+    elapsed = max(now - self._t0, 1e-9)
+    rate = (step - self._start) / elapsed
+    eta = (self._total - step) / rate if rate > 0 else math.inf
+    line = (f"step {step}/{self._total} ({100 * step / self._total:.0f}%) | "
+            f"{self._tokens / elapsed:,.0f} tok/s | loss {loss:.4f} | "
+            f"ETA {_duration(eta) if math.isfinite(eta) else '?'}")
+    logging.info("%s", line)
+    print(line, flush=True)
+    return line

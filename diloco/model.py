@@ -1,0 +1,204 @@
+"""Gemma-style decoder-only language model in Flax NNX.
+
+Shape legend: B batch, L length (queries), S length (keys), D embed, N query heads,
+K kv heads, G = N / K query heads per kv head, H head dim, F mlp, V vocab, E experts,
+C expert capacity, T = B * L tokens.
+
+Every parameter carries logical axis names (`out_sharding`); `diloco.sharding` maps
+them to mesh axes, so the model knows nothing about meshes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from diloco import moe
+from diloco.config_lib import ModelConfig
+from diloco.sharding import constrain
+
+_NEG_INF = -2.3819763e38  # large negative, finite in fp32 and bf16
+
+
+def _param(rngs: nnx.Rngs, shape, names, dtype, scale: float) -> nnx.Param:
+  init = jax.nn.initializers.normal(stddev=scale)
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+  """Gemma RMSNorm: x / rms(x) * (1 + scale), scale initialised to zero."""
+
+  def __init__(self, dim: int, axis_name: str, *, param_dtype, eps: float = 1e-6):
+    self.scale = nnx.Param(jnp.zeros((dim,), param_dtype), out_sharding=(axis_name,))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def apply_rope(x_BLNH: jax.Array, positions_BL: jax.Array, base: float) -> jax.Array:
+  """Rotary position embedding on the two halves of the head dimension."""
+  half = x_BLNH.shape[-1] // 2
+  freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle_BLH = positions_BL[..., None].astype(jnp.float32) * freq
+  sin, cos = jnp.sin(angle_BLH)[:, :, None, :], jnp.cos(angle_BLH)[:, :, None, :]
+  x1, x2 = jnp.split(x_BLNH.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BLNH.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with RoPE, QK-norm and an optional sliding window."""
+
+  def __init__(self, cfg: ModelConfig, *, local: bool, rngs: nnx.Rngs):
+    d, n, k, h = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.q_DNH = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), pdt, d ** -0.5)
+    self.k_DKH = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, d ** -0.5)
+    self.v_DKH = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pdt, d ** -0.5)
+    self.o_NHD = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), pdt, (n * h) ** -0.5)
+    self.qk_norm = cfg.qk_norm
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, "head_dim", param_dtype=pdt)
+      self.k_norm = RMSNorm(h, "head_dim", param_dtype=pdt)
+    self.local = local
+    self.window = cfg.sliding_window
+    self.rope_base = cfg.rope_base_local if local else cfg.rope_base_global
+    self.scale = (cfg.query_pre_attn_scalar or h) ** -0.5
+    self.groups = n // k
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x_BLD, positions_BL):
+    dt = self.dtype
+    q_BLNH = jnp.einsum("BLD,DNH->BLNH", x_BLD, self.q_DNH[...].astype(dt))
+    k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BLD, self.k_DKH[...].astype(dt))
+    v_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BLD, self.v_DKH[...].astype(dt))
+    if self.qk_norm:
+      q_BLNH, k_BSKH = self.q_norm(q_BLNH), self.k_norm(k_BSKH)
+    q_BLNH = apply_rope(q_BLNH, positions_BL, self.rope_base) * self.scale
+    k_BSKH = apply_rope(k_BSKH, positions_BL, self.rope_base)
+    b, l, n, h = q_BLNH.shape
+    q_BLKGH = q_BLNH.reshape(b, l, n // self.groups, self.groups, h)
+    logits_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH).astype(jnp.float32)
+    q_pos, k_pos = positions_BL[:, :, None], positions_BL[:, None, :]
+    mask_BLS = k_pos <= q_pos
+    if self.local:
+      mask_BLS &= (q_pos - k_pos) < self.window
+    logits_BKGLS = jnp.where(mask_BLS[:, None, None], logits_BKGLS, _NEG_INF)
+    probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(dt)
+    out_BLKGH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BKGLS, v_BSKH)
+    out_BLNH = out_BLKGH.reshape(b, l, n, h)
+    return jnp.einsum("BLNH,NHD->BLD", out_BLNH, self.o_NHD[...].astype(dt))
+
+
+class GeGLU(nnx.Module):
+  """Gated GELU feed-forward: down(gelu(x W_gate) * (x W_up))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, f = cfg.embed_dim, cfg.mlp_dim
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.gate_DF = _param(rngs, (d, f), ("embed", "mlp"), pdt, d ** -0.5)
+    self.up_DF = _param(rngs, (d, f), ("embed", "mlp"), pdt, d ** -0.5)
+    self.down_FD = _param(rngs, (f, d), ("mlp", "embed"), pdt, f ** -0.5)
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x_BLD):
+    dt = self.dtype
+    gate_BLF = jax.nn.gelu(x_BLD @ self.gate_DF[...].astype(dt))
+    h_BLF = constrain(gate_BLF * (x_BLD @ self.up_DF[...].astype(dt)), "batch", "length", "mlp")
+    return h_BLF @ self.down_FD[...].astype(dt)
+
+
+class Block(nnx.Module):
+  """Pre- and post-normed attention and feed-forward, each with a residual (Gemma 3)."""
+
+  def __init__(self, cfg: ModelConfig, *, local: bool, rngs: nnx.Rngs):
+    pdt = jnp.dtype(cfg.param_dtype)
+    d = cfg.embed_dim
+    self.pre_attn_norm = RMSNorm(d, "embed", param_dtype=pdt)
+    self.attn = Attention(cfg, local=local, rngs=rngs)
+    self.post_attn_norm = RMSNorm(d, "embed", param_dtype=pdt)
+    self.pre_mlp_norm = RMSNorm(d, "embed", param_dtype=pdt)
+    self.mlp = moe.MoE(cfg, rngs=rngs) if cfg.num_experts else GeGLU(cfg, rngs=rngs)
+    self.post_mlp_norm = RMSNorm(d, "embed", param_dtype=pdt)
+
+  def __call__(self, x_BLD, positions_BL):
+    x_BLD = x_BLD + self.post_attn_norm(self.attn(self.pre_attn_norm(x_BLD), positions_BL))
+    h_BLD = self.pre_mlp_norm(x_BLD)
+    if isinstance(self.mlp, moe.MoE):
+      h_BLD, aux = self.mlp(h_BLD)
+    else:
+      h_BLD, aux = self.mlp(h_BLD), jnp.zeros((), jnp.float32)
+    x_BLD = x_BLD + self.post_mlp_norm(h_BLD)
+    return constrain(x_BLD, "batch", "length", "embed"), aux
+
+
+class Embedder(nnx.Module):
+  """The token table, shared by the input embedding and the output head (tied)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    # std 1/sqrt(D): tied output logits start O(1); inputs are rescaled by sqrt(D).
+    self.embedding = _param(rngs, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"),
+                            jnp.dtype(cfg.param_dtype), cfg.embed_dim ** -0.5)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM with a scaled, tied token embedding.
+
+  Returns `(logits_BLV, aux_loss)`; `aux_loss` is the summed MoE load-balancing
+  loss (zero for a dense model), already multiplied by its weight.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pdt = jnp.dtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.embedder = Embedder(cfg, rngs=rngs)
+    pattern = cfg.attention_pattern
+    self.layers = nnx.List([
+        Block(cfg, local=pattern[i % len(pattern)] == "L", rngs=rngs)
+        for i in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.embed_dim, "embed", param_dtype=pdt)
+
+  def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None):
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    if positions_BL is None:
+      positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+    table_VD = self.embedder.embedding[...].astype(dt)
+    x_BLD = table_VD[tokens_BL] * jnp.asarray(math.sqrt(cfg.embed_dim), dt)
+    x_BLD = constrain(x_BLD, "batch", "length", "embed")
+    aux = jnp.zeros((), jnp.float32)
+    for block in self.layers:
+      if cfg.remat:
+        x_BLD, block_aux = nnx.remat(lambda b, x, p: b(x, p))(block, x_BLD, positions_BL)
+      else:
+        x_BLD, block_aux = block(x_BLD, positions_BL)
+      aux = aux + block_aux
+    x_BLD = self.final_norm(x_BLD)
+    logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, table_VD).astype(jnp.float32)
+    if cfg.final_logit_softcap:
+      cap = cfg.final_logit_softcap
+      logits_BLV = jnp.tanh(logits_BLV / cap) * cap
+    logits_BLV = constrain(logits_BLV, "batch", "length", "vocab")
+    return logits_BLV, aux * cfg.moe_aux_loss_weight
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+  """Total and active (per token) parameter counts, from abstract shapes only."""
+  with nnx.use_eager_sharding(False):
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  total = sum(math.prod(leaf.shape) for _, leaf in leaves)
+  expert = sum(math.prod(leaf.shape) for path, leaf in leaves
+               if any(getattr(k, "key", None) in moe.EXPERT_PARAM_NAMES for k in path))
+  active = total - expert
+  if cfg.num_experts:
+    active += expert * cfg.experts_per_token // cfg.num_experts
+  embedding = cfg.vocab_size * cfg.embed_dim
+  return {"total": total, "active": active, "embedding": embedding,
+          "non_embedding": total - embedding}

@@ -1,0 +1,139 @@
+"""The data-parallel run: one learner over all visible devices, no syncer.
+
+This is the quality and speed reference of DESIGN.md 2.6 and the loop the DiLoCo
+learner reuses: dispatch step t, then read step t-1's metrics (already computed), so
+the host never stalls the device; evaluate and checkpoint on schedule; resume from
+the last checkpoint with the exact same trajectory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from diloco import checkpoint as checkpoint_lib
+from diloco import data as data_lib
+from diloco import mesh as mesh_lib
+from diloco import metrics as metrics_lib
+from diloco import optim, train_state, train_step
+from diloco.config_lib import Config, ConfigError
+from diloco.sharding import batch_sharding
+
+
+def check_batch(cfg: Config, mesh: jax.sharding.Mesh) -> None:
+  width = mesh_lib.data_parallel_width(mesh)
+  if cfg.train.batch_size % width:
+    raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
+                      f"mesh data x fsdp = {width}")
+
+
+def check_vocab(cfg: Config) -> None:
+  needed = data_lib.vocab_size(cfg.data)
+  if cfg.model.vocab_size < needed:
+    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                      f"tokenizer's {needed} ids; set --config.model.vocab_size={needed} or more")
+
+
+def _finite_or_raise(step: int, values: dict[str, float]) -> None:
+  bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+  if bad:
+    raise FloatingPointError(f"non-finite metrics at step {step}: {bad}; lower "
+                             "optim.learning_rate or check the data")
+
+
+def evaluate(eval_fn, params, batches) -> dict[str, float]:
+  losses = [eval_fn(params, b) for b in batches]
+  loss = float(np.mean(jax.device_get(losses)))
+  return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+
+def run(cfg: Config, workdir: str) -> dict[str, float]:
+  """Trains `cfg` data-parallel in `workdir`, resuming if it holds a checkpoint.
+
+  Returns the last evaluation metrics.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  mesh = mesh_lib.learner_mesh(jax.devices(), cfg.mesh)
+  check_batch(cfg, mesh)
+  check_vocab(cfg)
+  logging.info("data-parallel run: %s", mesh_lib.describe(mesh))
+  config_json = dataclasses.asdict(cfg)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(config_json, f, indent=2)
+
+  total = cfg.train.steps
+  schedule = optim.lr_schedule(cfg.optim, total)
+  spec = train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, total), mesh)
+  data_iter = iter(data_lib.train_dataset(cfg.data, batch_size=cfg.train.batch_size,
+                                          seed=cfg.seed))
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
+  identity = {"model": config_json["model"], "data": config_json["data"], "seed": cfg.seed}
+  latest = ckpt.latest_step()
+  if latest is not None:
+    state, _ = ckpt.restore(latest, spec.abstract, data_iter, expect_meta=identity)
+    logging.info("resumed from %s at step %d", ckpt.directory, latest)
+  else:
+    state = train_state.create(cfg.model, spec, jax.random.key(cfg.seed))
+  start = int(jax.device_get(state["step"]))
+
+  step_fn = train_step.make_train_step(spec, cfg.optim, schedule)
+  eval_fn = train_step.make_eval_step(spec)
+  tokens_sharding = batch_sharding(mesh)
+  eval_set = [jax.device_put(b, tokens_sharding) for b in data_lib.eval_batches(
+      cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
+  writer = metrics_lib.MetricWriter(workdir, role="dp", tensorboard=cfg.log.tensorboard)
+  progress = metrics_lib.Progress(total, cfg.log.progress_every_s, start_step=start)
+  pending = None  # (step, device metrics) of the step dispatched last
+  last_eval: dict[str, float] = {}
+
+  def flush():
+    nonlocal pending
+    if pending is None:
+      return
+    step, device_metrics = pending
+    pending = None
+    values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    _finite_or_raise(step, values)
+    writer.write(step, values)
+    progress.update(step, values["train/tokens"], values["train/loss"], force=step == total)
+
+  try:
+    with jax.set_mesh(mesh):
+      if start == 0:
+        last_eval = evaluate(eval_fn, state["params"], eval_set)
+        writer.write(0, last_eval)
+      t_start = time.monotonic()
+      for step in range(start + 1, total + 1):
+        batch = jax.device_put(next(data_iter), tokens_sharding)
+        state, device_metrics = step_fn(state, batch)
+        flush()  # step - 1's metrics: ready by now, read while step runs
+        pending = (step, device_metrics)
+        eval_due = step == total or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+        if eval_due:
+          flush()
+          last_eval = evaluate(eval_fn, state["params"], eval_set)
+          _finite_or_raise(step, last_eval)
+          writer.write(step, last_eval)
+          logging.info("step %d: eval/loss %.4f", step, last_eval["eval/loss"])
+          print(f"step {step}: eval/loss {last_eval['eval/loss']:.4f} "
+                f"(perplexity {last_eval['eval/perplexity']:.2f})", flush=True)
+        every = cfg.checkpoint.every_steps
+        if every and (step % every == 0 or step == total):
+          ckpt.save(step, state, data_iter, identity)
+      flush()
+      elapsed = time.monotonic() - t_start
+  finally:
+    writer.close()
+    ckpt.close()
+  logging.info("trained steps %d..%d in %.1fs", start + 1, total, elapsed)
+  metrics_lib.plot_loss(metrics_lib.read_metrics(writer.path),
+                        os.path.join(workdir, "loss.png"),
+                        title=f"data-parallel, {cfg.model.name}")
+  return last_eval

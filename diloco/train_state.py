@@ -1,0 +1,78 @@
+"""Training state as a plain pytree, created directly on a learner's devices.
+
+`{"params": <pure dict>, "opt_state": <optax state>, "step": int32}`: pure dicts keep
+checkpoint keys stable and let the learner address a fragment by path. State is
+built abstractly first (`eval_shape`), its shardings come from the logical axis
+names, and one jitted init with those `out_shardings` materialises it in place, so
+no device ever holds an unsharded copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from diloco import model as model_lib
+from diloco.config_lib import ModelConfig
+from diloco.sharding import DEFAULT_RULES
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+  """Everything needed to build, restore or step a learner's state on one mesh."""
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  mesh: jax.sharding.Mesh
+  abstract: PyTree  # ShapeDtypeStructs carrying the target NamedShardings
+  shardings: PyTree
+
+
+def _new_model(cfg: ModelConfig, key) -> model_lib.Transformer:
+  with nnx.use_eager_sharding(False):
+    return model_lib.Transformer(cfg, rngs=nnx.Rngs(params=key))
+
+
+def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  """Graph definition and abstract parameter State (no memory allocated)."""
+  with nnx.use_eager_sharding(False):
+    abstract_model = nnx.eval_shape(lambda: _new_model(cfg, jax.random.key(0)))
+  return nnx.split(abstract_model)
+
+
+def make_spec(cfg: ModelConfig, tx: optax.GradientTransformation,
+              mesh: jax.sharding.Mesh) -> StateSpec:
+  graphdef, abstract_state = abstract_params(cfg)
+  with nnx.logical_axis_rules(DEFAULT_RULES):
+    param_shardings = nnx.to_pure_dict(nnx.get_named_sharding(abstract_state, mesh))
+  params = nnx.to_pure_dict(abstract_state)
+  opt_state = jax.eval_shape(tx.init, params)
+  replicated = NamedSharding(mesh, P())
+  opt_shardings = optax.tree_map_params(
+      tx, lambda _, sharding: sharding, opt_state, param_shardings,
+      transform_non_params=lambda _: replicated)
+  shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+  shapes = {"params": params, "opt_state": opt_state,
+            "step": jax.ShapeDtypeStruct((), jnp.int32)}
+  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          shapes, shardings)
+  return StateSpec(graphdef=graphdef, tx=tx, mesh=mesh, abstract=abstract, shardings=shardings)
+
+
+def create(cfg: ModelConfig, spec: StateSpec, key: jax.Array) -> PyTree:
+  """Fresh parameters and optimizer state, initialised directly with their shardings."""
+
+  def init(key):
+    params = nnx.to_pure_dict(nnx.state(_new_model(cfg, key)))
+    return {"params": params, "opt_state": spec.tx.init(params),
+            "step": jnp.zeros((), jnp.int32)}
+
+  with jax.set_mesh(spec.mesh):
+    return jax.jit(init, out_shardings=spec.shardings)(key)

@@ -1,0 +1,67 @@
+"""The learner's pure, jitted train and eval steps. Nothing here knows about DiLoCo."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from diloco.config_lib import OptimConfig
+from diloco.train_state import StateSpec
+
+PyTree = Any
+
+
+def token_losses(logits_BLV: jax.Array, targets_BL: jax.Array):
+  """Per-token cross-entropy and z-loss term (log Z)^2, both in float32."""
+  logits = logits_BLV.astype(jnp.float32)
+  log_z_BL = jax.nn.logsumexp(logits, axis=-1)
+  target_logit_BL = jnp.take_along_axis(logits, targets_BL[..., None], axis=-1)[..., 0]
+  return log_z_BL - target_logit_BL, jnp.square(log_z_BL)
+
+
+def _forward(graphdef, params, tokens_BL1):
+  inputs_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
+  logits_BLV, aux = nnx.merge(graphdef, params)(inputs_BL)
+  ce_BL, z_BL = token_losses(logits_BLV, targets_BL)
+  # Sequences are packed windows of real text: every target counts, none is padding.
+  return jnp.mean(ce_BL), jnp.mean(z_BL), aux
+
+
+def make_train_step(spec: StateSpec, optim: OptimConfig,
+                    schedule: optax.Schedule) -> Callable[[PyTree, jax.Array], tuple]:
+  """A jitted `step(state, tokens_BL1) -> (state, metrics)`; `state` is donated."""
+
+  def loss_fn(params, tokens_BL1):
+    ce, z_loss, aux = _forward(spec.graphdef, params, tokens_BL1)
+    total = ce + optim.z_loss_weight * z_loss + aux
+    return total, {"ce": ce, "z_loss": z_loss, "aux": aux}
+
+  def step(state, tokens_BL1):
+    params = state["params"]
+    (_, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_BL1)
+    updates, opt_state = spec.tx.update(grads, state["opt_state"], params)
+    new_params = optax.apply_updates(params, updates)
+    metrics = {
+        "train/loss": parts["ce"], "train/z_loss": parts["z_loss"],
+        "train/moe_aux_loss": parts["aux"], "train/grad_norm": optax.tree.norm(grads),
+        "train/param_norm": optax.tree.norm(new_params),
+        "train/update_norm": optax.tree.norm(updates), "train/lr": schedule(state["step"]),
+        "train/tokens": jnp.asarray(tokens_BL1[:, 1:].size, jnp.float32),
+    }
+    return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+  return jax.jit(step, donate_argnums=0, out_shardings=(spec.shardings, None))
+
+
+def make_eval_step(spec: StateSpec) -> Callable[[PyTree, jax.Array], tuple]:
+  """A jitted `eval(params, tokens_BL1) -> mean token cross-entropy of the batch`."""
+
+  def evaluate(params, tokens_BL1):
+    return _forward(spec.graphdef, params, tokens_BL1)[0]
+
+  return jax.jit(evaluate)

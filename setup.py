@@ -1,0 +1,39 @@
+"""Installs the `diloco` package: `pip install -e ".[test]"`."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="diloco",
+    version="0.1.0",
+    description=("Decoupled DiLoCo in JAX: asynchronous, fault-tolerant, low-bandwidth "
+                 "pre-training of language models across independent accelerator islands."),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    packages=find_packages(include=["diloco", "diloco.*"]),
+    install_requires=[
+        # Python 3.11 resolves jax 0.10.x / flax 0.12.8; 3.12+ gets the newer releases.
+        "jax>=0.10.2,<0.13",
+        "jaxlib>=0.10.2,<0.13",
+        "flax>=0.12.8,<0.13",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12.8,<1.0",
+        "grain>=0.2.18,<0.3",
+        "array-record>=0.8",
+        "ml-collections>=1.1,<2",
+        "absl-py>=2.5,<3",
+        "numpy>=1.26,<3",
+        "matplotlib>=3.8,<4",
+        "sentencepiece>=0.2,<0.3",
+        "tensorboardX>=2.6,<3",
+    ],
+    extras_require={
+        "test": ["pytest>=8,<10"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,9 @@
+"""Test setup: 8 emulated CPU devices, set before JAX starts its backend."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
