@@ -52,7 +52,7 @@ def train_sentencepiece(cfg: DataConfig, out: str, vocab_size: int) -> str:
       sentence_iterator=sentences(), model_prefix=prefix, vocab_size=vocab_size,
       model_type="bpe", byte_fallback=True, character_coverage=1.0, pad_id=0, unk_id=1,
       bos_id=2, eos_id=3, input_sentence_size=200_000, shuffle_input_sentence=True,
-      remove_extra_whitespaces=False, minloglevel=2)
+      remove_extra_whitespaces=False, normalization_rule_name="identity", minloglevel=2)
   return prefix + ".model"
 
 

@@ -1,0 +1,94 @@
+"""Every invalid configuration fails at start with a message naming the field."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from configs import dp
+from diloco import config_lib, mesh as mesh_lib, model_presets, train
+from diloco.config_lib import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(__file__))
+
+
+def _with(preset="tiny", **dotted):
+  cfg = dp.get_config(preset)
+  for key, value in dotted.items():
+    group, field = key.split("__")
+    setattr(cfg[group], field, value)
+  return cfg
+
+
+@pytest.mark.parametrize("dotted, message", [
+    ({"optim__learning_rate": -0.1}, r"optim.learning_rate: must be >= 0"),
+    ({"optim__weight_decay": -1.0}, r"optim.weight_decay: must be >= 0"),
+    ({"optim__b1": 1.5}, r"optim.b1/b2: must be in \[0, 1\)"),
+    ({"train__steps": 0}, r"train.steps: must be >= 1"),
+    ({"train__batch_size": -4}, r"train.batch_size: must be >= 1"),
+    ({"mesh__data": -1, "mesh__fsdp": -1}, r"mesh: at most one axis may be -1"),
+    ({"mesh__tensor": 0}, r"mesh.tensor: must be -1 \(fill\) or >= 1"),
+    ({"data__source": "web"}, r"data.source: must be one of \('stdlib', 'text', 'array_record'\)"),
+    ({"data__source": "text"}, r"data.path: is required when data.source='text'"),
+    ({"data__source": "text", "data__path": "/nonexistent/dir"},
+     r"data.path: no directory or files match '/nonexistent/dir'"),
+    ({"data__tokenizer": "/nonexistent/sp.model"}, r"data.tokenizer: must be 'byte' or an exist"),
+    ({"model__num_kv_heads": 3}, r"model.num_kv_heads: must divide model.num_heads=4"),
+    ({"model__attention_pattern": "LX"}, r"model.attention_pattern: must be a string of L and G"),
+    ({"model__dtype": "float8"}, r"model.dtype: must be one of \('float32', 'bfloat16'\)"),
+    ({"model__num_experts": 4, "model__expert_mlp_dim": 0}, r"model.expert_mlp_dim: must be >= 1"),
+])
+def test_invalid_values_name_the_field(dotted, message):
+  with pytest.raises(ConfigError, match=message):
+    config_lib.from_config_dict(_with(**dotted))
+
+
+def test_wrong_type_and_unknown_field():
+  cfg = dp.get_config("tiny").to_dict()
+  cfg["train"]["steps"] = "many"
+  with pytest.raises(ConfigError, match=r"train.steps must be int, got 'many'"):
+    config_lib.from_config_dict(cfg)
+  cfg = dp.get_config("tiny").to_dict()
+  cfg["optim"]["lr"] = 0.1
+  with pytest.raises(ConfigError, match=r"unknown field optim.lr; allowed: .*learning_rate"):
+    config_lib.from_config_dict(cfg)
+
+
+def test_unknown_presets_list_the_allowed_ones():
+  with pytest.raises(ConfigError, match=r"unknown 'gemma_7b'; allowed: \['tiny'"):
+    model_presets.get("gemma_7b")
+  with pytest.raises(ValueError, match=r"unknown preset 'huge'; allowed: .*'small'"):
+    dp.get_config("huge")
+
+
+def test_batch_not_divisible_by_data_parallel_width(tiny_config, replace):
+  cfg = replace(tiny_config, "train", batch_size=6)
+  mesh = mesh_lib.learner_mesh(jax.devices(), cfg.mesh)
+  with pytest.raises(ConfigError, match=r"train.batch_size=6 must be divisible by mesh data x "
+                                        r"fsdp = 8"):
+    train.check_batch(cfg, mesh)
+
+
+def test_vocab_smaller_than_tokenizer(tiny_config, replace):
+  cfg = replace(tiny_config, "model", vocab_size=200)
+  with pytest.raises(ConfigError, match=r"model.vocab_size=200 is smaller than the tokenizer's "
+                                        r"258 ids"):
+    train.check_vocab(cfg)
+
+
+def test_cli_reports_config_errors(tmp_path):
+  def run(*args):
+    return subprocess.run([sys.executable, "-m", "diloco.main", *args,
+                           f"--workdir={tmp_path}"], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+  bad_rate = run("--config=configs/dp.py:tiny", "--config.optim.learning_rate=-1")
+  assert bad_rate.returncode != 0
+  assert "config error: optim.learning_rate: must be >= 0" in bad_rate.stderr
+  bad_mesh = run("--config=configs/dp.py:tiny", "--config.mesh.data=3")
+  assert bad_mesh.returncode != 0 and "does not match the 8 devices" in bad_mesh.stderr
+  unknown = run("--config=configs/dp.py:tiny", "--config.bogus=1")
+  assert unknown.returncode != 0 and "bogus" in unknown.stderr
+  no_preset = run("--config=configs/dp.py:huge")
+  assert no_preset.returncode != 0 and "unknown preset 'huge'" in no_preset.stderr
