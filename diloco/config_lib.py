@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.util
 import os
 from typing import Any
 
@@ -148,6 +149,20 @@ def base_config(model_preset: str) -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict({k: ml_collections.ConfigDict(v) for k, v in groups.items()})
   cfg.seed = 0
   return cfg
+
+
+def load(spec: str) -> ml_collections.ConfigDict:
+  """`get_config(preset)` of a config file given as `path/to/file.py[:preset]`.
+
+  The same syntax as `--config=`, for scripts and notebooks that do not parse flags.
+  """
+  path, _, preset = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} does not exist")
+  module_spec = importlib.util.spec_from_file_location("_diloco_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(preset) if preset else module.get_config()
 
 
 def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:

@@ -82,8 +82,8 @@ class Attention(nnx.Module):
       q_BLNH, k_BSKH = self.q_norm(q_BLNH), self.k_norm(k_BSKH)
     q_BLNH = apply_rope(q_BLNH, positions_BL, self.rope_base) * self.scale
     k_BSKH = apply_rope(k_BSKH, positions_BL, self.rope_base)
-    b, l, n, h = q_BLNH.shape
-    q_BLKGH = q_BLNH.reshape(b, l, n // self.groups, self.groups, h)
+    b, seq, n, h = q_BLNH.shape
+    q_BLKGH = q_BLNH.reshape(b, seq, n // self.groups, self.groups, h)
     logits_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH).astype(jnp.float32)
     q_pos, k_pos = positions_BL[:, :, None], positions_BL[:, None, :]
     mask_BLS = k_pos <= q_pos
@@ -92,7 +92,7 @@ class Attention(nnx.Module):
     logits_BKGLS = jnp.where(mask_BLS[:, None, None], logits_BKGLS, _NEG_INF)
     probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(dt)
     out_BLKGH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BKGLS, v_BSKH)
-    out_BLNH = out_BLKGH.reshape(b, l, n, h)
+    out_BLNH = out_BLKGH.reshape(b, seq, n, h)
     return jnp.einsum("BLNH,NHD->BLD", out_BLNH, self.o_NHD[...].astype(dt))
 
 

@@ -69,12 +69,12 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BLD):
     dt = self.dtype
-    b, l, d = x_BLD.shape
-    x_TD = x_BLD.reshape(b * l, d)
+    b, seq, d = x_BLD.shape
+    x_TD = x_BLD.reshape(b * seq, d)
     logits_TE = x_TD.astype(jnp.float32) @ self.router_DE[...].astype(jnp.float32)
     probs_TE = jax.nn.softmax(logits_TE, axis=-1)
     e = probs_TE.shape[-1]
-    capacity = expert_capacity(b * l, e, self.k, self.capacity_factor)
+    capacity = expert_capacity(b * seq, e, self.k, self.capacity_factor)
     dispatch_TEC, combine_TEC, aux = route(probs_TE, self.k, capacity)
     x_ECD = jnp.einsum("TEC,TD->ECD", dispatch_TEC.astype(dt), x_TD)
     gate_ECF = jax.nn.gelu(jnp.einsum("ECD,EDF->ECF", x_ECD, self.gate_EDF[...].astype(dt)))
@@ -82,4 +82,4 @@ class MoE(nnx.Module):
     h_ECF = constrain(gate_ECF * up_ECF, "expert", None, "mlp")
     y_ECD = jnp.einsum("ECF,EFD->ECD", h_ECF, self.down_EFD[...].astype(dt))
     y_TD = jnp.einsum("TEC,ECD->TD", combine_TEC.astype(dt), y_ECD)
-    return y_TD.reshape(b, l, d), aux
+    return y_TD.reshape(b, seq, d), aux

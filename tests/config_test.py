@@ -92,3 +92,10 @@ def test_cli_reports_config_errors(tmp_path):
   assert unknown.returncode != 0 and "bogus" in unknown.stderr
   no_preset = run("--config=configs/dp.py:huge")
   assert no_preset.returncode != 0 and "unknown preset 'huge'" in no_preset.stderr
+
+
+def test_load_config_file_by_path():
+  loaded = config_lib.load(os.path.join(REPO, "configs", "dp.py") + ":tiny")
+  assert loaded.to_dict() == dp.get_config("tiny").to_dict()
+  with pytest.raises(ConfigError, match="config file 'nope.py' does not exist"):
+    config_lib.load("nope.py:tiny")

@@ -57,8 +57,9 @@ def test_learner_shards_are_disjoint_and_cover_the_split(corpus):
 
 def test_shards_are_deterministic_and_seeded(corpus):
   cfg = _cfg(corpus)
-  make = lambda seed: data.train_dataset(cfg, batch_size=4, learner_id=1, num_learners=2,
-                                         seed=seed)
+  def make(seed):
+    return data.train_dataset(cfg, batch_size=4, learner_id=1, num_learners=2,
+                                           seed=seed)
   assert _rows(make(0), 5) == _rows(make(0), 5)
   assert _rows(make(0), 5) != _rows(make(1), 5)
 
@@ -66,7 +67,8 @@ def test_shards_are_deterministic_and_seeded(corpus):
 def test_eval_split_is_never_trained_on(corpus):
   cfg = _cfg(corpus)
   streams = data.split_tokens(cfg)
-  as_text = lambda t: bytes(t[t < 256].astype(np.uint8)).decode()
+  def as_text(t):
+    return bytes(t[t < 256].astype(np.uint8)).decode()
   eval_docs = {line.split(" line")[0] for line in as_text(streams["eval"]).splitlines()}
   train_docs = {line.split(" line")[0] for line in as_text(streams["train"]).splitlines()}
   assert eval_docs and train_docs and not eval_docs & train_docs

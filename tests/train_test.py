@@ -1,6 +1,5 @@
 """Train step numerics, golden values, NaN detection, learning and exact resumption."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -97,8 +96,9 @@ def test_resume_is_bit_identical(tiny_config, replace, tmp_path):
   a, b = _params(straight, 12), _params(resumed, 12)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  loss = lambda w: metrics_lib.last_per_step(
-      metrics_lib.read_metrics(os.path.join(w, "metrics.jsonl")), "train/loss")
+  def loss(w):
+    return metrics_lib.last_per_step(
+        metrics_lib.read_metrics(os.path.join(w, "metrics.jsonl")), "train/loss")
   assert loss(straight) == loss(resumed)
   assert len(loss(straight)[0]) == 12
 
