@@ -1,0 +1,271 @@
+"""The syncer's decision policy: eligibility, quorum, grace window and round closing.
+
+Everything here is a pure function of its inputs (DESIGN.md 2.4 and 3.1). Times are plain
+floats in seconds on whatever clock the caller injects: the real syncer passes its wall clock,
+the goodput simulator (`diloco.sim`) its virtual clock, so both run the very same decisions.
+Nothing here reads the time, sleeps, logs or mutates its arguments.
+
+A round of fragment `p`:
+
+1. A delivery is *eligible* (`check_delivery`) when its learner is alive (heartbeat within the
+   timeout), the incarnation matches the registry, its base version is a version of `p` this
+   syncer published (versions `0..current_version`, so lineage is kept as a single integer per
+   fragment), `steps >= 1`, and its staleness `current_version - base_version` is within the
+   configured bound.
+2. The round opens at its first fresh eligible delivery. It needs
+   `required_quorum(k, num_alive) = min(k, num_alive)` (at least 1) of them.
+3. Once quorum is reached it keeps admitting for `grace_window(...)`
+   `= clip(gamma * (tau * step_time - quorum_time - sync_time), 0, step_time)` seconds.
+4. `decide_round` closes the round at the end of the grace window, or at once when every alive
+   learner has delivered.
+
+Typical use by a syncer::
+
+  ok, reason = check_delivery(d, learner=registry.get(d.learner_id),
+                              current_version=versions[p], now=now, config=cfg)
+  ...
+  decision = decide_round(arrival_times, num_alive=n, opened_at=t0, now=now, config=cfg,
+                          step_time=slowest, quorum_time=q_ema.get(0.), sync_time=s_ema.get(0.))
+  if decision.close: merge(...)
+  else: wake_up_at(decision.deadline)   # None: wait for the next delivery or heartbeat change
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+
+# Reasons returned by `check_delivery` for rejected deliveries (stable strings, used as counter
+# names by the syncer and the simulator).
+OK = "ok"
+REJECT_UNKNOWN_LEARNER = "unknown_learner"
+REJECT_DEAD = "learner_dead"
+REJECT_INCARNATION = "wrong_incarnation"
+REJECT_UNKNOWN_LINEAGE = "unknown_lineage"
+REJECT_NO_STEPS = "no_steps"
+REJECT_STALE = "stale"
+
+
+def _frozen(cls):
+  return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
+
+
+@_frozen
+class PolicyConfig:
+  """Settings of the syncer policy (defaults from DESIGN.md 2.3-2.4).
+
+  Attributes:
+    quorum: K, the number of fresh eligible deliveries a round waits for (capped by the number
+      of alive learners). K = 1 never waits for a second learner; K = M is synchronous.
+    tau: bounded overlap in inner steps between delivering a fragment and applying the merged
+      result; the grace window spends only the slack that this overlap leaves. 0 = blocking.
+    gamma: grace-window gain; 0 disables the grace window.
+    heartbeat_timeout_s: a learner whose last heartbeat is older than this is dead.
+    max_staleness: the largest accepted `current_version - base_version` of a delivery.
+    ema_decay: weight of the old value in the EMAs of step, quorum and sync times.
+  """
+  quorum: int = 1
+  tau: int = 2
+  gamma: float = 0.8
+  heartbeat_timeout_s: float = 60.0
+  max_staleness: int = 8
+  ema_decay: float = 0.9
+
+  def __post_init__(self):
+    _require(self.quorum >= 1, "quorum", self.quorum, "an integer >= 1")
+    _require(self.tau >= 0, "tau", self.tau, "an integer >= 0")
+    _require(0.0 <= self.gamma <= 10.0, "gamma", self.gamma, "[0, 10]")
+    _require(self.heartbeat_timeout_s > 0.0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
+             "a number > 0")
+    _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "an integer >= 0")
+    _require(0.0 <= self.ema_decay < 1.0, "ema_decay", self.ema_decay, "[0, 1)")
+
+
+def _require(ok: bool, field: str, value: object, allowed: str) -> None:
+  if not ok:
+    raise ValueError(f"PolicyConfig.{field} = {value!r}; allowed: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ema:
+  """An exponential moving average; immutable, `update` returns a new one.
+
+  The first sample initialises the average; afterwards
+  `value = decay * value + (1 - decay) * sample`.
+  """
+  decay: float = 0.9
+  value: float | None = None
+
+  def update(self, sample: float) -> Ema:
+    """Returns the average after one more sample."""
+    if self.value is None:
+      return Ema(self.decay, float(sample))
+    return Ema(self.decay, self.decay * self.value + (1.0 - self.decay) * float(sample))
+
+  def get(self, default: float = 0.0) -> float:
+    """The current average, or `default` before the first sample."""
+    return default if self.value is None else self.value
+
+
+@_frozen
+class LearnerStatus:
+  """What the syncer's registry knows about one learner."""
+  learner_id: int
+  incarnation: int
+  last_heartbeat: float
+  step_time: float | None = None  # EMA of the learner's inner-step time, seconds.
+
+
+@_frozen
+class Delivery:
+  """Metadata of one learner's payload for one fragment (the tensors are not needed here)."""
+  learner_id: int
+  incarnation: int
+  fragment: int
+  base_version: int
+  steps: int
+  tokens: int = 0
+  arrival_time: float = 0.0
+
+
+@_frozen
+class RoundDecision:
+  """What to do with the open round of one fragment.
+
+  Attributes:
+    close: merge the admitted deliveries now.
+    deadline: when not closing, the time at which to decide again (end of the grace window), or
+      None when the round waits for quorum (decide again on the next delivery or liveness change).
+    quorum: the required quorum `min(K, alive)`.
+    quorum_reached_at: arrival time of the delivery that completed the quorum, else None.
+    quorum_wait: `quorum_reached_at - opened_at`, the sample for the quorum-time EMA, else None.
+    grace: the grace window in seconds (0 before quorum).
+    reason: "all_delivered", "quorum_reached" (no grace), "grace_expired", "in_grace" or
+      "waiting_for_quorum".
+  """
+  close: bool
+  deadline: float | None
+  quorum: int
+  quorum_reached_at: float | None
+  quorum_wait: float | None
+  grace: float
+  reason: str
+
+
+def is_alive(last_heartbeat: float, now: float, timeout_s: float) -> bool:
+  """Whether a heartbeat at `last_heartbeat` is recent enough at time `now`."""
+  return now - last_heartbeat <= timeout_s
+
+
+def alive_learners(learners: Iterable[LearnerStatus], now: float,
+                   timeout_s: float) -> list[LearnerStatus]:
+  """The learners whose heartbeat is within the timeout at time `now`."""
+  return [s for s in learners if is_alive(s.last_heartbeat, now, timeout_s)]
+
+
+def staleness(current_version: int, base_version: int) -> int:
+  """How many versions of the fragment were published after the delivery's base version."""
+  return current_version - base_version
+
+
+def is_known_lineage(base_version: int, current_version: int) -> bool:
+  """Whether `base_version` is one this syncer published: versions are `0..current_version`."""
+  return 0 <= base_version <= current_version
+
+
+def check_delivery(delivery: Delivery, *, learner: LearnerStatus | None, current_version: int,
+                   now: float, config: PolicyConfig) -> tuple[bool, str]:
+  """Decides whether a delivery may join a round of its fragment.
+
+  Args:
+    delivery: the delivery's metadata.
+    learner: the registry entry of its learner, or None if the syncer does not know it.
+    current_version: the latest published version of the delivery's fragment.
+    now: the current time.
+    config: the policy settings (heartbeat timeout, staleness bound).
+
+  Returns:
+    `(True, "ok")`, or `(False, reason)` with one of the `REJECT_*` strings.
+  """
+  if learner is None or learner.learner_id != delivery.learner_id:
+    return False, REJECT_UNKNOWN_LEARNER
+  if not is_alive(learner.last_heartbeat, now, config.heartbeat_timeout_s):
+    return False, REJECT_DEAD
+  if delivery.incarnation != learner.incarnation:
+    return False, REJECT_INCARNATION
+  if not is_known_lineage(delivery.base_version, current_version):
+    return False, REJECT_UNKNOWN_LINEAGE
+  if delivery.steps < 1:
+    return False, REJECT_NO_STEPS
+  if staleness(current_version, delivery.base_version) > config.max_staleness:
+    return False, REJECT_STALE
+  return True, OK
+
+
+def required_quorum(k: int, num_alive: int) -> int:
+  """The quorum a round needs: `min(k, num_alive)`, and at least 1."""
+  return max(1, min(k, num_alive))
+
+
+def grace_window(*, gamma: float, tau: int, step_time: float, quorum_time: float,
+                 sync_time: float) -> float:
+  """`clip(gamma * (tau * step_time - quorum_time - sync_time), 0, step_time)`, in seconds.
+
+  Args:
+    gamma: gain; 0 disables the window.
+    tau: bounded overlap in inner steps.
+    step_time: EMA step time of the slowest eligible learner.
+    quorum_time: EMA of the time from a round's opening to its quorum.
+    sync_time: EMA of the time to pull, merge and publish a fragment.
+  """
+  if gamma <= 0.0 or step_time <= 0.0:
+    return 0.0
+  raw = gamma * (tau * step_time - quorum_time - sync_time)
+  return min(max(raw, 0.0), step_time)
+
+
+def slowest_step_time(step_times: Iterable[float | None], default: float = 0.0) -> float:
+  """The largest known step time (the slowest eligible learner), or `default` if none is known."""
+  known = [t for t in step_times if t is not None and math.isfinite(t)]
+  return max(known) if known else default
+
+
+def decide_round(arrival_times: Sequence[float], *, num_alive: int, opened_at: float, now: float,
+                 config: PolicyConfig, step_time: float, quorum_time: float,
+                 sync_time: float) -> RoundDecision:
+  """Decides whether the open round of a fragment closes now or when to decide again.
+
+  Args:
+    arrival_times: arrival times of the round's fresh eligible deliveries (one per learner).
+    num_alive: the number of alive learners.
+    opened_at: when the round opened (its first fresh eligible delivery); only used to report
+      `quorum_wait` for the caller's quorum-time EMA.
+    now: the current time.
+    config: the policy settings (quorum K, tau, gamma).
+    step_time: EMA step time of the slowest eligible learner.
+    quorum_time: EMA of the time to reach quorum.
+    sync_time: EMA of the time to pull, merge and publish.
+
+  Returns:
+    The decision; see `RoundDecision`.
+  """
+  n = len(arrival_times)
+  quorum = required_quorum(config.quorum, num_alive)
+  if n < quorum:
+    return RoundDecision(close=False, deadline=None, quorum=quorum, quorum_reached_at=None,
+                         quorum_wait=None, grace=0.0, reason="waiting_for_quorum")
+  reached = sorted(arrival_times)[quorum - 1]
+  wait = reached - opened_at
+  grace = grace_window(gamma=config.gamma, tau=config.tau, step_time=step_time,
+                       quorum_time=quorum_time, sync_time=sync_time)
+  if n >= num_alive:
+    return RoundDecision(close=True, deadline=None, quorum=quorum, quorum_reached_at=reached,
+                         quorum_wait=wait, grace=grace, reason="all_delivered")
+  deadline = reached + grace
+  if now >= deadline:
+    reason = "grace_expired" if grace > 0.0 else "quorum_reached"
+    return RoundDecision(close=True, deadline=None, quorum=quorum, quorum_reached_at=reached,
+                         quorum_wait=wait, grace=grace, reason=reason)
+  return RoundDecision(close=False, deadline=deadline, quorum=quorum, quorum_reached_at=reached,
+                       quorum_wait=wait, grace=grace, reason="in_grace")
