@@ -20,12 +20,14 @@ per-block scale), optionally with error feedback (`quantize_with_feedback`).
 
 The merges stream over the data in cache-sized chunks with preallocated accumulators: RDA reads
 every delta twice (once for its norm, once to accumulate), which is the minimum for an exact RDA.
-Accumulation is in float32 (float64 for float64 inputs); norms are summed in float64.
+Accumulation is in float32 (float64 for float64 inputs); norms are summed in float64. The merges
+use element-wise ufuncs rather than multithreaded BLAS matrix products: those were no faster
+single-threaded and collapsed on a busy host, and ufuncs keep merges bit-reproducible.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 import dataclasses
 import math
 from typing import Any
@@ -45,7 +47,7 @@ QUANT_BITS = (16, 8, 4)
 # any real direction.
 RDA_DIRECTION_EPS = 1e-4
 
-_CHUNK = 1 << 17  # elements per streamed chunk: a few such buffers stay in a core's L2 cache
+_CHUNK = 1 << 16  # elements per streamed chunk: a few such buffers stay in a core's L2 cache
 
 
 def token_weights(tokens: Sequence[float] | np.ndarray, steps: Sequence[float] | np.ndarray,
@@ -124,6 +126,10 @@ def _chunks(n: int) -> range:
   return range(0, n, _CHUNK)
 
 
+def _rchunks(n: int) -> Iterator[int]:
+  return reversed(range(0, n, _CHUNK))
+
+
 def _sq_norm(flat: np.ndarray, acc: np.dtype) -> float:
   """Squared L2 norm in one streaming pass, chunk partial sums added in float64."""
   total = 0.0
@@ -141,18 +147,24 @@ def _combine(flats: Sequence[np.ndarray], coeffs: Sequence[float],
              acc: np.dtype) -> tuple[np.ndarray, float]:
   """Returns `sum_i coeffs[i] * flats[i]` (dtype `acc`) and its squared norm, in one pass.
 
-  Each output chunk stays in cache while every input's chunk is added to it.
+  Each output chunk stays in cache while every input's chunk is scaled and added to it, so each
+  input is read from memory once and the output written once. Chunks run from the end backwards:
+  the norm pass that usually precedes this one went forwards, so the data it read last is still
+  in the last-level cache. Plain ufuncs (no multithreaded BLAS) keep the result bit-reproducible.
   """
   n = flats[0].size if flats else 0
-  out = np.zeros(n, acc) if not flats else np.empty(n, acc)
-  tmp = np.empty(min(_CHUNK, n), acc)
-  cast = None if all(f.dtype == acc for f in flats) else np.empty(min(_CHUNK, n), acc)
+  if not flats or n == 0:
+    return np.zeros(n, acc), 0.0
+  out = np.empty(n, acc)
+  chunk = min(_CHUNK, n)
+  tmp = np.empty(chunk, acc)
+  cast = None if all(f.dtype == acc for f in flats) else np.empty(chunk, acc)
   sq = 0.0
-  for s in _chunks(n):
-    o = out[s:s + _CHUNK]
+  for s in _rchunks(n):
+    o = out[s:s + chunk]
     t = tmp[:o.size]
     for i, (f, c) in enumerate(zip(flats, coeffs)):
-      x = f[s:s + _CHUNK]
+      x = f[s:s + chunk]
       if x.dtype != acc:  # low-precision input: widen before multiplying
         cast[:x.size] = x
         x = cast[:x.size]

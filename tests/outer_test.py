@@ -1,0 +1,347 @@
+"""Tests of diloco.outer against independent float64 NumPy oracles and optax."""
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+from diloco import outer
+
+
+# ---- Oracles: plain float64 NumPy, written from DESIGN.md 2.4, not from the module. ----
+
+def oracle_weights(tokens, steps, scheme):
+  t, s = np.asarray(tokens, np.float64), np.asarray(steps, np.float64)
+  raw = {"tokens2_per_step": np.divide(t * t, s, out=np.zeros_like(t), where=s > 0),
+         "tokens": np.where(s > 0, t, 0.0), "uniform": (s > 0).astype(np.float64)}[scheme]
+  return raw / raw.sum()
+
+
+def oracle_mean(deltas, w):
+  w = np.asarray(w, np.float64) / np.sum(w)
+  return sum(wi * np.asarray(d, np.float64) for wi, d in zip(w, deltas))
+
+
+def oracle_rda(deltas, w):
+  w = np.asarray(w, np.float64) / np.sum(w)
+  ds = [np.asarray(d, np.float64) for d in deltas]
+  norms = [np.sqrt(np.sum(d * d)) for d in ds]
+  units = [d / n if n > 0 else np.zeros_like(d) for d, n in zip(ds, norms)]
+  direction = sum(wi * u for wi, u in zip(w, units))
+  return sum(wi * n for wi, n in zip(w, norms)) * direction / np.sqrt(np.sum(direction ** 2))
+
+
+def _deltas(rng, m, shape=(7, 13), dtype=np.float32):
+  return [rng.standard_normal(shape).astype(dtype) for _ in range(m)]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+  """Makes the streamed chunks tiny so that multi-chunk paths (and tails) are exercised."""
+  monkeypatch.setattr(outer, "_CHUNK", 16)
+
+
+# ---- Weights. ----
+
+@pytest.mark.parametrize("scheme", outer.WEIGHT_SCHEMES)
+def test_token_weights_match_oracle(scheme):
+  tokens, steps = [1000, 3000, 0, 500, 700], [10, 24, 0, 5, 0]
+  w = outer.token_weights(tokens, steps, scheme)
+  assert w.dtype == np.float64
+  np.testing.assert_allclose(w, oracle_weights(tokens, steps, scheme), rtol=1e-15)
+  assert w[2] == 0 and w[4] == 0  # steps == 0 -> weight 0
+  assert np.isclose(w.sum(), 1.0)
+
+
+def test_token_weights_tokens2_per_step_value():
+  w = outer.token_weights([100, 200], [1, 2])  # 10000 and 20000
+  np.testing.assert_allclose(w, [1 / 3, 2 / 3])
+
+
+@pytest.mark.parametrize("tokens,steps", [([0, 0], [0, 0]), ([5, 5], [0, 0]), ([0], [3])])
+def test_token_weights_all_zero_raises(tokens, steps):
+  with pytest.raises(ValueError, match="zero"):
+    outer.token_weights(tokens, steps)
+
+
+def test_token_weights_bad_inputs():
+  with pytest.raises(ValueError, match="tokens2_per_step"):
+    outer.token_weights([1], [1], "squared")
+  with pytest.raises(ValueError, match="negative"):
+    outer.token_weights([-1, 2], [1, 1])
+  with pytest.raises(ValueError, match="length"):
+    outer.token_weights([1, 2], [1])
+
+
+# ---- Merges. ----
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_weighted_mean_matches_oracle(m, small_chunks):
+  rng = np.random.default_rng(m)
+  ds, w = _deltas(rng, m), rng.uniform(0.1, 2.0, m)
+  got = outer.weighted_mean(ds, w)
+  assert got.dtype == np.float32 and got.shape == (7, 13)
+  np.testing.assert_allclose(got, oracle_mean(ds, w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_rda_matches_oracle(m, small_chunks):
+  rng = np.random.default_rng(10 + m)
+  ds, w = _deltas(rng, m), rng.uniform(0.1, 2.0, m)
+  got = outer.radial_directional_average(ds, w)
+  assert got.dtype == np.float32 and got.shape == (7, 13)
+  np.testing.assert_allclose(got, oracle_rda(ds, w), rtol=1e-5, atol=1e-6)
+
+
+def test_rda_float64_is_accurate():
+  rng = np.random.default_rng(1)
+  ds = _deltas(rng, 4, (1000,), np.float64)
+  got = outer.radial_directional_average(ds, [1, 2, 3, 4])
+  assert got.dtype == np.float64
+  np.testing.assert_allclose(got, oracle_rda(ds, [1, 2, 3, 4]), rtol=1e-12, atol=1e-14)
+
+
+def test_rda_bfloat16_accumulates_in_float32():
+  rng = np.random.default_rng(2)
+  ds = [d.astype(ml_dtypes.bfloat16) for d in _deltas(rng, 8, (300,))]
+  got = outer.radial_directional_average(ds, np.ones(8))
+  assert got.dtype == ml_dtypes.bfloat16
+  want = oracle_rda([d.astype(np.float64) for d in ds], np.ones(8))
+  np.testing.assert_allclose(got.astype(np.float64), want, rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("m", [2, 4, 16])
+def test_rda_equal_norms_keep_the_norm(m):
+  rng = np.random.default_rng(m)
+  ds = [d / np.linalg.norm(d) * 3.0 for d in _deltas(rng, m, (64,), np.float64)]
+  got = outer.radial_directional_average(ds, rng.uniform(0.5, 1.5, m))
+  assert np.isclose(np.linalg.norm(got), 3.0, rtol=1e-12)
+  # The weighted mean of nearly orthogonal deltas shrinks, which RDA is there to undo.
+  assert np.linalg.norm(outer.weighted_mean(ds, np.ones(m))) < 3.0 * 0.9
+
+
+def test_rda_permutation_invariant():
+  rng = np.random.default_rng(3)
+  ds, w = _deltas(rng, 5, (50,), np.float64), rng.uniform(0.1, 1, 5)
+  ref = outer.radial_directional_average(ds, w)
+  for perm in itertools.islice(itertools.permutations(range(5)), 1, 20, 3):
+    got = outer.radial_directional_average([ds[i] for i in perm], w[list(perm)])
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_rda_single_input_returns_itself():
+  d = np.random.default_rng(4).standard_normal((5, 6)).astype(np.float32)
+  np.testing.assert_allclose(outer.radial_directional_average([d], [0.3]), d, rtol=1e-6)
+
+
+def test_rda_weights_scale_invariant():
+  rng = np.random.default_rng(5)
+  ds, w = _deltas(rng, 4, (40,), np.float64), rng.uniform(0.1, 1, 4)
+  np.testing.assert_allclose(outer.radial_directional_average(ds, w * 1234.5),
+                             outer.radial_directional_average(ds, w), rtol=1e-12)
+
+
+def test_rda_zero_vectors_have_no_direction():
+  rng = np.random.default_rng(6)
+  d = rng.standard_normal(30)
+  zero = np.zeros(30)
+  got = outer.radial_directional_average([d, zero], [0.5, 0.5])
+  # Radius 0.5 * |d| + 0.5 * 0; direction unit(0.5 * unit(d)) = unit(d).
+  np.testing.assert_allclose(got, 0.5 * d, rtol=1e-12)
+  np.testing.assert_array_equal(outer.radial_directional_average([zero, zero], [1, 2]), zero)
+
+
+def test_rda_vanishing_direction_falls_back_to_weighted_mean():
+  d = np.linspace(-1.0, 2.0, 40)
+  ds, w = [d, -2.0 * d], [0.5, 0.5]  # unit vectors cancel exactly
+  got = outer.radial_directional_average(ds, w)
+  np.testing.assert_allclose(got, -0.5 * d, rtol=1e-12)
+  assert np.all(np.isfinite(got))
+
+
+def test_rda_ignores_zero_weight_learners():
+  rng = np.random.default_rng(7)
+  ds = _deltas(rng, 3, (20,), np.float64)
+  ds_nan = ds[:2] + [np.full(20, 1e30)]
+  np.testing.assert_allclose(outer.radial_directional_average(ds_nan, [1, 1, 0]),
+                             oracle_rda(ds[:2], [1, 1]), rtol=1e-12)
+
+
+def test_merge_rejects_bad_inputs():
+  a = np.zeros(3, np.float32)
+  with pytest.raises(ValueError, match="delta 1"):
+    outer.weighted_mean([a, np.zeros(4, np.float32)], [1, 1])
+  with pytest.raises(ValueError, match="weights"):
+    outer.radial_directional_average([a, a], [1])
+  with pytest.raises(ValueError, match="non-negative"):
+    outer.radial_directional_average([a, a], [1, -1])
+  with pytest.raises(ValueError, match="floating"):
+    outer.weighted_mean([np.zeros(3, np.int32)], [1])
+
+
+def test_merge_fragment_dict_uses_mean_for_embedding(small_chunks):
+  rng = np.random.default_rng(8)
+  m = 4
+  deltas = [{"emb": rng.standard_normal((9, 4)).astype(np.float32),
+             "w": rng.standard_normal((5, 3)).astype(np.float32)} for _ in range(m)]
+  w = outer.token_weights([100, 200, 300, 50], [5, 5, 7, 2])
+  got = outer.merge_fragment(deltas, w, {"emb": True})
+  assert set(got) == {"emb", "w"}
+  np.testing.assert_allclose(got["emb"], oracle_mean([d["emb"] for d in deltas], w), rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(got["w"], oracle_rda([d["w"] for d in deltas], w), rtol=1e-5,
+                             atol=1e-6)
+  mean = outer.merge_fragment(deltas, w, {"emb": True}, method="mean")
+  np.testing.assert_allclose(mean["w"], oracle_mean([d["w"] for d in deltas], w), rtol=1e-5,
+                             atol=1e-6)
+  assert not np.allclose(mean["w"], got["w"])
+
+
+def test_merge_fragment_sequence_and_errors():
+  rng = np.random.default_rng(9)
+  deltas = [[rng.standard_normal(6), rng.standard_normal(4)] for _ in range(3)]
+  got = outer.merge_fragment(deltas, [1, 1, 1], [False, True])
+  assert isinstance(got, list) and len(got) == 2
+  np.testing.assert_allclose(got[0], oracle_rda([d[0] for d in deltas], [1, 1, 1]), rtol=1e-12)
+  np.testing.assert_allclose(got[1], oracle_mean([d[1] for d in deltas], [1, 1, 1]), rtol=1e-12)
+  with pytest.raises(ValueError, match="rda"):
+    outer.merge_fragment(deltas, [1, 1, 1], None, method="median")
+  with pytest.raises(ValueError, match="entries"):
+    outer.merge_fragment(deltas, [1, 1, 1], [True])
+  with pytest.raises(ValueError, match="unknown tensors"):
+    outer.merge_fragment([{"a": np.ones(2)}], [1], {"b": True})
+  with pytest.raises(ValueError, match="other tensors"):
+    outer.merge_fragment([{"a": np.ones(2)}, {"b": np.ones(2)}], [1, 1], None)
+
+
+# ---- Outer gradient and anchors. ----
+
+def test_outer_gradient_sign_and_rebase():
+  rng = np.random.default_rng(10)
+  g_base, g_now, theta = (rng.standard_normal(8) for _ in range(3))
+  delta = outer.outer_gradient(g_base, theta)
+  np.testing.assert_allclose(delta, g_base - theta)
+  np.testing.assert_allclose(outer.rebase_delta(delta, g_base, g_now), g_now - theta,
+                             rtol=1e-12, atol=1e-12)
+  tree = outer.outer_gradient({"a": {"b": g_now}}, {"a": {"b": theta}})
+  np.testing.assert_allclose(tree["a"]["b"], g_now - theta)
+  with pytest.raises(ValueError, match="structure"):
+    outer.outer_gradient({"a": g_now}, {"b": theta})
+
+
+# ---- Nesterov against optax. ----
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_nesterov_matches_optax_over_steps(inplace, small_chunks):
+  rng = np.random.default_rng(11)
+  lr, mu = 0.7, 0.9
+  params = {"a": rng.standard_normal((6, 7)).astype(np.float32),
+            "b": {"c": rng.standard_normal(40).astype(np.float32)}}
+  grads = [{"a": rng.standard_normal((6, 7)).astype(np.float32),
+            "b": {"c": rng.standard_normal(40).astype(np.float32)}} for _ in range(5)]
+  tx = optax.sgd(lr, momentum=mu, nesterov=True)
+  ref_params, state = params, tx.init(params)
+  p = {"a": params["a"].copy(), "b": {"c": params["b"]["c"].copy()}}
+  b = None
+  for g in grads:
+    updates, state = tx.update(g, state, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+    p_before = p
+    p, b = outer.nesterov_step(p, b, g, lr, mu, inplace=inplace)
+    assert (p["a"] is p_before["a"]) == inplace  # leaves updated in place only on request
+  np.testing.assert_allclose(p["a"], np.asarray(ref_params["a"]), rtol=2e-6, atol=2e-6)
+  np.testing.assert_allclose(p["b"]["c"], np.asarray(ref_params["b"]["c"]), rtol=2e-6, atol=2e-6)
+  np.testing.assert_allclose(b["a"], np.asarray(state[0].trace["a"]), rtol=2e-6, atol=2e-6)
+
+
+def test_nesterov_formula_on_arrays_and_purity():
+  p0, b0, g = np.array([1.0, 2.0]), np.array([0.5, -1.0]), np.array([0.2, 0.4])
+  p, b = outer.nesterov_step(p0, b0, g, lr=0.5, mu=0.9)
+  np.testing.assert_allclose(b, 0.9 * b0 + g)
+  np.testing.assert_allclose(p, p0 - 0.5 * (g + 0.9 * (0.9 * b0 + g)))
+  np.testing.assert_array_equal(p0, [1.0, 2.0])  # not in place by default
+  np.testing.assert_array_equal(b0, [0.5, -1.0])
+  p2, b2 = outer.nesterov_step(p0, b0, g, lr=0.5, mu=0.9, inplace=True)
+  assert p2 is p0 and b2 is b0
+  np.testing.assert_array_equal(p2, p)
+
+
+# ---- Quantisers. ----
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block,size", [(32, 1000), (64, 64), (7, 99), (128, 5)])
+def test_int_quantiser_error_within_half_a_step(bits, block, size):
+  rng = np.random.default_rng(bits * 1000 + size)
+  x = (rng.standard_normal(size) * rng.uniform(0.01, 100, size)).astype(np.float32)
+  q = outer.quantize(x, bits, block)
+  y = outer.dequantize(q)
+  assert y.shape == x.shape and y.dtype == x.dtype
+  num_blocks = -(-size // block)
+  assert q.scales.shape == (num_blocks,)
+  padded = np.zeros(num_blocks * block)
+  padded[:size] = x
+  maxabs = np.abs(padded.reshape(num_blocks, block)).max(axis=1)
+  np.testing.assert_allclose(q.scales, maxabs / (127 if bits == 8 else 7), rtol=1e-6)
+  per_elem_scale = np.repeat(q.scales.astype(np.float64), block)[:size]
+  err = np.abs(x.astype(np.float64) - y)
+  assert np.all(err <= per_elem_scale / 2 * (1 + 1e-5) + 1e-6 * np.abs(x))
+  # The extreme of each block is represented (almost) exactly.
+  i = int(np.argmax(np.abs(x[:block])))
+  assert abs(y[i] - x[i]) <= 1e-5 * abs(x[i])
+
+
+def test_int4_packs_two_per_byte_and_sizes():
+  x = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+  q8, q4, q16 = outer.quantize(x, 8, 128), outer.quantize(x, 4, 128), outer.quantize(x, 16, 128)
+  assert q8.values.dtype == np.int8 and q8.values.size == 4096
+  assert q4.values.dtype == np.uint8 and q4.values.size == 2048
+  assert q16.values.dtype == ml_dtypes.bfloat16
+  assert q8.nbytes == 4096 + 32 * 4
+  assert q4.nbytes == 2048 + 32 * 4
+  assert q16.nbytes == 4096 * 2
+  assert q4.nbytes < q8.nbytes < q16.nbytes < x.nbytes
+  odd = outer.quantize(np.arange(-7, 8, dtype=np.float32), 4, 15)
+  assert odd.values.size == 8  # 15 codes -> 8 bytes
+  np.testing.assert_array_equal(outer.dequantize(odd), np.arange(-7, 8))
+
+
+def test_bf16_relative_error():
+  rng = np.random.default_rng(1)
+  x = (rng.standard_normal(10000) * np.exp(rng.uniform(-20, 20, 10000))).astype(np.float32)
+  y = outer.dequantize(outer.quantize(x, 16, 1))
+  assert y.dtype == np.float32
+  assert np.all(np.abs(y - x) <= 2.0 ** -8 * np.abs(x))
+
+
+def test_quantise_edge_cases():
+  z = outer.dequantize(outer.quantize(np.zeros((3, 5), np.float32), 8, 4))
+  np.testing.assert_array_equal(z, np.zeros((3, 5)))
+  with pytest.raises(ValueError, match="16, 8, 4"):
+    outer.quantize(np.ones(4), 2, 4)
+  with pytest.raises(ValueError, match="block"):
+    outer.quantize(np.ones(4), 8, 0)
+  with pytest.raises(ValueError, match="non-finite"):
+    outer.quantize(np.array([1.0, np.nan]), 8, 2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_error_feedback_tracks_cumulative_sum(bits):
+  rng = np.random.default_rng(bits)
+  block = 16
+  true_sum = np.zeros(256)
+  sent_sum = np.zeros(256)
+  residual = None
+  plain_sum = np.zeros(256)
+  for _ in range(50):
+    x = (rng.standard_normal(256) * 0.01 + 0.003).astype(np.float32)
+    q, residual = outer.quantize_with_feedback(x, residual, bits, block)
+    true_sum += x
+    sent_sum += outer.dequantize(q)
+    plain_sum += outer.dequantize(outer.quantize(x, bits, block))
+    step = np.repeat(q.scales.astype(np.float64), block)
+    assert np.all(np.abs(true_sum - sent_sum) <= step / 2 * (1 + 1e-4) + 1e-6)
+  np.testing.assert_allclose(true_sum - sent_sum, residual, atol=1e-5)
+  # Without feedback the error accumulates well beyond one step.
+  assert np.abs(true_sum - plain_sum).max() > 2 * np.abs(true_sum - sent_sum).max()
