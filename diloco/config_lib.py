@@ -121,6 +121,58 @@ class LogConfig:
 
 
 @_frozen
+class SyncConfig:
+  """Fragments, schedule, quorum and receipt rules of the outer loop (DESIGN.md 2.2-2.4)."""
+  num_fragments: int = 24
+  # H: each fragment is due every `period` local steps, at offset p * H // P.
+  period: int = 24
+  scheme: str = "balanced"
+  tau: int = 2
+  quorum: int = 1
+  gamma: float = 0.8
+  heartbeat_timeout_s: float = 30.0
+  # Deliveries whose base is more than this many versions behind are rejected.
+  max_staleness: int = 8
+  # Receipt: theta = alpha * theta + (1 - alpha) * G; 0 overwrites (the default).
+  mixing_alpha: float = 0.0
+  reset_moments: bool = False
+  block_on_late_round: bool = True
+
+
+@_frozen
+class OuterConfig:
+  """The syncer's merge and Nesterov outer step (DESIGN.md 2.4)."""
+  learning_rate: float = 0.7
+  momentum: float = 0.9
+  weights: str = "tokens2_per_step"
+  merge: str = "rda"
+  anchor: str = "syncer"
+  # 0 sends float32 values; 16 / 8 / 4 send a quantised delta from the base version.
+  quantize_bits: int = 0
+  quantize_block: int = 128
+  error_feedback: bool = False
+
+
+@_frozen
+class LearnersConfig:
+  """Who trains: 0 learners is the data-parallel baseline (no syncer)."""
+  count: int = 0
+  # Devices per learner group, e.g. "2,2,2,2"; empty splits all devices evenly over `count`.
+  # Groups beyond `count` are spare capacity for learners added by the fault schedule.
+  devices: str = ""
+  # Step-time factor per learner group, e.g. "1,1,1.18,1.18" (empty: all 1).
+  speeds: str = ""
+  step_jitter: float = 0.0
+  # Virtual clock: step times come from `speeds`, interleaving is fixed by the seed.
+  virtual_clock: bool = False
+  virtual_step_s: float = 1.0
+  virtual_sync_s: float = 0.1
+  # Cooperative faults, ';'-separated: "down:1@30+20" (learner 1 down at t=30 s for 20 s),
+  # "add@40" (next spare device group joins), "remove:2@60" (learner 2 retires).
+  faults: str = ""
+
+
+@_frozen
 class Config:
   model: ModelConfig
   data: DataConfig
@@ -129,12 +181,16 @@ class Config:
   train: TrainConfig
   checkpoint: CheckpointConfig
   log: LogConfig
+  sync: SyncConfig = SyncConfig()
+  outer: OuterConfig = OuterConfig()
+  learners: LearnersConfig = LearnersConfig()
   seed: int = 0
 
 
 _GROUPS = {
     "model": ModelConfig, "data": DataConfig, "mesh": MeshConfig, "optim": OptimConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "log": LogConfig,
+    "sync": SyncConfig, "outer": OuterConfig, "learners": LearnersConfig,
 }
 DATA_SOURCES = ("stdlib", "text", "array_record")
 DTYPES = ("float32", "bfloat16")
@@ -261,3 +317,55 @@ def validate(cfg: Config) -> None:
   _check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 = off)")
   _check(cfg.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   _check(cfg.log.progress_every_s > 0, "log.progress_every_s", "must be > 0")
+  _validate_diloco(cfg)
+
+
+FRAGMENT_SCHEMES = ("balanced", "layer", "tensor")
+WEIGHT_SCHEMES = ("tokens2_per_step", "uniform", "tokens")
+MERGE_METHODS = ("rda", "mean")
+ANCHORS = ("syncer", "base")
+QUANTIZE_BITS = (0, 16, 8, 4)
+
+
+def parse_floats(text: str, field: str) -> list[float]:
+  """Comma-separated numbers of a config string field ("" gives [])."""
+  try:
+    return [float(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise ConfigError(f"{field}: expected comma-separated numbers, got {text!r}") from None
+
+
+def _validate_diloco(cfg: Config) -> None:
+  s, o, lc = cfg.sync, cfg.outer, cfg.learners
+  for field in ("num_fragments", "period", "quorum"):
+    _check(getattr(s, field) >= 1, f"sync.{field}", f"must be >= 1, got {getattr(s, field)}")
+  _check(s.tau >= 0, "sync.tau", f"must be >= 0, got {s.tau}")
+  _check(s.scheme in FRAGMENT_SCHEMES, "sync.scheme",
+         f"must be one of {FRAGMENT_SCHEMES}, got {s.scheme!r}")
+  _check(s.gamma >= 0, "sync.gamma", f"must be >= 0 (0 disables grace), got {s.gamma}")
+  _check(s.heartbeat_timeout_s > 0, "sync.heartbeat_timeout_s", "must be > 0")
+  _check(s.max_staleness >= 0, "sync.max_staleness", "must be >= 0")
+  _check(0 <= s.mixing_alpha < 1, "sync.mixing_alpha", "must be in [0, 1) (0 = overwrite)")
+  _check(o.learning_rate > 0, "outer.learning_rate", f"must be > 0, got {o.learning_rate}")
+  _check(0 <= o.momentum < 1, "outer.momentum", f"must be in [0, 1), got {o.momentum}")
+  _check(o.weights in WEIGHT_SCHEMES, "outer.weights",
+         f"must be one of {WEIGHT_SCHEMES}, got {o.weights!r}")
+  _check(o.merge in MERGE_METHODS, "outer.merge", f"must be one of {MERGE_METHODS}, got {o.merge!r}")
+  _check(o.anchor in ANCHORS, "outer.anchor", f"must be one of {ANCHORS}, got {o.anchor!r}")
+  _check(o.quantize_bits in QUANTIZE_BITS, "outer.quantize_bits",
+         f"must be one of {QUANTIZE_BITS} (0 = float32 values), got {o.quantize_bits}")
+  _check(o.quantize_block >= 1, "outer.quantize_block", "must be >= 1")
+  _check(lc.count >= 0, "learners.count", f"must be >= 0 (0 = data-parallel), got {lc.count}")
+  _check(lc.step_jitter >= 0 and lc.step_jitter < 1, "learners.step_jitter", "must be in [0, 1)")
+  _check(lc.virtual_step_s > 0 and lc.virtual_sync_s >= 0, "learners.virtual_step_s/sync_s",
+         "must be > 0 and >= 0")
+  devices = [int(x) for x in parse_floats(lc.devices, "learners.devices")]
+  speeds = parse_floats(lc.speeds, "learners.speeds")
+  if lc.count:
+    _check(not devices or len(devices) >= lc.count, "learners.devices",
+           f"lists {len(devices)} groups, fewer than learners.count={lc.count}")
+    _check(not speeds or len(speeds) >= max(lc.count, len(devices)), "learners.speeds",
+           f"needs one factor per learner group, got {len(speeds)}")
+    _check(all(x > 0 for x in speeds), "learners.speeds", "factors must be > 0")
+    _check(s.quorum <= max(lc.count, len(devices)), "sync.quorum",
+           f"must be <= the number of learners, got {s.quorum}")

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
-  from diloco import train  # pylint: disable=import-outside-toplevel
+  from diloco import decoupled, train  # pylint: disable=import-outside-toplevel
   try:
     cfg = config_lib.from_config_dict(_CONFIG.value)
   except config_lib.ConfigError as e:
@@ -32,7 +32,8 @@ def main(argv: list[str]) -> None:
                jax.process_count())
   logging.info("config:\n%s", _CONFIG.value)
   try:
-    result = train.run(cfg, _WORKDIR.value)
+    runner = decoupled.run if cfg.learners.count else train.run
+    result = runner(cfg, _WORKDIR.value)
   except config_lib.ConfigError as e:
     sys.exit(f"config error: {e}")
   print(f"done: {result}", flush=True)

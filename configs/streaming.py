@@ -1,0 +1,18 @@
+"""Streaming DiLoCo baseline: P > 1 fragments, K = M, no grace, alpha = 0.5 mixing on receipt.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+    python -m diloco.main --config=configs/streaming.py:cpu --workdir=runs/streaming_cpu
+Presets as in configs/decoupled.py.
+"""
+
+import os
+
+from diloco import config_lib
+
+
+def get_config(preset: str = "cpu"):
+  cfg = config_lib.load(os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
+  cfg.sync.quorum = cfg.learners.count
+  cfg.sync.gamma = 0.0
+  cfg.sync.mixing_alpha = 0.5
+  return cfg

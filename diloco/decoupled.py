@@ -1,0 +1,126 @@
+"""A Decoupled DiLoCo run on the single-controller runtime: wiring, status, results.
+
+`run(cfg, workdir)` trains `learners.count` learners against the host syncer, prints
+a live status, evaluates the global parameters on schedule, and leaves in `workdir`:
+metrics.jsonl, tape.jsonl (one record per merged round), activity.jsonl, loss.png,
+timeline.png and accounting.json (goodput, uptime, bandwidth ledger, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+from absl import logging
+
+from diloco import accounting, timeline
+from diloco import data as data_lib
+from diloco import metrics as metrics_lib
+from diloco.config_lib import Config
+from diloco.runtime import Runtime, Slot, ThreadedDriver, VirtualDriver
+from diloco.sharding import batch_sharding
+
+
+class Status:
+  """Rate-limited one-screen status: learners and syncer."""
+
+  def __init__(self, rt: Runtime, every_s: float):
+    self.rt, self.every_s = rt, every_s
+    self._last = 0.0
+    self._tokens: dict[int, tuple[float, int]] = {}
+
+  def line(self) -> str:
+    parts = []
+    now = time.monotonic()
+    for slot in self.rt.slots:
+      if slot.status == "idle":
+        continue
+      step = slot.learner.local_step if slot.learner else slot.resume.local_step
+      t0, s0 = self._tokens.get(slot.index, (now, step))
+      rate = (step - s0) * self.rt.cfg.train.batch_size * self.rt.cfg.data.seq_len / max(
+          now - t0, 1e-9)
+      self._tokens[slot.index] = (now, step)
+      parts.append(f"L{slot.index} {slot.status} s{step} {rate:,.0f}tok/s")
+    s = self.rt.syncer
+    return (" | ".join(parts) + f" || syncer: rounds {s.rounds}, quorum {s.last_quorum}, "
+            f"grace {s.last_grace:.2f}s, rejected {sum(s.rejections.values())}")
+
+  def maybe_print(self, force: bool = False) -> None:
+    now = time.monotonic()
+    if force or now - self._last >= self.every_s:
+      self._last = now
+      line = self.line()
+      logging.info("%s", line)
+      print(line, flush=True)
+
+
+def run(cfg: Config, workdir: str) -> dict[str, float]:
+  """Trains `cfg` (learners.count >= 1) in `workdir`; returns final eval and accounting."""
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(dataclasses.asdict(cfg), f, indent=2)
+  from diloco import train  # pylint: disable=import-outside-toplevel
+  train.check_vocab(cfg)
+  rt = Runtime(cfg, workdir)
+  logging.info("%d learner groups, %d fragments, %d parameters", len(rt.slots),
+               rt.plan.num_fragments, rt.num_params)
+  slot0 = rt.slots[0].spec
+  eval_set = [jax.device_put(b, batch_sharding(slot0.mesh)) for b in data_lib.eval_batches(
+      cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
+  writer = metrics_lib.MetricWriter(workdir, role="syncer", tensorboard=cfg.log.tensorboard)
+  learner_writers = {s.index: metrics_lib.MetricWriter(workdir, role="learner", learner=s.index)
+                     for s in rt.slots}
+  status = Status(rt, cfg.log.progress_every_s)
+  written: dict[int, int] = {}
+
+  def progress() -> int:
+    return max(s.learner.local_step if s.learner else s.resume.local_step for s in rt.slots)
+
+  def on_eval(now: float) -> float:
+    loss = rt.evaluate(eval_set)
+    if not math.isfinite(loss):
+      raise FloatingPointError(f"global eval/loss is {loss} at t={now:.1f}s")
+    writer.write(progress(), {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),
+                              "time": now, "outer/rounds": rt.syncer.rounds})
+    print(f"t={now:.1f}s step {progress()}: global eval/loss {loss:.4f}", flush=True)
+    return loss
+
+  def on_step(slot: Slot) -> None:
+    learner = slot.learner
+    last = getattr(learner, "last_values", None)
+    if last is not None and written.get(slot.index) != last[0]:
+      written[slot.index] = last[0]
+      learner_writers[slot.index].write(last[0], dict(last[1], incarnation=slot.incarnation))
+    status.maybe_print()
+
+  driver_cls = VirtualDriver if cfg.learners.virtual_clock else ThreadedDriver
+  driver = driver_cls(rt, on_eval, on_step)
+  started = time.monotonic()
+  initial = on_eval(0.0)
+  try:
+    driver.run()
+    final = on_eval(getattr(driver, "now", 0.0) if cfg.learners.virtual_clock else driver.now())
+  finally:
+    rt.recorder.close()
+    writer.close()
+    for w in learner_writers.values():
+      w.close()
+  status.maybe_print(force=True)
+  summary = accounting.summary(workdir, num_fragments=rt.plan.num_fragments,
+                               num_params=rt.num_params)
+  summary.update({"eval/loss": final, "eval/initial_loss": initial,
+                  "wall_s": time.monotonic() - started})
+  with open(os.path.join(workdir, "accounting.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  records = metrics_lib.read_metrics(os.path.join(workdir, metrics_lib.METRICS_FILE))
+  metrics_lib.plot_loss(records, os.path.join(workdir, "loss.png"),
+                        title=f"Decoupled DiLoCo, M={cfg.learners.count}, {cfg.model.name}")
+  timeline.plot_timeline(rt.recorder.tape, rt.recorder.activity,
+                         os.path.join(workdir, "timeline.png"),
+                         title=f"M={cfg.learners.count}, K={cfg.sync.quorum}, "
+                               f"P={rt.plan.num_fragments}, H={cfg.sync.period}")
+  return summary

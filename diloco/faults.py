@@ -1,0 +1,52 @@
+"""The cooperative fault schedule of the single-controller runtime (`learners.faults`).
+
+Grammar: events separated by ';', each one of
+  down:M@T+D   learner M fails at time T and comes back (new incarnation) after D seconds;
+  add@T        the next spare device group joins as a new learner at time T;
+  remove:M@T   learner M retires for good at time T.
+Times are seconds on the run clock (virtual or wall).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from diloco.config_lib import ConfigError
+
+_PATTERNS = {
+    "down": re.compile(r"^down:(\d+)@([0-9.]+)\+([0-9.]+)$"),
+    "add": re.compile(r"^add@([0-9.]+)$"),
+    "remove": re.compile(r"^remove:(\d+)@([0-9.]+)$"),
+}
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Fault:
+  at: float
+  kind: str
+  learner: int = -1
+  duration: float = 0.0
+
+
+def parse(text: str) -> list[Fault]:
+  """Faults sorted by time; ConfigError naming `learners.faults` on any malformed event."""
+  faults = []
+  for raw in text.split(";"):
+    item = raw.strip().replace(" ", "")
+    if not item:
+      continue
+    for kind, pattern in _PATTERNS.items():
+      m = pattern.match(item)
+      if m:
+        if kind == "down":
+          faults.append(Fault(float(m[2]), kind, int(m[1]), float(m[3])))
+        elif kind == "add":
+          faults.append(Fault(float(m[1]), kind))
+        else:
+          faults.append(Fault(float(m[2]), kind, int(m[1])))
+        break
+    else:
+      raise ConfigError(f"learners.faults: cannot parse {item!r}; expected down:M@T+D, add@T "
+                        "or remove:M@T separated by ';'")
+  return sorted(faults)

@@ -1,0 +1,219 @@
+"""A Decoupled DiLoCo learner: the ordinary train step on its own mesh, plus fragment I/O.
+
+The learner knows nothing about the syncer: it talks to a transport. Each inner step
+it updates per-fragment counters; when fragment p is due (every H local steps at
+offset p*H//P) it delivers its current values with `steps`, `tokens` and `base`; it
+applies the merged result `tau` steps later (`sync_point`), and any other newer
+version of a fragment as soon as it sees one. Device-to-host copies of a delivery
+are started asynchronously and finished on a background thread; overwrites are
+asynchronous `device_put`s swapped into the state between steps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from diloco import data as data_lib
+from diloco import fragments as fragments_lib
+from diloco import outer, train_state, train_step
+from diloco.config_lib import Config
+from diloco.sharding import batch_sharding
+from diloco.transport import Heartbeat, InMemoryTransport, Merged, Payload
+
+
+@dataclasses.dataclass
+class Resume:
+  """What survives a learner's failure: its local step and data position (its checkpoint)."""
+  local_step: int = 0
+  data_state: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Awaiting:
+  apply_at: int      # local step at which the merged result is applied (t + tau)
+  seen_version: int  # latest published version when delivering; a newer one answers it
+
+
+class Learner:
+  """One incarnation of learner `learner_id` on `spec.mesh`."""
+
+  def __init__(self, *, learner_id: int, incarnation: int, num_groups: int, cfg: Config,
+               spec: train_state.StateSpec, step_fn, plan: fragments_lib.FragmentPlan,
+               transport: InMemoryTransport, resume: Resume, background_io: bool):
+    self.id, self.incarnation, self.cfg = learner_id, incarnation, cfg
+    self.spec, self._step_fn, self.plan, self.transport = spec, step_fn, plan, transport
+    key = jax.random.fold_in(jax.random.key(cfg.seed), learner_id)
+    self.state = train_state.create(cfg.model, spec, key)
+    self.local_step = resume.local_step
+    if self.local_step:
+      self.state["step"] = jax.device_put(jnp.asarray(self.local_step, jnp.int32),
+                                          spec.shardings["step"])
+    dataset = data_lib.train_dataset(cfg.data, batch_size=cfg.train.batch_size,
+                                     learner_id=learner_id, num_learners=num_groups,
+                                     seed=cfg.seed)
+    self.data_iter = iter(dataset)
+    if resume.data_state is not None:
+      self.data_iter.set_state(resume.data_state)
+    num = plan.num_fragments
+    self.steps = np.zeros(num, np.int64)
+    self.tokens = np.zeros(num, np.int64)
+    self.base = [-1] * num  # -1: no published version loaded yet (unknown lineage)
+    self._awaiting: dict[int, _Awaiting] = {}
+    self._base_values: dict[int, dict[str, np.ndarray]] = {}
+    self._residual: dict[str, np.ndarray] = {}
+    self._sharding = batch_sharding(spec.mesh)
+    self._flat_shardings = fragments_lib.flatten_tree(spec.shardings["params"])
+    self._copy = jax.jit(lambda leaves: [jnp.copy(x) for x in leaves])
+    self._io = concurrent.futures.ThreadPoolExecutor(1) if background_io else None
+    self._inflight: list[concurrent.futures.Future] = []
+    self._last_metrics: Any = None
+    self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    self.last_loss = float("nan")
+
+  def resume_point(self) -> Resume:
+    return Resume(self.local_step, self.data_iter.get_state())
+
+  # Receiving.
+  def load_global(self) -> None:
+    """Overwrites every fragment with the latest published version (join or rejoin)."""
+    for p in range(self.plan.num_fragments):
+      merged = self.transport.latest(p)
+      if merged is not None:
+        self._apply(merged)
+
+  def _apply(self, merged: Merged) -> None:
+    flat = fragments_lib.flatten_tree(self.state["params"])
+    alpha = self.cfg.sync.mixing_alpha
+    for path, value in merged.tensors.items():
+      new = jax.device_put(value, self._flat_shardings[path])
+      flat[path] = new if alpha == 0 else alpha * flat[path] + (1.0 - alpha) * new
+    self.state = dict(self.state, params=fragments_lib.unflatten_tree(flat))
+    if self.cfg.sync.reset_moments:
+      self.state["opt_state"] = _zero_moments(self.state["opt_state"], set(merged.tensors))
+    p = merged.fragment
+    self.base[p] = merged.version
+    self.steps[p] = self.tokens[p] = 0
+    self._base_values[p] = merged.tensors
+    self.transport.count_download(merged.nbytes)
+
+  def sync_point(self) -> list[int]:
+    """Applies what is due; returns the fragments whose awaited round is not published yet."""
+    blocked = []
+    for p in range(self.plan.num_fragments):
+      awaiting = self._awaiting.get(p)
+      if awaiting is not None and self.local_step < awaiting.apply_at:
+        continue  # bounded overlap: the result of this delivery lands at t + tau
+      merged = self.transport.latest(p)
+      if awaiting is not None and (merged is None or merged.version <= awaiting.seen_version):
+        if self.cfg.sync.block_on_late_round:
+          blocked.append(p)
+        continue
+      if merged is not None and merged.version > self.base[p]:
+        self._apply(merged)
+      self._awaiting.pop(p, None)
+    return blocked
+
+  def give_up_waiting(self, fragments: list[int]) -> None:
+    """Stops waiting for rounds that may never come (e.g. the delivery was rejected)."""
+    for p in fragments:
+      self._awaiting.pop(p, None)
+
+  # Stepping.
+  def step(self, now: float, step_time: float) -> None:
+    """One inner step; then the deliveries that are due and a heartbeat."""
+    batch = jax.device_put(next(self.data_iter), self._sharding)
+    self.state, metrics = self._step_fn(self.state, batch)
+    self.read_metrics()  # the previous step's: done by now, read while this one runs
+    self._last_metrics = (self.local_step + 1, metrics)
+    self.local_step += 1
+    self.steps += 1
+    self.tokens += self.tokens_per_step
+    cfg = self.cfg.sync
+    for p in fragments_lib.due_fragments(self.local_step, cfg.period, self.plan.num_fragments):
+      self._deliver(p, now)
+    self.transport.heartbeat(Heartbeat(self.id, self.incarnation, self.local_step, step_time,
+                                       now))
+
+  def read_metrics(self) -> tuple[int, dict[str, float]] | None:
+    """Host values of the last dispatched step's metrics (blocks until it is done)."""
+    if self._last_metrics is None:
+      return None
+    step, device_metrics = self._last_metrics
+    values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    bad = {k: v for k, v in values.items() if not np.isfinite(v)}
+    if bad:
+      raise FloatingPointError(f"learner {self.id}: non-finite metrics at local step {step}: "
+                               f"{bad}")
+    self.last_loss = values["train/loss"]
+    self.last_values = (step, values)
+    return step, values
+
+  def _deliver(self, p: int, now: float) -> None:
+    paths = self.plan.fragments[p]
+    flat = fragments_lib.flatten_tree(self.state["params"])
+    copies = self._copy([flat[k] for k in paths])  # survives the next step's donation
+    for c in copies:
+      c.copy_to_host_async()
+    self._awaiting[p] = _Awaiting(self.local_step + self.cfg.sync.tau,
+                                  self.transport.latest_version(p))
+    args = (p, paths, copies, self.local_step, int(self.steps[p]), int(self.tokens[p]),
+            self.base[p], now)
+    if self._io is None:
+      self._send(*args)
+    else:
+      self._inflight = [f for f in self._inflight if not f.done()]
+      self._inflight.append(self._io.submit(self._send, *args))
+
+  def _send(self, p, paths, copies, local_step, steps, tokens, base, now) -> None:
+    values = {k: np.asarray(c, np.float32) for k, c in zip(paths, copies)}
+    bits = self.cfg.outer.quantize_bits
+    kind, tensors = "values", values
+    if bits and base in range(0, 1 << 62) and p in self._base_values:
+      kind, tensors = "delta", {}
+      for k, v in values.items():
+        delta = self._base_values[p][k] - v
+        if self.cfg.outer.error_feedback:
+          tensors[k], self._residual[k] = outer.quantize_with_feedback(
+              delta, self._residual.get(k), bits, self.cfg.outer.quantize_block)
+        else:
+          tensors[k] = outer.quantize(delta, bits, self.cfg.outer.quantize_block)
+    self.transport.deliver(Payload(self.id, self.incarnation, p, local_step, steps, tokens, base,
+                                   kind, tensors, now))
+
+  def flush(self) -> None:
+    """Waits for in-flight deliveries (end of run or before a planned stop)."""
+    for f in self._inflight:
+      f.result()
+    self._inflight = []
+
+  def close(self) -> None:
+    self.flush()
+    if self._io is not None:
+      self._io.shutdown(wait=True)
+
+  def params_flat(self) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in
+            fragments_lib.flatten_tree(jax.device_get(self.state["params"])).items()}
+
+
+def _zero_moments(opt_state, paths: set[str]):
+  """AdamW state with mu and nu of the given parameter paths set to zero."""
+
+  def reset(node):
+    if isinstance(node, optax.ScaleByAdamState):
+      def zero(tree):
+        flat = fragments_lib.flatten_tree(tree)
+        flat = {k: jnp.zeros_like(v) if k in paths else v for k, v in flat.items()}
+        return fragments_lib.unflatten_tree(flat)
+      return node._replace(mu=zero(node.mu), nu=zero(node.nu))
+    return node
+
+  return jax.tree.map(reset, opt_state,
+                      is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))

@@ -1,0 +1,237 @@
+"""The syncer: collects fragment deliveries, runs rounds under the policy, merges, steps G.
+
+Host-only NumPy (never a learner's device). Every decision goes through the pure
+functions of `diloco.policy` with times passed in, so the same code runs on the wall
+clock (threads) and on a virtual clock (deterministic runs, the goodput simulator).
+`tick(now)` ingests messages, closes every round that is due and returns the merged
+fragments to publish plus the next time it wants to be called.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable
+
+import numpy as np
+from absl import logging
+
+from diloco import fragments as fragments_lib
+from diloco import outer, policy
+from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.transport import Heartbeat, Merged, Payload
+
+REJECT_BAD_PAYLOAD = "bad_payload"
+REJECT_NON_FINITE = "non_finite"
+
+
+@dataclasses.dataclass
+class _Pending:
+  payload: Payload
+  arrived_at: float
+
+
+class Syncer:
+  """Global parameters G, Nesterov momentum, versions, registry and open rounds."""
+
+  def __init__(self, global_params: dict[str, np.ndarray], plan: fragments_lib.FragmentPlan,
+               sync: SyncConfig, outer_cfg: OuterConfig, *, sync_delay_s: float | None = None,
+               on_round: Callable[[dict], None] | None = None):
+    """`global_params` maps paths to arrays; `sync_delay_s` fixes the (virtual) sync time."""
+    self.plan = plan
+    self.params = {k: np.array(v, np.float32) for k, v in global_params.items()}
+    self.momentum = {k: np.zeros_like(v) for k, v in self.params.items()}
+    self.versions = [0] * plan.num_fragments
+    self.policy = policy.PolicyConfig(
+        quorum=sync.quorum, tau=sync.tau, gamma=sync.gamma,
+        heartbeat_timeout_s=sync.heartbeat_timeout_s, max_staleness=sync.max_staleness)
+    self.outer_cfg = outer_cfg
+    self.registry: dict[int, policy.LearnerStatus] = {}
+    self._step_ema: dict[int, policy.Ema] = {}
+    self._quorum_ema = policy.Ema()
+    self._sync_ema = policy.Ema()
+    self._pending: dict[int, dict[int, _Pending]] = collections.defaultdict(dict)
+    self._opened_at: dict[int, float] = {}
+    self._rejected: dict[int, list[dict]] = collections.defaultdict(list)
+    self.rejections: collections.Counter = collections.Counter()
+    self._keep_history = outer_cfg.anchor == "base" or outer_cfg.quantize_bits > 0
+    self._history: dict[int, dict[int, dict[str, np.ndarray]]] = {
+        p: {0: self.fragment_values(p)} for p in range(plan.num_fragments)
+    } if self._keep_history else {}
+    self._sync_delay = sync_delay_s
+    self._on_round = on_round
+    self.rounds = 0
+    self.last_quorum = 0
+    self.last_grace = 0.0
+
+  def fragment_values(self, p: int) -> dict[str, np.ndarray]:
+    return {path: self.params[path].copy() for path in self.plan.fragments[p]}
+
+  def initial(self, now: float) -> list[Merged]:
+    """Version 0 of every fragment, to publish before any learner starts."""
+    return [Merged(p, 0, self.fragment_values(p), now) for p in range(self.plan.num_fragments)]
+
+  # Ingestion.
+  def _heartbeat(self, beat: Heartbeat) -> None:
+    known = self.registry.get(beat.learner)
+    if known is not None and beat.incarnation < known.incarnation:
+      return  # a late message of a dead incarnation
+    if known is None or beat.incarnation > known.incarnation:
+      self._step_ema[beat.learner] = policy.Ema(self.policy.ema_decay)
+    if beat.step_time > 0:
+      self._step_ema[beat.learner] = self._step_ema[beat.learner].update(beat.step_time)
+    self.registry[beat.learner] = policy.LearnerStatus(
+        learner_id=beat.learner, incarnation=beat.incarnation, last_heartbeat=beat.time,
+        step_time=self._step_ema[beat.learner].value)
+
+  def _reject(self, payload: Payload, reason: str, now: float) -> None:
+    self.rejections[reason] += 1
+    self._rejected[payload.fragment].append({
+        "learner": payload.learner, "incarnation": payload.incarnation, "reason": reason,
+        "payload_bytes": payload.nbytes, "arrived_at": now})
+    logging.info("syncer: rejected fragment %d from learner %d: %s", payload.fragment,
+                 payload.learner, reason)
+
+  def _well_formed(self, payload: Payload) -> str | None:
+    if not 0 <= payload.fragment < self.plan.num_fragments:
+      return REJECT_BAD_PAYLOAD
+    expected = self.plan.fragments[payload.fragment]
+    if set(payload.tensors) != set(expected) or payload.kind not in ("values", "delta"):
+      return REJECT_BAD_PAYLOAD
+    for path, tensor in payload.tensors.items():
+      values = outer.dequantize(tensor) if payload.kind == "delta" else tensor
+      if not isinstance(values, np.ndarray) or values.shape != self.params[path].shape:
+        return REJECT_BAD_PAYLOAD
+      if values.dtype != np.float32:
+        return REJECT_BAD_PAYLOAD
+      if not np.isfinite(values).all():
+        return REJECT_NON_FINITE
+    return None
+
+  def _payload(self, payload: Payload, now: float) -> None:
+    p = payload.fragment
+    problem = self._well_formed(payload)
+    if problem:
+      self._reject(payload, problem, now)
+      return
+    if self._keep_history and payload.base_version not in self._history[p]:
+      self._reject(payload, policy.REJECT_STALE, now)
+      return
+    delivery = policy.Delivery(
+        learner_id=payload.learner, incarnation=payload.incarnation, fragment=p,
+        base_version=payload.base_version, steps=payload.steps, tokens=payload.tokens,
+        arrival_time=now)
+    ok, reason = policy.check_delivery(delivery, learner=self.registry.get(payload.learner),
+                                       current_version=self.versions[p], now=now,
+                                       config=self.policy)
+    if not ok:
+      self._reject(payload, reason, now)
+      return
+    if not self._pending[p]:
+      self._opened_at[p] = now
+    self._pending[p][payload.learner] = _Pending(payload, now)  # a newer one replaces the older
+
+  # Rounds.
+  def alive(self, now: float) -> list[int]:
+    return [s.learner_id for s in policy.alive_learners(
+        self.registry.values(), now, self.policy.heartbeat_timeout_s)]
+
+  def tick(self, now: float, beats=(), payloads=()) -> tuple[list[Merged], float | None]:
+    """Ingests messages, closes due rounds; returns (merged to publish, next deadline)."""
+    for beat in beats:
+      self._heartbeat(beat)
+    for payload in payloads:
+      self._payload(payload, now)
+    alive = set(self.alive(now))
+    published, deadlines = [], []
+    for p in sorted(self._pending):
+      # Deliveries of learners that died meanwhile leave the round.
+      entries = {m: e for m, e in self._pending[p].items() if m in alive
+                 and self.registry[m].incarnation == e.payload.incarnation}
+      self._pending[p] = entries
+      if not entries:
+        continue
+      step_time = policy.slowest_step_time(self.registry[m].step_time for m in alive)
+      decision = policy.decide_round(
+          [e.arrived_at for e in entries.values()], num_alive=len(alive),
+          opened_at=self._opened_at[p], now=now, config=self.policy, step_time=step_time,
+          quorum_time=self._quorum_ema.get(), sync_time=self._sync_ema.get())
+      if decision.close:
+        published.append(self._close(p, decision, now, sorted(alive)))
+      elif decision.deadline is not None:
+        deadlines.append(decision.deadline)
+    for p in [p for p, e in self._pending.items() if not e]:
+      del self._pending[p]
+    return published, (min(deadlines) if deadlines else None)
+
+  def _outer_gradient(self, payload: Payload, anchor_now: dict[str, np.ndarray]) -> dict:
+    p, base = payload.fragment, payload.base_version
+    if payload.kind == "delta":
+      delta = {k: outer.dequantize(q) for k, q in payload.tensors.items()}
+      if self.outer_cfg.anchor == "base":
+        return delta
+      return outer.rebase_delta(delta, self._history[p][base], anchor_now)
+    anchor = self._history[p][base] if self.outer_cfg.anchor == "base" else anchor_now
+    return outer.outer_gradient(anchor, payload.tensors)
+
+  def _close(self, p: int, decision: policy.RoundDecision, now: float, alive: list[int]) -> Merged:
+    started = time.perf_counter()
+    entries = sorted(self._pending.pop(p).items())
+    paths = self.plan.fragments[p]
+    anchor_now = {k: self.params[k] for k in paths}
+    deltas = [self._outer_gradient(e.payload, anchor_now) for _, e in entries]
+    weights = outer.token_weights([e.payload.tokens for _, e in entries],
+                                  [e.payload.steps for _, e in entries], self.outer_cfg.weights)
+    mask = {k: self.plan.is_embedding(k) for k in paths}
+    grad = outer.merge_fragment(deltas, weights, mask, method=self.outer_cfg.merge)
+    new_params, new_momentum = outer.nesterov_step(
+        anchor_now, {k: self.momentum[k] for k in paths}, grad,
+        self.outer_cfg.learning_rate, self.outer_cfg.momentum)
+    update_norm = float(np.sqrt(sum(np.sum((new_params[k] - anchor_now[k]) ** 2) for k in paths)))
+    self.params.update({k: np.asarray(v, np.float32) for k, v in new_params.items()})
+    self.momentum.update(new_momentum)
+    old_version = self.versions[p]
+    self.versions[p] += 1
+    version = self.versions[p]
+    if self._keep_history:
+      self._history[p][version] = self.fragment_values(p)
+      for v in [v for v in self._history[p] if v < version - self.policy.max_staleness]:
+        del self._history[p][v]
+    measured = time.perf_counter() - started
+    sync_s = measured if self._sync_delay is None else self._sync_delay
+    if decision.quorum_wait is not None:
+      self._quorum_ema = self._quorum_ema.update(decision.quorum_wait)
+    self._sync_ema = self._sync_ema.update(sync_s)
+    merged = Merged(p, version, self.fragment_values(p), now + sync_s)
+    record = {
+        "round": self.rounds, "fragment": p, "version": version,
+        "opened_at": self._opened_at.pop(p), "closed_at": now, "published_at": now + sync_s,
+        "quorum": decision.quorum, "num_alive": len(alive), "grace_s": decision.grace,
+        "reason": decision.reason,
+        "admitted": [{
+            "learner": m, "incarnation": e.payload.incarnation,
+            "local_step": e.payload.local_step, "steps": e.payload.steps,
+            "tokens": e.payload.tokens, "base_version": e.payload.base_version,
+            "staleness": old_version - e.payload.base_version, "weight": float(w),
+            "delta_norm": float(np.sqrt(sum(np.sum(np.square(d[k], dtype=np.float64))
+                                            for k in paths))),
+            "payload_bytes": e.payload.nbytes, "arrived_at": e.arrived_at,
+        } for (m, e), w, d in zip(entries, weights, deltas)],
+        "rejected": self._rejected.pop(p, []),
+        "update_norm": update_norm, "sync_s": sync_s, "merge_wall_s": measured,
+        "published_bytes": merged.nbytes, "receivers": alive,
+    }
+    self.rounds += 1
+    self.last_quorum = len(entries)
+    self.last_grace = decision.grace
+    if self._on_round is not None:
+      self._on_round(record)
+    return merged
+
+  def global_params(self) -> dict[str, np.ndarray]:
+    return {k: v.copy() for k, v in self.params.items()}
+
+  def state_summary(self) -> dict[str, Any]:
+    return {"rounds": self.rounds, "last_quorum": self.last_quorum,
+            "last_grace_s": self.last_grace, "rejected": dict(self.rejections)}

@@ -1,0 +1,122 @@
+"""Messages between learners and the syncer, and the in-memory transport that carries them.
+
+Learners and the syncer never import each other: they meet only here. The in-memory
+implementation serves the single-controller runtime (one process, threads or a virtual
+clock); the multi-process store implements the same methods over files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+  learner: int
+  incarnation: int
+  local_step: int
+  step_time: float
+  time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+  """One delivery of fragment `fragment` by a learner (DESIGN.md 2.3).
+
+  `tensors` maps parameter paths to float32 values (`kind="values"`) or to quantised
+  deltas `G_base - theta` (`kind="delta"`, `outer.QuantizedTensor`).
+  """
+  learner: int
+  incarnation: int
+  fragment: int
+  local_step: int
+  steps: int
+  tokens: int
+  base_version: int
+  kind: str
+  tensors: dict[str, Any]
+  sent_at: float
+
+  @property
+  def nbytes(self) -> int:
+    return int(sum(t.nbytes for t in self.tensors.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Merged:
+  """Version `version` of fragment `fragment` of the global parameters."""
+  fragment: int
+  version: int
+  tensors: dict[str, np.ndarray]
+  published_at: float
+
+  @property
+  def nbytes(self) -> int:
+    return int(sum(t.nbytes for t in self.tensors.values()))
+
+
+class InMemoryTransport:
+  """Thread-safe mailboxes: heartbeats and payloads up, the latest merged fragments down."""
+
+  def __init__(self):
+    self._lock = threading.Condition()
+    self._heartbeats: list[Heartbeat] = []
+    self._payloads: list[Payload] = []
+    self._merged: dict[int, Merged] = {}
+    self.bytes_up = 0
+    self.bytes_down = 0
+
+  # Learner side.
+  def heartbeat(self, beat: Heartbeat) -> None:
+    with self._lock:
+      self._heartbeats.append(beat)
+      self._lock.notify_all()
+
+  def deliver(self, payload: Payload) -> None:
+    with self._lock:
+      self._payloads.append(payload)
+      self.bytes_up += payload.nbytes
+      self._lock.notify_all()
+
+  def latest(self, fragment: int) -> Merged | None:
+    with self._lock:
+      return self._merged.get(fragment)
+
+  def latest_version(self, fragment: int) -> int:
+    merged = self.latest(fragment)
+    return -1 if merged is None else merged.version
+
+  def wait_for(self, fragment: int, min_version: int, timeout: float) -> Merged | None:
+    """Blocks until fragment's version >= min_version (or timeout); returns the latest."""
+    with self._lock:
+      self._lock.wait_for(lambda: self._merged.get(fragment) is not None
+                          and self._merged[fragment].version >= min_version, timeout)
+      return self._merged.get(fragment)
+
+  def count_download(self, nbytes: int) -> None:
+    with self._lock:
+      self.bytes_down += nbytes
+
+  # Syncer side.
+  def take(self) -> tuple[list[Heartbeat], list[Payload]]:
+    with self._lock:
+      beats, payloads = self._heartbeats, self._payloads
+      self._heartbeats, self._payloads = [], []
+      return beats, payloads
+
+  def publish(self, merged: Merged) -> None:
+    with self._lock:
+      current = self._merged.get(merged.fragment)
+      if current is not None and current.version >= merged.version:
+        raise ValueError(f"fragment {merged.fragment}: version {merged.version} is not newer "
+                         f"than the published {current.version}")
+      self._merged[merged.fragment] = merged
+      self._lock.notify_all()
+
+  def wait_for_messages(self, timeout: float) -> None:
+    with self._lock:
+      self._lock.wait_for(lambda: bool(self._heartbeats or self._payloads), timeout)
