@@ -3,7 +3,8 @@
 Run (8 emulated CPU devices, about 5 minutes on 2 cores):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python -m diloco.main --config=configs/dp.py:small --workdir=runs/dp_small
-Presets: tiny (tests, < 1 min), small (CPU, ~6M parameters), and TPU-sized
+Presets: tiny (tests, < 1 min), small (CPU, ~6M parameters), cpu (the same model with
+the token budget of configs/decoupled.py:cpu, for comparison), and TPU-sized
 gemma_2b / gemma_5b / gemma_9b / moe_2_8b / moe_3_8b, which expect pre-tokenised
 shards (`--config.data.path=gs://.../shards`, see scripts/prepare_data.py).
 """
@@ -13,6 +14,9 @@ from diloco import config_lib
 _CPU = {
     "tiny": dict(seq_len=64, batch_size=16, steps=60, eval_every=30, lr=3e-3, warmup=10),
     "small": dict(seq_len=128, batch_size=16, steps=200, eval_every=50, lr=3e-3, warmup=20),
+    # The data-parallel reference for configs/decoupled.py:cpu: the same model, the same
+    # tokens per step (4 learners x 8 sequences) and steps.
+    "cpu": dict(seq_len=128, batch_size=32, steps=120, eval_every=40, lr=3e-3, warmup=12),
 }
 _TPU = ("gemma_2b", "gemma_5b", "gemma_9b", "moe_2_8b", "moe_3_8b")
 
@@ -21,7 +25,7 @@ def get_config(preset: str = "small"):
   if preset not in _CPU and preset not in _TPU:
     raise ValueError(f"configs/dp.py: unknown preset {preset!r}; allowed: "
                      f"{sorted(_CPU) + list(_TPU)}")
-  cfg = config_lib.base_config(preset)
+  cfg = config_lib.base_config("small" if preset == "cpu" else preset)
   if preset in _CPU:
     p = _CPU[preset]
     cfg.data.seq_len = p["seq_len"]

@@ -60,6 +60,11 @@ class Status:
 
 def run(cfg: Config, workdir: str) -> dict[str, float]:
   """Trains `cfg` (learners.count >= 1) in `workdir`; returns final eval and accounting."""
+  return run_with_runtime(cfg, workdir)[1]
+
+
+def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, float]]:
+  """`run`, also returning the runtime (syncer state, records) for tests and notebooks."""
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=2)
@@ -123,4 +128,4 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
                          os.path.join(workdir, "timeline.png"),
                          title=f"M={cfg.learners.count}, K={cfg.sync.quorum}, "
                                f"P={rt.plan.num_fragments}, H={cfg.sync.period}")
-  return summary
+  return rt, summary

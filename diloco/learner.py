@@ -70,7 +70,6 @@ class Learner:
     self._residual: dict[str, np.ndarray] = {}
     self._sharding = batch_sharding(spec.mesh)
     self._flat_shardings = fragments_lib.flatten_tree(spec.shardings["params"])
-    self._copy = jax.jit(lambda leaves: [jnp.copy(x) for x in leaves])
     self._io = concurrent.futures.ThreadPoolExecutor(1) if background_io else None
     self._inflight: list[concurrent.futures.Future] = []
     self._last_metrics: Any = None
@@ -158,7 +157,7 @@ class Learner:
   def _deliver(self, p: int, now: float) -> None:
     paths = self.plan.fragments[p]
     flat = fragments_lib.flatten_tree(self.state["params"])
-    copies = self._copy([flat[k] for k in paths])  # survives the next step's donation
+    copies = _copy_leaves([flat[k] for k in paths])  # survives the next step's donation
     for c in copies:
       c.copy_to_host_async()
     self._awaiting[p] = _Awaiting(self.local_step + self.cfg.sync.tau,
@@ -201,6 +200,12 @@ class Learner:
   def params_flat(self) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in
             fragments_lib.flatten_tree(jax.device_get(self.state["params"])).items()}
+
+
+@jax.jit
+def _copy_leaves(leaves):
+  """Fresh device buffers (one jit for all learners; the next step donates the originals)."""
+  return [jnp.copy(x) for x in leaves]
 
 
 def _zero_moments(opt_state, paths: set[str]):

@@ -70,10 +70,17 @@ def plot_loss(records: list[dict], path: str, title: str = "") -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, ax = plt.subplots(figsize=(7, 4))
-  for key, style in (("train/loss", "-"), ("eval/loss", "o-")):
-    steps, values = last_per_step(records, key)
+  learners = sorted({r["learner"] for r in records if "learner" in r})
+  for learner in learners or [None]:
+    mine = [r for r in records if r.get("learner") == learner]
+    steps, values = last_per_step(mine, "train/loss")
     if steps:
-      ax.plot(steps, values, style, label=key, markersize=4)
+      label = "train/loss" if learner is None else f"train/loss, learner {learner}"
+      ax.plot(steps, values, "-", label=label, alpha=0.8 if learner is None else 0.5, lw=1)
+  steps, values = last_per_step([r for r in records if "learner" not in r], "eval/loss")
+  if steps:
+    ax.plot(steps, values, "o-", label="eval/loss" + (" (global params)" if learners else ""),
+            markersize=4, color="black")
   ax.set_xlabel("step")
   ax.set_ylabel("cross-entropy (nats/token)")
   ax.set_title(title)

@@ -31,6 +31,7 @@ from diloco import mesh as mesh_lib
 from diloco import optim, train_state, train_step
 from diloco.config_lib import Config, ConfigError, parse_floats
 from diloco.learner import Learner, Resume
+from diloco.sharding import batch_sharding
 from diloco.syncer import Syncer
 from diloco.transport import Heartbeat, InMemoryTransport
 
@@ -93,6 +94,15 @@ def group_sizes(cfg: Config, num_devices: int) -> list[int]:
   return sizes
 
 
+def _compiled_step(cfg: Config, spec: train_state.StateSpec, schedule):
+  """The train step compiled ahead of time, so no learner compiles on the run's clock."""
+  batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32,
+                               sharding=batch_sharding(spec.mesh))
+  with jax.set_mesh(spec.mesh):
+    return train_step.make_train_step(spec, cfg.optim, schedule).lower(
+        spec.abstract, batch).compile()
+
+
 class Runtime:
   """Builds the slots, the syncer and the transport; drivers move time."""
 
@@ -113,8 +123,8 @@ class Runtime:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
                           f"learner {g}'s data x fsdp = {width}")
       spec = train_state.make_spec(cfg.model, tx, mesh)
-      self.slots.append(Slot(g, spec, train_step.make_train_step(spec, cfg.optim, schedule),
-                             speeds[g], len(group), np.random.default_rng([cfg.seed, g])))
+      self.slots.append(Slot(g, spec, _compiled_step(cfg, spec, schedule), speeds[g],
+                             len(group), np.random.default_rng([cfg.seed, g])))
     flat_shapes = fragments_lib.flatten_tree(self.slots[0].spec.abstract["params"])
     self.plan = fragments_lib.plan_fragments({k: v.shape for k, v in flat_shapes.items()},
                                              cfg.sync.num_fragments, cfg.sync.scheme)
@@ -134,13 +144,17 @@ class Runtime:
     self.eval_fn = train_step.make_eval_step(self.slots[0].spec)
     self.num_params = sum(v.size for v in global_params.values())
 
-  def start_learner(self, slot: Slot, background_io: bool) -> Learner:
+  def start_learner(self, slot: Slot, background_io: bool, now: float) -> Learner:
+    """A new incarnation on `slot`: loads the published fragments and announces itself."""
     slot.incarnation += 1
     slot.learner = Learner(
         learner_id=slot.index, incarnation=slot.incarnation, num_groups=len(self.slots),
         cfg=self.cfg, spec=slot.spec, step_fn=slot.step_fn, plan=self.plan,
         transport=self.transport, resume=slot.resume, background_io=background_io)
     slot.learner.load_global()
+    # Registered before its first delivery, so K = M rounds wait for it from the start.
+    self.transport.heartbeat(Heartbeat(slot.index, slot.incarnation, slot.learner.local_step,
+                                       0.0, now))
     slot.status = "up"
     return slot.learner
 
@@ -212,7 +226,7 @@ class VirtualDriver:
       self._schedule_step(slot, self.now)
 
   def _join(self, slot: Slot) -> None:
-    self.rt.start_learner(slot, background_io=False)
+    self.rt.start_learner(slot, background_io=False, now=self.now)
     load = self.cfg.learners.virtual_step_s
     self.rt.recorder.span(slot, "load", self.now, self.now + load)
     self._schedule_step(slot, self.now + load)
@@ -339,7 +353,7 @@ class ThreadedDriver:
 
   def _learner_loop(self, slot: Slot, stop: threading.Event) -> None:
     start = self.now()
-    learner = self.rt.start_learner(slot, background_io=True)
+    learner = self.rt.start_learner(slot, background_io=True, now=start)
     self.rt.recorder.span(slot, "load", start, self.now())
     previous = self.now()
     step_time = 0.0

@@ -1,0 +1,122 @@
+"""The syncer against a NumPy oracle: quorum, grace, merge math, rejections."""
+
+import numpy as np
+import pytest
+
+from diloco import fragments, syncer as syncer_lib
+from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.transport import Heartbeat, Payload
+
+SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
+
+
+def _params(seed):
+  rng = np.random.default_rng(seed)
+  return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _syncer(**sync):
+  plan = fragments.plan_fragments(SHAPES, num_fragments=1)
+  cfg = SyncConfig(**{"quorum": 2, "gamma": 0.0, "heartbeat_timeout_s": 10.0, **sync})
+  return syncer_lib.Syncer(_params(0), plan, cfg, OuterConfig(), sync_delay_s=0.5)
+
+
+def _payload(learner, tensors, *, steps=4, tokens=400, base=0, incarnation=0, fragment=0):
+  return Payload(learner, incarnation, fragment, steps, steps, tokens, base, "values", tensors,
+                 0.0)
+
+
+def _beats(now, *learners):
+  return [Heartbeat(m, 0, 1, 1.0, now) for m in learners]
+
+
+def _oracle(g0, thetas, tokens, steps, lr=0.7, mu=0.9):
+  """Token weights, RDA (mean for the embedding), one Nesterov step from zero momentum."""
+  w = np.array([t * t / s for t, s in zip(tokens, steps)], np.float64)
+  w /= w.sum()
+  out = {}
+  for k in g0:
+    d = [g0[k].astype(np.float64) - th[k] for th in thetas]
+    if k == "embedder/embedding":
+      grad = sum(wi * di for wi, di in zip(w, d))
+    else:
+      norms = [np.linalg.norm(di) for di in d]
+      direction = sum(wi * di / n for wi, di, n in zip(w, d, norms))
+      grad = sum(wi * n for wi, n in zip(w, norms)) * direction / np.linalg.norm(direction)
+    b = grad  # mu * 0 + g
+    out[k] = g0[k] - lr * (grad + mu * b)
+  return out
+
+
+def test_round_closes_at_quorum_and_matches_oracle():
+  s = _syncer()
+  g0 = s.global_params()
+  thetas = [_params(1), _params(2)]
+  merged, _ = s.tick(1.0, _beats(1.0, 0, 1), [_payload(0, thetas[0], tokens=400)])
+  assert merged == []  # K = 2: one delivery is not a quorum
+  merged, _ = s.tick(2.0, (), [_payload(1, thetas[1], tokens=200, steps=2)])
+  assert len(merged) == 1 and merged[0].version == 1 and merged[0].published_at == 2.5
+  expected = _oracle(g0, thetas, [400, 200], [4, 2])
+  for k in SHAPES:
+    np.testing.assert_allclose(s.params[k], expected[k], rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(merged[0].tensors[k], s.params[k])
+  assert s.versions == [1]
+
+
+def test_quorum_of_one_closes_immediately_without_grace():
+  s = _syncer(quorum=1)
+  merged, deadline = s.tick(1.0, _beats(1.0, 0, 1), [_payload(0, _params(1))])
+  assert len(merged) == 1 and deadline is None
+
+
+def test_grace_window_admits_a_later_learner():
+  s = _syncer(quorum=1, gamma=0.8, tau=2)
+  beats = [Heartbeat(0, 0, 1, 1.0, 0.0), Heartbeat(1, 0, 1, 2.0, 0.0)]
+  merged, deadline = s.tick(1.0, beats, [_payload(0, _params(1))])
+  # grace = clip(0.8 * (2 * 2.0 - 0 - 0), 0, 2.0) = 2.0 after quorum at t = 1.
+  assert merged == [] and deadline == pytest.approx(3.0)
+  merged, _ = s.tick(2.5, (), [_payload(1, _params(2))])
+  assert len(merged) == 1 and s.last_quorum == 2  # both admitted
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda p: dict(p, learner=7), "unknown_learner"),
+    (lambda p: dict(p, incarnation=3), "wrong_incarnation"),
+    (lambda p: dict(p, base_version=-1), "unknown_lineage"),
+    (lambda p: dict(p, steps=0), "no_steps"),
+    (lambda p: dict(p, tensors={**p["tensors"], "layers/0/w": np.zeros((2, 2), np.float32)}),
+     "bad_payload"),
+    (lambda p: dict(p, tensors={**p["tensors"], "layers/0/w": np.full((4, 4), np.nan,
+                                                                       np.float32)}),
+     "non_finite"),
+    (lambda p: dict(p, tensors={k: v.astype(np.float64) for k, v in p["tensors"].items()}),
+     "bad_payload"),
+])
+def test_bad_payloads_are_rejected_and_never_enter_g(mutate, reason):
+  s = _syncer(quorum=1)
+  g0 = s.global_params()
+  fields = dict(learner=0, incarnation=0, fragment=0, local_step=4, steps=4, tokens=400,
+                base_version=0, kind="values", tensors=_params(1), sent_at=0.0)
+  merged, _ = s.tick(1.0, _beats(1.0, 0), [Payload(**mutate(fields))])
+  assert merged == [] and s.rejections[reason] == 1
+  for k in SHAPES:
+    np.testing.assert_array_equal(s.params[k], g0[k])
+
+
+def test_dead_and_stale_learners_are_rejected():
+  s = _syncer(quorum=1, max_staleness=1, heartbeat_timeout_s=5.0)
+  s.tick(0.0, _beats(0.0, 0, 1), ())
+  merged, _ = s.tick(20.0, _beats(20.0, 1), [_payload(0, _params(1))])  # learner 0 is dead
+  assert merged == [] and s.rejections["learner_dead"] == 1
+  for t in (21.0, 22.0):  # two rounds from learner 1: version 2
+    s.tick(t, _beats(t, 1), [_payload(1, _params(int(t)), base=s.versions[0])])
+  merged, _ = s.tick(23.0, _beats(23.0, 1), [_payload(1, _params(5), base=0)])
+  assert merged == [] and s.rejections["stale"] == 1 and s.versions == [2]
+
+
+def test_fresh_learner_with_unknown_lineage_never_forms_a_quorum():
+  s = _syncer(quorum=1)
+  for t in range(1, 6):
+    merged, _ = s.tick(float(t), _beats(float(t), 0), [_payload(0, _params(t), base=-1)])
+    assert merged == []
+  assert s.versions == [0] and s.rejections["unknown_lineage"] == 5
