@@ -1,6 +1,6 @@
 """Decoupled DiLoCo with the design defaults: P = H = 24, tau = 2, K = 1, grace gamma = 0.8.
 
-Run (4 learners x 2 emulated CPU devices, small model, a few minutes on 2 cores):
+Run (4 learners x 2 emulated CPU devices, small model, about 10 minutes on 2 cores):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
     python -m diloco.main --config=configs/decoupled.py:cpu --workdir=runs/decoupled_cpu
 Expect: a live status per learner and for the syncer, the global eval/loss falling

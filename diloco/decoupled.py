@@ -46,8 +46,11 @@ class Status:
       self._tokens[slot.index] = (now, step)
       parts.append(f"L{slot.index} {slot.status} s{step} {rate:,.0f}tok/s")
     s = self.rt.syncer
+    goodput = accounting.goodput(list(self.rt.recorder.tape), list(self.rt.recorder.activity),
+                                 self.rt.plan.num_fragments)
     return (" | ".join(parts) + f" || syncer: rounds {s.rounds}, quorum {s.last_quorum}, "
-            f"grace {s.last_grace:.2f}s, rejected {sum(s.rejections.values())}")
+            f"grace {s.last_grace:.2f}s, rejected {sum(s.rejections.values())}, "
+            f"goodput {goodput:.2f}")
 
   def maybe_print(self, force: bool = False) -> None:
     now = time.monotonic()

@@ -202,7 +202,10 @@ class Syncer:
     sync_s = measured if self._sync_delay is None else self._sync_delay
     if decision.quorum_wait is not None:
       self._quorum_ema = self._quorum_ema.update(decision.quorum_wait)
-    self._sync_ema = self._sync_ema.update(sync_s)
+    # "Time to pull, merge and send": the pull is the slowest admitted payload's transit
+    # (on the wall clock it includes waiting for the learner's device-to-host copy).
+    pull_s = max(max(e.arrived_at - e.payload.sent_at, 0.0) for _, e in entries)
+    self._sync_ema = self._sync_ema.update(pull_s + sync_s)
     merged = Merged(p, version, self.fragment_values(p), now + sync_s)
     record = {
         "round": self.rounds, "fragment": p, "version": version,
