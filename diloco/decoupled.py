@@ -21,7 +21,8 @@ from diloco import accounting, timeline
 from diloco import data as data_lib
 from diloco import metrics as metrics_lib
 from diloco.config_lib import Config
-from diloco.runtime import Runtime, Slot, ThreadedDriver, VirtualDriver
+from diloco.drivers import ThreadedDriver, VirtualDriver
+from diloco.runtime import Runtime, Slot
 from diloco.sharding import batch_sharding
 
 

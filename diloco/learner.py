@@ -22,7 +22,7 @@ import optax
 
 from diloco import data as data_lib
 from diloco import fragments as fragments_lib
-from diloco import outer, train_state, train_step
+from diloco import outer, train_state
 from diloco.config_lib import Config
 from diloco.sharding import batch_sharding
 from diloco.transport import Heartbeat, InMemoryTransport, Merged, Payload
@@ -174,7 +174,7 @@ class Learner:
     values = {k: np.asarray(c, np.float32) for k, c in zip(paths, copies)}
     bits = self.cfg.outer.quantize_bits
     kind, tensors = "values", values
-    if bits and base in range(0, 1 << 62) and p in self._base_values:
+    if bits and base >= 0 and p in self._base_values:
       kind, tensors = "delta", {}
       for k, v in values.items():
         delta = self._base_values[p][k] - v

@@ -31,7 +31,8 @@ from absl import app, flags, logging
 
 from diloco import config_lib, train_state
 from diloco import data as data_lib
-from diloco.runtime import Runtime, ThreadedDriver
+from diloco.drivers import ThreadedDriver
+from diloco.runtime import Runtime
 from diloco.sharding import batch_sharding
 
 _MODEL = flags.DEFINE_enum("model", "small", ["tiny", "small"], "Model preset.")

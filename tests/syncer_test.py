@@ -120,3 +120,36 @@ def test_fresh_learner_with_unknown_lineage_never_forms_a_quorum():
     merged, _ = s.tick(float(t), _beats(float(t), 0), [_payload(0, _params(t), base=-1)])
     assert merged == []
   assert s.versions == [0] and s.rejections["unknown_lineage"] == 5
+
+
+@pytest.mark.parametrize("bits, tol", [(16, 2e-2), (8, 5e-2)])
+def test_quantised_delta_payload_matches_values_payload(bits, tol):
+  from diloco import outer
+  thetas = [_params(1), _params(2)]
+  plain = _syncer(quorum=2)
+  plain.tick(1.0, _beats(1.0, 0, 1), [_payload(0, thetas[0]), _payload(1, thetas[1])])
+  quant = syncer_lib.Syncer(_params(0), plain.plan, SyncConfig(quorum=2, gamma=0.0),
+                            OuterConfig(quantize_bits=bits), sync_delay_s=0.5)
+  g0 = _params(0)
+  payloads = []
+  for m, theta in enumerate(thetas):
+    delta = {k: outer.quantize(g0[k] - theta[k], bits, 16) for k in theta}
+    payloads.append(Payload(m, 0, 0, 4, 4, 400, 0, "delta", delta, 0.0))
+  merged, _ = quant.tick(1.0, _beats(1.0, 0, 1), payloads)
+  assert len(merged) == 1 and sum(p.nbytes for p in payloads) < 0.6 * sum(
+      v.nbytes for t in thetas for v in t.values())
+  for k in SHAPES:
+    np.testing.assert_allclose(quant.params[k], plain.params[k], atol=tol)
+    assert not np.array_equal(quant.params[k], g0[k])
+
+
+def test_base_anchor_equals_syncer_anchor_when_up_to_date():
+  thetas = [_params(1), _params(2)]
+  results = []
+  for anchor in ("syncer", "base"):
+    s = syncer_lib.Syncer(_params(0), fragments.plan_fragments(SHAPES, num_fragments=1),
+                          SyncConfig(quorum=2, gamma=0.0), OuterConfig(anchor=anchor))
+    s.tick(1.0, _beats(1.0, 0, 1), [_payload(0, thetas[0]), _payload(1, thetas[1])])
+    results.append(s.params)
+  for k in SHAPES:
+    np.testing.assert_array_equal(results[0][k], results[1][k])

@@ -1,0 +1,303 @@
+"""Drivers of the single-controller runtime: a virtual clock or threads on the wall clock.
+
+  * `VirtualDriver`: one thread and an event heap on a virtual clock; step times come
+    from the configured speeds and a seeded jitter, so the same seed gives bit-identical
+    global parameters and event tapes (tests use it);
+  * `ThreadedDriver`: one thread per learner and one for the syncer on the wall clock.
+Both apply the cooperative fault schedule (`diloco.faults`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from typing import Any
+
+from absl import logging
+
+from diloco import faults as faults_lib
+from diloco.runtime import Runtime, Slot
+from diloco.transport import Heartbeat
+
+
+class VirtualDriver:
+  """Deterministic discrete-event driver on a virtual clock (one thread)."""
+
+  def __init__(self, runtime: Runtime, on_eval, on_step):
+    self.rt, self.on_eval, self.on_step = runtime, on_eval, on_step
+    self.cfg = runtime.cfg
+    self.now = 0.0
+    self._heap: list = []
+    self._seq = itertools.count()
+    self._waiting: dict[int, tuple[float, list[int]]] = {}
+    self._tick_at: float | None = None
+
+  def _push(self, at: float, kind: str, data: Any = None) -> None:
+    heapq.heappush(self._heap, (at, next(self._seq), kind, data))
+
+  def _schedule_step(self, slot: Slot, start: float) -> None:
+    duration = self.rt.step_duration(slot) * self.cfg.learners.virtual_step_s
+    self._push(start + duration, "step", (slot.index, slot.incarnation, start))
+
+  def _tick(self) -> None:
+    for g in self._waiting:  # waiting learners are alive
+      slot = self.rt.slots[g]
+      self.rt.transport.heartbeat(Heartbeat(g, slot.incarnation, slot.learner.local_step, 0.0,
+                                            self.now))
+    beats, payloads = self.rt.transport.take()
+    merged, deadline = self.rt.syncer.tick(self.now, beats, payloads)
+    for m in merged:
+      self._push(m.published_at, "publish", m)
+    if deadline is not None and (self._tick_at is None or deadline < self._tick_at
+                                 or self._tick_at <= self.now):
+      self._tick_at = deadline
+      self._push(deadline, "tick")
+
+  def _after_step(self, slot: Slot) -> None:
+    learner = slot.learner
+    blocked = learner.sync_point()
+    if blocked:
+      self._waiting[slot.index] = (self.now, blocked)
+      self._push(self.now + self.cfg.sync.heartbeat_timeout_s, "give_up",
+                 (slot.index, slot.incarnation, learner.local_step))
+    elif learner.local_step >= self.cfg.train.steps:
+      self.rt.stop_learner(slot, "done")
+    else:
+      self._schedule_step(slot, self.now)
+
+  def _join(self, slot: Slot) -> None:
+    self.rt.start_learner(slot, background_io=False, now=self.now)
+    load = self.cfg.learners.virtual_step_s
+    self.rt.recorder.span(slot, "load", self.now, self.now + load)
+    self._schedule_step(slot, self.now + load)
+
+  def run(self) -> None:
+    cfg = self.cfg
+    for m in self.rt.syncer.initial(0.0):
+      self.rt.transport.publish(m)
+    for slot in self.rt.slots[:cfg.learners.count]:
+      self._join(slot)
+    for f in self.rt.faults:
+      self._push(f.at, "fault", f)
+    if cfg.train.eval_every:
+      self._push(cfg.train.eval_every * cfg.learners.virtual_step_s, "eval")
+    down_since: dict[int, float] = {}
+    while self._heap:
+      if all(s.status in ("idle", "retired", "done") for s in self.rt.slots):
+        break
+      self.now, _, kind, data = heapq.heappop(self._heap)
+      if kind == "step":
+        g, incarnation, start = data
+        slot = self.rt.slots[g]
+        if slot.status != "up" or slot.incarnation != incarnation:
+          continue  # the learner failed during this step: its work is lost
+        slot.learner.step(self.now, self.now - start)
+        self.rt.recorder.span(slot, "step", start, self.now, local_step=slot.learner.local_step,
+                              tokens=slot.learner.tokens_per_step)
+        self.on_step(slot)
+        self._tick()
+        self._after_step(slot)
+      elif kind in ("publish", "tick"):
+        if kind == "publish":
+          self.rt.transport.publish(data)
+        self._tick()
+        self._wake_waiting()
+      elif kind == "give_up":
+        g, incarnation, step = data
+        slot = self.rt.slots[g]
+        if g in self._waiting and slot.incarnation == incarnation and \
+            slot.learner.local_step == step:
+          since, blocked = self._waiting.pop(g)
+          logging.warning("learner %d gave up waiting for fragments %s", g, blocked)
+          slot.learner.give_up_waiting(blocked)
+          self.rt.recorder.span(slot, "wait", since, self.now)
+          self._after_step(slot)
+      elif kind == "fault":
+        self._fault(data, down_since)
+      elif kind == "down_end":
+        slot = self.rt.slots[data]
+        self.rt.recorder.span(slot, "down", down_since.pop(data), self.now)
+        self._join(slot)
+      elif kind == "eval":
+        self.on_eval(self.now)
+        if any(s.status == "up" for s in self.rt.slots):
+          self._push(self.now + cfg.train.eval_every * cfg.learners.virtual_step_s, "eval")
+
+  def _wake_waiting(self) -> None:
+    for g in sorted(self._waiting):
+      slot = self.rt.slots[g]
+      blocked = slot.learner.sync_point()
+      if not blocked:
+        since, _ = self._waiting.pop(g)
+        self.rt.recorder.span(slot, "wait", since, self.now)
+        if slot.learner.local_step >= self.cfg.train.steps:
+          self.rt.stop_learner(slot, "done")
+        else:
+          self._schedule_step(slot, self.now)
+
+  def _fault(self, fault: faults_lib.Fault, down_since: dict[int, float]) -> None:
+    if fault.kind == "add":
+      idle = [s for s in self.rt.slots if s.status == "idle"]
+      if not idle:
+        logging.warning("fault add@%s: no spare device group left; ignored", fault.at)
+        return
+      self._join(idle[0])
+      return
+    slot = self.rt.slots[fault.learner]
+    if slot.status != "up":
+      logging.warning("fault %s: learner %d is %s; ignored", fault.kind, slot.index, slot.status)
+      return
+    self._waiting.pop(slot.index, None)
+    if fault.kind == "remove":
+      self.rt.stop_learner(slot, "retired")
+      return
+    self.rt.stop_learner(slot, "down")
+    down_since[slot.index] = self.now
+    self._push(self.now + fault.duration, "down_end", slot.index)
+
+
+class ThreadedDriver:
+  """Wall-clock driver: a thread per learner, one for the syncer; faults from the main thread."""
+
+  def __init__(self, runtime: Runtime, on_eval, on_step):
+    self.rt, self.on_eval, self.on_step = runtime, on_eval, on_step
+    self.cfg = runtime.cfg
+    self._t0 = time.monotonic()
+    self._done = threading.Event()
+    self._errors: list[BaseException] = []
+    self._stops: dict[int, threading.Event] = {}
+    self._threads: dict[int, threading.Thread] = {}
+    self.lock = threading.Lock()  # guards the syncer against concurrent readers
+
+  def now(self) -> float:
+    return time.monotonic() - self._t0
+
+  def _guard(self, fn, *args) -> None:
+    try:
+      fn(*args)
+    except BaseException as e:  # surfaced by the main thread
+      logging.exception("runtime thread failed")
+      self._errors.append(e)
+      self._done.set()
+
+  def _syncer_loop(self) -> None:
+    deadline = None
+    while not self._done.is_set():
+      wait = 0.05 if deadline is None else min(0.05, max(deadline - self.now(), 0.0))
+      self.rt.transport.wait_for_messages(wait)
+      beats, payloads = self.rt.transport.take()
+      with self.lock:
+        merged, deadline = self.rt.syncer.tick(self.now(), beats, payloads)
+      for m in merged:
+        self.rt.transport.publish(m)
+
+  def _learner_loop(self, slot: Slot, stop: threading.Event) -> None:
+    start = self.now()
+    learner = self.rt.start_learner(slot, background_io=True, now=start)
+    self.rt.recorder.span(slot, "load", start, self.now())
+    previous = self.now()
+    step_time = 0.0
+    steps = self.cfg.train.steps
+    while not stop.is_set() and learner.local_step < steps and not self._done.is_set():
+      learner.step(self.now(), step_time)
+      measured = self.now() - previous
+      extra = (self.rt.step_duration(slot) - 1.0) * measured
+      if extra > 0 and stop.wait(extra):
+        break
+      end = self.now()
+      step_time = end - previous
+      self.rt.recorder.span(slot, "step", previous, end, local_step=learner.local_step,
+                            tokens=learner.tokens_per_step)
+      self.on_step(slot)
+      blocked = learner.sync_point()
+      waited_from = self.now()
+      while blocked and not stop.is_set() and not self._done.is_set():
+        if self.now() - waited_from > self.cfg.sync.heartbeat_timeout_s:
+          logging.warning("learner %d gave up waiting for fragments %s", slot.index, blocked)
+          learner.give_up_waiting(blocked)
+          break
+        self.rt.transport.heartbeat(Heartbeat(slot.index, slot.incarnation, learner.local_step,
+                                              step_time, self.now()))
+        p = blocked[0]
+        self.rt.transport.wait_for(p, self.rt.transport.latest_version(p) + 1, 0.2)
+        blocked = learner.sync_point()
+      if self.now() - waited_from > 1e-3:
+        self.rt.recorder.span(slot, "wait", waited_from, self.now())
+      previous = self.now()
+    learner.read_metrics()
+    learner.flush()
+    finished = learner.local_step >= steps
+    self.rt.stop_learner(slot, "done" if finished and not stop.is_set() else slot.status)
+
+  def _start(self, slot: Slot) -> None:
+    stop = threading.Event()
+    self._stops[slot.index] = stop
+    slot.status = "up"
+    thread = threading.Thread(target=self._guard, args=(self._learner_loop, slot, stop),
+                              name=f"learner-{slot.index}", daemon=True)
+    self._threads[slot.index] = thread
+    thread.start()
+
+  def _stop(self, slot: Slot, status: str) -> None:
+    slot.status = status  # read by the learner thread when it exits
+    self._stops[slot.index].set()
+    self._threads[slot.index].join()
+
+  def run(self) -> None:
+    cfg = self.cfg
+    for m in self.rt.syncer.initial(0.0):
+      self.rt.transport.publish(m)
+    syncer = threading.Thread(target=self._guard, args=(self._syncer_loop,), name="syncer",
+                              daemon=True)
+    syncer.start()
+    for slot in self.rt.slots[:cfg.learners.count]:
+      self._start(slot)
+    pending = list(self.rt.faults)
+    returns: list[tuple[float, Slot, float]] = []
+    next_eval = cfg.train.eval_every
+    while not self._done.is_set():
+      now = self.now()
+      while pending and pending[0].at <= now:
+        self._fault(pending.pop(0), returns)
+      for item in [r for r in returns if r[0] <= now]:
+        returns.remove(item)
+        _, slot, since = item
+        self.rt.recorder.span(slot, "down", since, self.now())
+        self._start(slot)
+      progress = max((s.resume.local_step if s.learner is None else s.learner.local_step)
+                     for s in self.rt.slots)
+      if next_eval and progress >= next_eval:
+        with self.lock:
+          self.on_eval(self.now())
+        next_eval += cfg.train.eval_every
+      if all(s.status in ("idle", "retired", "done") for s in self.rt.slots) and not returns:
+        break
+      time.sleep(0.05)
+    self._done.set()
+    syncer.join()
+    for thread in self._threads.values():
+      thread.join()
+    if self._errors:
+      raise self._errors[0]
+    beats, payloads = self.rt.transport.take()
+    self.rt.syncer.tick(self.now(), beats, payloads)
+
+  def _fault(self, fault: faults_lib.Fault, returns) -> None:
+    if fault.kind == "add":
+      idle = [s for s in self.rt.slots if s.status == "idle"]
+      if idle:
+        self._start(idle[0])
+      else:
+        logging.warning("fault add@%s: no spare device group left; ignored", fault.at)
+      return
+    slot = self.rt.slots[fault.learner]
+    if slot.status != "up":
+      logging.warning("fault %s: learner %d is %s; ignored", fault.kind, slot.index, slot.status)
+      return
+    if fault.kind == "remove":
+      self._stop(slot, "retired")
+      return
+    self._stop(slot, "down")
+    returns.append((self.now() + fault.duration, slot, self.now()))
