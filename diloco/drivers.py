@@ -169,7 +169,6 @@ class ThreadedDriver:
     self._errors: list[BaseException] = []
     self._stops: dict[int, threading.Event] = {}
     self._threads: dict[int, threading.Thread] = {}
-    self.lock = threading.Lock()  # guards the syncer against concurrent readers
 
   def now(self) -> float:
     return time.monotonic() - self._t0
@@ -188,7 +187,7 @@ class ThreadedDriver:
       wait = 0.05 if deadline is None else min(0.05, max(deadline - self.now(), 0.0))
       self.rt.transport.wait_for_messages(wait)
       beats, payloads = self.rt.transport.take()
-      with self.lock:
+      with self.rt.lock:
         merged, deadline = self.rt.syncer.tick(self.now(), beats, payloads)
       for m in merged:
         self.rt.transport.publish(m)
@@ -269,8 +268,7 @@ class ThreadedDriver:
       progress = max((s.resume.local_step if s.learner is None else s.learner.local_step)
                      for s in self.rt.slots)
       if next_eval and progress >= next_eval:
-        with self.lock:
-          self.on_eval(self.now())
+        self.on_eval(self.now())  # copies G under the lock, evaluates without it
         next_eval += cfg.train.eval_every
       if all(s.status in ("idle", "retired", "done") for s in self.rt.slots) and not returns:
         break

@@ -45,12 +45,13 @@ class Learner:
   """One incarnation of learner `learner_id` on `spec.mesh`."""
 
   def __init__(self, *, learner_id: int, incarnation: int, num_groups: int, cfg: Config,
-               spec: train_state.StateSpec, step_fn, plan: fragments_lib.FragmentPlan,
+               spec: train_state.StateSpec, init_fn, step_fn,
+               plan: fragments_lib.FragmentPlan,
                transport: InMemoryTransport, resume: Resume, background_io: bool):
     self.id, self.incarnation, self.cfg = learner_id, incarnation, cfg
     self.spec, self._step_fn, self.plan, self.transport = spec, step_fn, plan, transport
     key = jax.random.fold_in(jax.random.key(cfg.seed), learner_id)
-    self.state = train_state.create(cfg.model, spec, key)
+    self.state = init_fn(key)  # replaced fragment by fragment by `load_global`
     self.local_step = resume.local_step
     if self.local_step:
       self.state["step"] = jax.device_put(jnp.asarray(self.local_step, jnp.int32),

@@ -37,6 +37,7 @@ class Slot:
   """A device group and what outlives its learners' incarnations (compiled step, resume)."""
   index: int
   spec: train_state.StateSpec
+  init_fn: Any
   step_fn: Any
   speed: float
   devices: int
@@ -89,13 +90,16 @@ def group_sizes(cfg: Config, num_devices: int) -> list[int]:
   return sizes
 
 
-def _compiled_step(cfg: Config, spec: train_state.StateSpec, schedule):
-  """The train step compiled ahead of time, so no learner compiles on the run's clock."""
+def _compiled(cfg: Config, spec: train_state.StateSpec, schedule):
+  """Init and train step compiled ahead of time: no learner compiles on the run's clock."""
   batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32,
                                sharding=batch_sharding(spec.mesh))
+  key = jax.eval_shape(lambda: jax.random.key(0))
   with jax.set_mesh(spec.mesh):
-    return train_step.make_train_step(spec, cfg.optim, schedule).lower(
+    init = train_state.make_init(cfg.model, spec).lower(key).compile()
+    step = train_step.make_train_step(spec, cfg.optim, schedule).lower(
         spec.abstract, batch).compile()
+  return init, step
 
 
 class Runtime:
@@ -118,12 +122,13 @@ class Runtime:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
                           f"learner {g}'s data x fsdp = {width}")
       spec = train_state.make_spec(cfg.model, tx, mesh)
-      self.slots.append(Slot(g, spec, _compiled_step(cfg, spec, schedule), speeds[g],
-                             len(group), np.random.default_rng([cfg.seed, g])))
+      init_fn, step_fn = _compiled(cfg, spec, schedule)
+      self.slots.append(Slot(g, spec, init_fn, step_fn, speeds[g], len(group),
+                             np.random.default_rng([cfg.seed, g])))
     flat_shapes = fragments_lib.flatten_tree(self.slots[0].spec.abstract["params"])
     self.plan = fragments_lib.plan_fragments({k: v.shape for k, v in flat_shapes.items()},
                                              cfg.sync.num_fragments, cfg.sync.scheme)
-    init = train_state.create(cfg.model, self.slots[0].spec, jax.random.key(cfg.seed))
+    init = self.slots[0].init_fn(jax.random.key(cfg.seed))
     global_params = {k: np.asarray(v) for k, v in
                      fragments_lib.flatten_tree(jax.device_get(init["params"])).items()}
     self.recorder = Recorder(workdir)
@@ -131,6 +136,7 @@ class Runtime:
     self.syncer = Syncer(global_params, self.plan, cfg.sync, cfg.outer, sync_delay_s=delay,
                          on_round=self.recorder.round)
     self.transport = InMemoryTransport()
+    self.lock = threading.Lock()  # guards the syncer against concurrent readers
     self.faults = faults_lib.parse(cfg.learners.faults)
     for f in self.faults:
       if f.kind != "add" and not 0 <= f.learner < len(self.slots):
@@ -144,7 +150,8 @@ class Runtime:
     slot.incarnation += 1
     slot.learner = Learner(
         learner_id=slot.index, incarnation=slot.incarnation, num_groups=len(self.slots),
-        cfg=self.cfg, spec=slot.spec, step_fn=slot.step_fn, plan=self.plan,
+        cfg=self.cfg, spec=slot.spec, init_fn=slot.init_fn, step_fn=slot.step_fn,
+        plan=self.plan,
         transport=self.transport, resume=slot.resume, background_io=background_io)
     slot.learner.load_global()
     # Registered before its first delivery, so K = M rounds wait for it from the start.
@@ -166,7 +173,8 @@ class Runtime:
     return slot.speed * noise
 
   def global_params(self) -> dict:
-    return fragments_lib.unflatten_tree(self.syncer.global_params())
+    with self.lock:  # a consistent copy while the syncer thread may be merging
+      return fragments_lib.unflatten_tree(self.syncer.global_params())
 
   def evaluate(self, batches) -> float:
     spec = self.slots[0].spec

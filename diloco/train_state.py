@@ -66,13 +66,18 @@ def make_spec(cfg: ModelConfig, tx: optax.GradientTransformation,
   return StateSpec(graphdef=graphdef, tx=tx, mesh=mesh, abstract=abstract, shardings=shardings)
 
 
-def create(cfg: ModelConfig, spec: StateSpec, key: jax.Array) -> PyTree:
-  """Fresh parameters and optimizer state, initialised directly with their shardings."""
+def make_init(cfg: ModelConfig, spec: StateSpec):
+  """A jitted `init(key) -> state` that materialises the state with its shardings."""
 
   def init(key):
     params = nnx.to_pure_dict(nnx.state(_new_model(cfg, key)))
     return {"params": params, "opt_state": spec.tx.init(params),
             "step": jnp.zeros((), jnp.int32)}
 
+  return jax.jit(init, out_shardings=spec.shardings)
+
+
+def create(cfg: ModelConfig, spec: StateSpec, key: jax.Array) -> PyTree:
+  """Fresh parameters and optimizer state, initialised directly with their shardings."""
   with jax.set_mesh(spec.mesh):
-    return jax.jit(init, out_shardings=spec.shardings)(key)
+    return make_init(cfg, spec)(key)
