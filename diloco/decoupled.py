@@ -100,7 +100,7 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
 
   def on_step(slot: Slot) -> None:
     learner = slot.learner
-    last = getattr(learner, "last_values", None)
+    last = learner.last_values
     if last is not None and written.get(slot.index) != last[0]:
       written[slot.index] = last[0]
       learner_writers[slot.index].write(last[0], dict(last[1], incarnation=slot.incarnation))

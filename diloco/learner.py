@@ -75,7 +75,7 @@ class Learner:
     self._inflight: list[concurrent.futures.Future] = []
     self._last_metrics: Any = None
     self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-    self.last_loss = float("nan")
+    self.last_values: tuple[int, dict[str, float]] | None = None  # (local step, metrics)
 
   def resume_point(self) -> Resume:
     return Resume(self.local_step, self.data_iter.get_state())
@@ -151,7 +151,6 @@ class Learner:
     if bad:
       raise FloatingPointError(f"learner {self.id}: non-finite metrics at local step {step}: "
                                f"{bad}")
-    self.last_loss = values["train/loss"]
     self.last_values = (step, values)
     return step, values
 
