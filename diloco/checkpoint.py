@@ -23,7 +23,9 @@ class Checkpointer:
   """A CheckpointManager over `Composite(state, data, meta)`."""
 
   def __init__(self, directory: str, cfg: CheckpointConfig):
-    self.directory = os.path.abspath(directory)
+    # A local path or an object-store URL (gs://...): Orbax handles both.
+    directory = str(directory)
+    self.directory = directory if "://" in directory else os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -57,6 +59,11 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract_state),
         data=grain.checkpoint.CheckpointRestore(data_iter)))
     return restored.state, meta
+
+  def restore_state(self, step: int, abstract_state: PyTree) -> PyTree:
+    """Only the train state of `step` (e.g. a peer's AdamW moments), not its data position."""
+    return self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state))).state
 
   def close(self) -> None:
     self._manager.wait_until_finished()

@@ -173,6 +173,46 @@ class LearnersConfig:
 
 
 @_frozen
+class StoreConfig:
+  """The store of the multi-process runtime (DESIGN.md 3.1) and its emulated WAN links."""
+  # A local path or an object-store URL (gs://bucket/run); empty: WORKDIR/store.
+  root: str = ""
+  # How often readers look for new entries, and learners write their heartbeat.
+  poll_s: float = 0.05
+  heartbeat_every_s: float = 0.2
+  # Emulated link per learner, comma-separated (one value applies to all); 0 = unlimited.
+  wan_mbps: str = ""
+  wan_latency_ms: str = ""
+  # A learner without a checkpoint of its own starts from a healthy peer's AdamW state.
+  peer_optimizer: bool = False
+  # How long a starting learner waits for the syncer's first published fragments.
+  join_timeout_s: float = 300.0
+
+
+@_frozen
+class LaunchConfig:
+  """The local launcher (`--role=launch`): processes, restarts and the real chaos schedule."""
+  # Emulated CPU devices of each learner process (learners.devices overrides per learner).
+  devices_per_learner: int = 2
+  # Learners that may ever exist (data shards); 0: learners.count plus the schedule's adds.
+  max_learners: int = 0
+  restart_backoff_s: float = 1.0
+  max_backoff_s: float = 20.0
+  # A process that dies this many times in a row, each within a minute, aborts the run.
+  max_fast_failures: int = 5
+  # Real faults, ';'-separated (M may be '*': a random live learner, drawn from the seed):
+  # "kill:M@T" SIGKILL (restarted), "stop:M@T+D" SIGSTOP for D s then SIGCONT,
+  # "kill_syncer@T", "add@T" a new learner joins, "retire:M@T" SIGTERM, leaves cleanly.
+  chaos: str = ""
+  # Random faults drawn from the seed in [chaos_start_s, chaos_end_s], on top of `chaos`.
+  chaos_faults: int = 0
+  chaos_start_s: float = 10.0
+  chaos_end_s: float = 60.0
+  # The whole run is stopped (and fails) after this many seconds.
+  timeout_s: float = 3600.0
+
+
+@_frozen
 class Config:
   model: ModelConfig
   data: DataConfig
@@ -184,6 +224,8 @@ class Config:
   sync: SyncConfig = SyncConfig()
   outer: OuterConfig = OuterConfig()
   learners: LearnersConfig = LearnersConfig()
+  store: StoreConfig = StoreConfig()
+  launch: LaunchConfig = LaunchConfig()
   seed: int = 0
 
 
@@ -191,6 +233,7 @@ _GROUPS = {
     "model": ModelConfig, "data": DataConfig, "mesh": MeshConfig, "optim": OptimConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "log": LogConfig,
     "sync": SyncConfig, "outer": OuterConfig, "learners": LearnersConfig,
+    "store": StoreConfig, "launch": LaunchConfig,
 }
 DATA_SOURCES = ("stdlib", "text", "array_record")
 DTYPES = ("float32", "bfloat16")
@@ -369,3 +412,21 @@ def _validate_diloco(cfg: Config) -> None:
     _check(all(x > 0 for x in speeds), "learners.speeds", "factors must be > 0")
     _check(s.quorum <= max(lc.count, len(devices)), "sync.quorum",
            f"must be <= the number of learners, got {s.quorum}")
+  st, la = cfg.store, cfg.launch
+  _check(st.poll_s > 0 and st.heartbeat_every_s > 0, "store.poll_s/heartbeat_every_s",
+         "must be > 0")
+  _check(st.heartbeat_every_s < s.heartbeat_timeout_s, "store.heartbeat_every_s",
+         f"must be below sync.heartbeat_timeout_s={s.heartbeat_timeout_s}")
+  _check(st.join_timeout_s > 0, "store.join_timeout_s", "must be > 0")
+  for field in ("wan_mbps", "wan_latency_ms"):
+    _check(all(v >= 0 for v in parse_floats(getattr(st, field), f"store.{field}")),
+           f"store.{field}", "values must be >= 0")
+  _check(la.devices_per_learner >= 1, "launch.devices_per_learner", "must be >= 1")
+  _check(la.max_learners >= 0, "launch.max_learners", "must be >= 0")
+  _check(0 < la.restart_backoff_s <= la.max_backoff_s, "launch.restart_backoff_s",
+         "must be > 0 and <= launch.max_backoff_s")
+  _check(la.max_fast_failures >= 1, "launch.max_fast_failures", "must be >= 1")
+  _check(la.chaos_faults >= 0, "launch.chaos_faults", "must be >= 0")
+  _check(0 <= la.chaos_start_s <= la.chaos_end_s, "launch.chaos_start_s/chaos_end_s",
+         "must satisfy 0 <= start <= end")
+  _check(la.timeout_s > 0, "launch.timeout_s", "must be > 0")

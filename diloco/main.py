@@ -1,7 +1,16 @@
-"""Command line: `python -m diloco.main --config=configs/dp.py:small --workdir=DIR`."""
+"""Command line: `python -m diloco.main --config=configs/dp.py:small --workdir=DIR`.
+
+`--role` picks what this process is: `train` (default: data-parallel, or the single-
+controller Decoupled DiLoCo runtime when `learners.count > 0`), `launch` (a local
+multi-process run: a syncer and learner processes sharing a store), or one process of a
+multi-process run: `syncer`, or `learner --learner_id=N` (e.g. one per TPU slice, with
+`--store=gs://bucket/run`).
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import jax
@@ -13,8 +22,51 @@ from diloco import config_lib
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file and preset, e.g. configs/dp.py:small.",
     lock_config=True)
+_CONFIG_JSON = flags.DEFINE_string(
+    "config_json", None, "A resolved config written by a launcher (instead of --config).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
-flags.mark_flags_as_required(["config", "workdir"])
+_ROLE = flags.DEFINE_enum("role", "train", ["train", "launch", "syncer", "learner"],
+                          "What this process runs (see the module docstring).")
+_LEARNER_ID = flags.DEFINE_integer("learner_id", None, "The learner id of --role=learner.")
+_STORE = flags.DEFINE_string("store", None, "Store root of a multi-process run: a local path or "
+                             "gs://bucket/run (default: store.root, else WORKDIR/store).")
+_JAX_DISTRIBUTED = flags.DEFINE_bool(
+    "jax_distributed", False, "Call jax.distributed.initialize() first (a learner that spans "
+    "several hosts of one TPU slice).")
+flags.mark_flags_as_required(["workdir"])
+
+
+def _load_config() -> config_lib.Config:
+  if (_CONFIG.value is None) == (_CONFIG_JSON.value is None):
+    raise app.UsageError("give exactly one of --config=FILE.py:PRESET or --config_json=FILE")
+  if _CONFIG_JSON.value is not None:
+    try:
+      with open(_CONFIG_JSON.value, encoding="utf-8") as f:
+        raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise config_lib.ConfigError(f"--config_json={_CONFIG_JSON.value}: {e}") from None
+    return config_lib.from_config_dict(raw)
+  return config_lib.from_config_dict(_CONFIG.value)
+
+
+def _run(cfg: config_lib.Config, workdir: str):
+  role = _ROLE.value
+  if role == "train":
+    from diloco import decoupled, train  # pylint: disable=import-outside-toplevel
+    return (decoupled.run if cfg.learners.count else train.run)(cfg, workdir)
+  if cfg.learners.count < 1:
+    raise config_lib.ConfigError(f"--role={role} needs learners.count >= 1")
+  if role == "launch":
+    from diloco import launcher  # pylint: disable=import-outside-toplevel
+    return launcher.run(cfg, workdir)
+  store = _STORE.value or cfg.store.root or os.path.join(workdir, "store")
+  if role == "syncer":
+    from diloco import syncer_process  # pylint: disable=import-outside-toplevel
+    return syncer_process.run(cfg, workdir, store)
+  if _LEARNER_ID.value is None:
+    raise app.UsageError("--role=learner needs --learner_id=N")
+  from diloco import learner_process  # pylint: disable=import-outside-toplevel
+  return learner_process.run(cfg, workdir, store, _LEARNER_ID.value)
 
 
 def main(argv: list[str]) -> None:
@@ -22,18 +74,18 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
-  from diloco import decoupled, train  # pylint: disable=import-outside-toplevel
+  if _JAX_DISTRIBUTED.value:
+    jax.distributed.initialize()
   try:
-    cfg = config_lib.from_config_dict(_CONFIG.value)
+    cfg = _load_config()
   except config_lib.ConfigError as e:
     sys.exit(f"config error: {e}")
   logging.info("jax %s on %d %s devices (process %d of %d)", jax.__version__,
                jax.device_count(), jax.default_backend(), jax.process_index(),
                jax.process_count())
-  logging.info("config:\n%s", _CONFIG.value)
+  logging.info("config:\n%s", cfg)
   try:
-    runner = decoupled.run if cfg.learners.count else train.run
-    result = runner(cfg, _WORKDIR.value)
+    result = _run(cfg, _WORKDIR.value)
   except config_lib.ConfigError as e:
     sys.exit(f"config error: {e}")
   print(f"done: {result}", flush=True)

@@ -48,6 +48,14 @@ class Slot:
   resume: Resume = dataclasses.field(default_factory=Resume)
 
 
+def span_record(learner: int, incarnation: int, kind: str, start: float, end: float, *,
+                devices: int, slowdown: float = 1.0, local_step: int = 0, tokens: int = 0) -> dict:
+  """One activity span in the schema `diloco.accounting` reads."""
+  return {"learner": learner, "incarnation": incarnation, "kind": kind, "start": start,
+          "end": end, "devices": devices, "slowdown": slowdown, "local_step": local_step,
+          "tokens": tokens}
+
+
 class Recorder:
   """Appends tape and activity records to JSONL files and keeps them for accounting."""
 
@@ -65,9 +73,8 @@ class Recorder:
       self._tape_file.flush()
 
   def span(self, slot: Slot, kind: str, start: float, end: float, **extra) -> None:
-    record = {"learner": slot.index, "incarnation": max(slot.incarnation, 0), "kind": kind,
-              "start": start, "end": end, "devices": slot.devices, "slowdown": slot.speed,
-              "local_step": extra.get("local_step", 0), "tokens": extra.get("tokens", 0)}
+    record = span_record(slot.index, max(slot.incarnation, 0), kind, start, end,
+                         devices=slot.devices, slowdown=slot.speed, **extra)
     with self._lock:
       self.activity.append(record)
       self._activity_file.write(json.dumps(record) + "\n")
@@ -90,8 +97,21 @@ def group_sizes(cfg: Config, num_devices: int) -> list[int]:
   return sizes
 
 
-def _compiled(cfg: Config, spec: train_state.StateSpec, schedule):
-  """Init and train step compiled ahead of time: no learner compiles on the run's clock."""
+def build_learner(cfg: Config, devices, index: int):
+  """A learner's mesh over `devices`, its state spec, and its init and train step compiled.
+
+  Compiled ahead of time so that no learner compiles on the run's clock; shared by both
+  runtimes (a group of this process's devices, or all devices of a learner process).
+  """
+  total = cfg.train.steps
+  schedule = optim.lr_schedule(cfg.optim, total)
+  tx = optim.inner_optimizer(cfg.optim, total)
+  mesh = mesh_lib.learner_mesh(list(devices), cfg.mesh)
+  width = mesh_lib.data_parallel_width(mesh)
+  if cfg.train.batch_size % width:
+    raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
+                      f"learner {index}'s data x fsdp = {width}")
+  spec = train_state.make_spec(cfg.model, tx, mesh)
   batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32,
                                sharding=batch_sharding(spec.mesh))
   key = jax.eval_shape(lambda: jax.random.key(0))
@@ -99,7 +119,20 @@ def _compiled(cfg: Config, spec: train_state.StateSpec, schedule):
     init = train_state.make_init(cfg.model, spec).lower(key).compile()
     step = train_step.make_train_step(spec, cfg.optim, schedule).lower(
         spec.abstract, batch).compile()
-  return init, step
+  return spec, init, step
+
+
+def fragment_plan(cfg: Config, spec: train_state.StateSpec) -> fragments_lib.FragmentPlan:
+  flat = fragments_lib.flatten_tree(spec.abstract["params"])
+  return fragments_lib.plan_fragments({k: v.shape for k, v in flat.items()},
+                                      cfg.sync.num_fragments, cfg.sync.scheme)
+
+
+def initial_global(init_fn, seed: int) -> dict[str, np.ndarray]:
+  """The global parameters at version 0: learner init with the run's seed, flattened."""
+  init = init_fn(jax.random.key(seed))
+  return {k: np.asarray(v) for k, v in
+          fragments_lib.flatten_tree(jax.device_get(init["params"])).items()}
 
 
 class Runtime:
@@ -111,26 +144,13 @@ class Runtime:
     sizes = group_sizes(cfg, len(devices))
     groups = mesh_lib.device_groups(devices[:sum(sizes)], sizes)
     speeds = parse_floats(cfg.learners.speeds, "learners.speeds") or [1.0] * len(sizes)
-    total = cfg.train.steps
-    schedule = optim.lr_schedule(cfg.optim, total)
-    tx = optim.inner_optimizer(cfg.optim, total)
     self.slots = []
     for g, group in enumerate(groups):
-      mesh = mesh_lib.learner_mesh(group, cfg.mesh)
-      width = mesh_lib.data_parallel_width(mesh)
-      if cfg.train.batch_size % width:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
-                          f"learner {g}'s data x fsdp = {width}")
-      spec = train_state.make_spec(cfg.model, tx, mesh)
-      init_fn, step_fn = _compiled(cfg, spec, schedule)
+      spec, init_fn, step_fn = build_learner(cfg, group, g)
       self.slots.append(Slot(g, spec, init_fn, step_fn, speeds[g], len(group),
                              np.random.default_rng([cfg.seed, g])))
-    flat_shapes = fragments_lib.flatten_tree(self.slots[0].spec.abstract["params"])
-    self.plan = fragments_lib.plan_fragments({k: v.shape for k, v in flat_shapes.items()},
-                                             cfg.sync.num_fragments, cfg.sync.scheme)
-    init = self.slots[0].init_fn(jax.random.key(cfg.seed))
-    global_params = {k: np.asarray(v) for k, v in
-                     fragments_lib.flatten_tree(jax.device_get(init["params"])).items()}
+    self.plan = fragment_plan(cfg, self.slots[0].spec)
+    global_params = initial_global(self.slots[0].init_fn, cfg.seed)
     self.recorder = Recorder(workdir)
     delay = cfg.learners.virtual_sync_s if cfg.learners.virtual_clock else None
     self.syncer = Syncer(global_params, self.plan, cfg.sync, cfg.outer, sync_delay_s=delay,

@@ -23,6 +23,8 @@ from diloco.config_lib import OuterConfig, SyncConfig
 from diloco.transport import Heartbeat, Merged, Payload
 
 REJECT_BAD_PAYLOAD = "bad_payload"
+REJECT_WRONG_SHAPE = "wrong_shape"
+REJECT_WRONG_DTYPE = "wrong_dtype"
 REJECT_NON_FINITE = "non_finite"
 
 
@@ -86,12 +88,31 @@ class Syncer:
         step_time=self._step_ema[beat.learner].value)
 
   def _reject(self, payload: Payload, reason: str, now: float) -> None:
+    self.reject(payload.fragment, payload.learner, payload.incarnation, reason, payload.nbytes,
+                now)
+
+  def reject(self, fragment: int, learner: int, incarnation: int, reason: str, nbytes: int,
+             now: float) -> None:
+    """Counts a rejected delivery; it is listed in the next tape record of its fragment."""
     self.rejections[reason] += 1
-    self._rejected[payload.fragment].append({
-        "learner": payload.learner, "incarnation": payload.incarnation, "reason": reason,
-        "payload_bytes": payload.nbytes, "arrived_at": now})
-    logging.info("syncer: rejected fragment %d from learner %d: %s", payload.fragment,
-                 payload.learner, reason)
+    p = fragment if 0 <= fragment < self.plan.num_fragments else 0
+    self._rejected[p].append({
+        "learner": learner, "incarnation": incarnation, "reason": reason,
+        "payload_bytes": int(nbytes), "arrived_at": now})
+    logging.info("syncer: rejected fragment %d from learner %d: %s", fragment, learner, reason)
+
+  def forget(self, learner: int, incarnation: int) -> None:
+    """A learner incarnation left for good (retired or finished): rounds stop counting it."""
+    known = self.registry.get(learner)
+    if known is not None and known.incarnation <= incarnation:
+      del self.registry[learner]
+      for entries in self._pending.values():
+        entries.pop(learner, None)
+
+  def pending_keys(self) -> set[tuple[int, int, int, int]]:
+    """(fragment, learner, incarnation, local_step) of deliveries waiting for a round."""
+    return {(p, m, e.payload.incarnation, e.payload.local_step)
+            for p, entries in self._pending.items() for m, e in entries.items()}
 
   def _well_formed(self, payload: Payload) -> str | None:
     if not 0 <= payload.fragment < self.plan.num_fragments:
@@ -101,10 +122,12 @@ class Syncer:
       return REJECT_BAD_PAYLOAD
     for path, tensor in payload.tensors.items():
       values = outer.dequantize(tensor) if payload.kind == "delta" else tensor
-      if not isinstance(values, np.ndarray) or values.shape != self.params[path].shape:
+      if not isinstance(values, np.ndarray):
         return REJECT_BAD_PAYLOAD
+      if values.shape != self.params[path].shape:
+        return REJECT_WRONG_SHAPE
       if values.dtype != np.float32:
-        return REJECT_BAD_PAYLOAD
+        return REJECT_WRONG_DTYPE
       if not np.isfinite(values).all():
         return REJECT_NON_FINITE
     return None
@@ -231,6 +254,43 @@ class Syncer:
     if self._on_round is not None:
       self._on_round(record)
     return merged
+
+  # Durable state (multi-process runtime): everything but the tensors, as JSON.
+  def export_state(self) -> dict[str, Any]:
+    return {
+        "versions": list(self.versions), "rounds": self.rounds,
+        "registry": [dataclasses.asdict(s) for s in self.registry.values()],
+        "step_ema": {str(m): e.value for m, e in self._step_ema.items()},
+        "quorum_ema": self._quorum_ema.value, "sync_ema": self._sync_ema.value,
+        "rejections": dict(self.rejections), "last_quorum": self.last_quorum,
+        "last_grace": self.last_grace,
+    }
+
+  def restore_state(self, state: dict[str, Any], fragments: dict[int, tuple[int, dict, dict]],
+                    history: dict[int, dict[int, dict[str, np.ndarray]]], rounds: int) -> None:
+    """Resumes from durable rounds: `fragments[p] = (version, params, momentum)`.
+
+    `rounds` is one past the last committed round (not the count in `state`, which may
+    include rounds closed in the same tick that never became durable).
+    """
+    for p, (version, params, momentum) in fragments.items():
+      self.versions[p] = version
+      self.params.update({k: np.array(v, np.float32) for k, v in params.items()})
+      self.momentum.update({k: np.array(v, np.float32) for k, v in momentum.items()})
+    if self._keep_history:
+      for p, versions in history.items():
+        self._history[p] = {v: {k: np.array(x, np.float32) for k, x in t.items()}
+                            for v, t in versions.items()}
+    self.rounds = rounds
+    decay = self.policy.ema_decay
+    self.registry = {int(r["learner_id"]): policy.LearnerStatus(**r)
+                     for r in state.get("registry", [])}
+    self._step_ema = {int(m): policy.Ema(decay, v) for m, v in state.get("step_ema", {}).items()}
+    self._quorum_ema = policy.Ema(decay, state.get("quorum_ema"))
+    self._sync_ema = policy.Ema(decay, state.get("sync_ema"))
+    self.rejections = collections.Counter(state.get("rejections", {}))
+    self.last_quorum = int(state.get("last_quorum", 0))
+    self.last_grace = float(state.get("last_grace", 0.0))
 
   def global_params(self) -> dict[str, np.ndarray]:
     return {k: v.copy() for k, v in self.params.items()}

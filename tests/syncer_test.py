@@ -85,12 +85,13 @@ def test_grace_window_admits_a_later_learner():
     (lambda p: dict(p, base_version=-1), "unknown_lineage"),
     (lambda p: dict(p, steps=0), "no_steps"),
     (lambda p: dict(p, tensors={**p["tensors"], "layers/0/w": np.zeros((2, 2), np.float32)}),
-     "bad_payload"),
+     "wrong_shape"),
     (lambda p: dict(p, tensors={**p["tensors"], "layers/0/w": np.full((4, 4), np.nan,
                                                                        np.float32)}),
      "non_finite"),
     (lambda p: dict(p, tensors={k: v.astype(np.float64) for k, v in p["tensors"].items()}),
-     "bad_payload"),
+     "wrong_dtype"),
+    (lambda p: dict(p, tensors={"layers/0/w": p["tensors"]["layers/0/w"]}), "bad_payload"),
 ])
 def test_bad_payloads_are_rejected_and_never_enter_g(mutate, reason):
   s = _syncer(quorum=1)

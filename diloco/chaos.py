@@ -1,0 +1,131 @@
+"""The real fault schedule of the multi-process launcher (`launch.chaos`, `launch.chaos_faults`).
+
+Grammar: events separated by ';', each one of
+  kill:M@T       SIGKILL learner M at T seconds (the launcher restarts it after a backoff);
+  stop:M@T+D     SIGSTOP learner M at T, SIGCONT D seconds later (a hang, then a straggler);
+  kill_syncer@T  SIGKILL the syncer (restarted; it resumes from its last durable round);
+  add@T          start a new learner (scavenged capacity);
+  retire:M@T     SIGTERM learner M: it flushes, checkpoints and leaves for good.
+M is a learner id or '*', a live learner drawn at that moment from the seeded generator.
+`generate` draws N more events from the seed; the launcher applies them all in time order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from diloco.config_lib import ConfigError
+
+ANY = -1
+_TARGET = r"(\d+|\*)"
+_PATTERNS = {
+    "kill": re.compile(rf"^kill:{_TARGET}@([0-9.]+)$"),
+    "stop": re.compile(rf"^stop:{_TARGET}@([0-9.]+)\+([0-9.]+)$"),
+    "kill_syncer": re.compile(r"^kill_syncer@([0-9.]+)$"),
+    "add": re.compile(r"^add@([0-9.]+)$"),
+    "retire": re.compile(rf"^retire:{_TARGET}@([0-9.]+)$"),
+}
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Event:
+  at: float
+  kind: str
+  learner: int = ANY  # ANY: a live learner drawn when the event fires
+  duration: float = 0.0
+
+  def __str__(self) -> str:
+    who = "*" if self.learner == ANY else str(self.learner)
+    if self.kind in ("kill_syncer", "add"):
+      return f"{self.kind}@{self.at:g}"
+    if self.kind == "stop":
+      return f"stop:{who}@{self.at:g}+{self.duration:g}"
+    return f"{self.kind}:{who}@{self.at:g}"
+
+
+def _target(text: str) -> int:
+  return ANY if text == "*" else int(text)
+
+
+def parse(text: str) -> list[Event]:
+  """Events sorted by time; ConfigError naming `launch.chaos` on a malformed one."""
+  events = []
+  for raw in text.split(";"):
+    item = raw.strip().replace(" ", "")
+    if not item:
+      continue
+    for kind, pattern in _PATTERNS.items():
+      m = pattern.match(item)
+      if m is None:
+        continue
+      if kind in ("kill", "retire"):
+        events.append(Event(float(m[2]), kind, _target(m[1])))
+      elif kind == "stop":
+        events.append(Event(float(m[2]), kind, _target(m[1]), float(m[3])))
+      else:
+        events.append(Event(float(m[1]), kind))
+      break
+    else:
+      raise ConfigError(f"launch.chaos: cannot parse {item!r}; expected kill:M@T, stop:M@T+D, "
+                        "kill_syncer@T, add@T or retire:M@T (M a learner id or '*'), "
+                        "separated by ';'")
+  return sorted(events)
+
+
+# Relative frequencies of drawn faults: mostly learner kills and hangs, a few syncer kills,
+# growth and retirement only as often as capacity allows (see `generate`).
+_WEIGHTS = {"kill": 4, "stop": 3, "kill_syncer": 1, "add": 1, "retire": 1}
+
+
+def generate(num: int, *, seed: int, start: float, end: float, spare: int,
+             max_stop_s: float = 8.0) -> list[Event]:
+  """`num` events at seeded uniform times in [start, end] on random ('*') learners.
+
+  At most `spare` adds are drawn (capacity for new learners), and at most as many
+  retirements as adds, so the run never shrinks below its initial size.
+  """
+  rng = np.random.default_rng([seed, 7919])
+  times = np.sort(rng.uniform(start, end, num))
+  events, adds, retires = [], 0, 0
+  for at in times:
+    kinds = [k for k in _WEIGHTS if (k != "add" or adds < spare) and
+             (k != "retire" or retires < adds)]
+    weights = np.array([_WEIGHTS[k] for k in kinds], float)
+    kind = kinds[int(rng.choice(len(kinds), p=weights / weights.sum()))]
+    at = round(float(at), 2)
+    if kind == "stop":
+      events.append(Event(at, kind, ANY, round(float(rng.uniform(1.0, max_stop_s)), 2)))
+    elif kind in ("kill", "retire"):
+      events.append(Event(at, kind, ANY))
+    else:
+      events.append(Event(at, kind))
+    adds += kind == "add"
+    retires += kind == "retire"
+  return events
+
+
+def schedule(text: str, num_random: int, *, seed: int, start: float, end: float,
+             count: int, max_learners: int) -> list[Event]:
+  """The launcher's whole schedule; checks that adds fit in `max_learners`."""
+  events = parse(text)
+  adds = sum(e.kind == "add" for e in events)
+  if count + adds > max_learners:
+    raise ConfigError(f"launch.chaos adds {adds} learners to learners.count={count}, more than "
+                      f"launch.max_learners={max_learners}; raise launch.max_learners")
+  for e in events:
+    if e.learner != ANY and e.learner >= max_learners:
+      raise ConfigError(f"launch.chaos: {e} names learner {e.learner}, but learners are "
+                        f"0..{max_learners - 1}")
+  events += generate(num_random, seed=seed, start=start, end=end,
+                     spare=max_learners - count - adds)
+  return sorted(events)
+
+
+def max_learners(cfg) -> int:
+  """Learner ids (and data shards) a multi-process run may use: explicit or count + adds."""
+  if cfg.launch.max_learners:
+    return cfg.launch.max_learners
+  return cfg.learners.count + sum(e.kind == "add" for e in parse(cfg.launch.chaos))

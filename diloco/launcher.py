@@ -1,0 +1,315 @@
+"""The local launcher (`--role=launch`): a syncer and M learner processes on one machine.
+
+It starts every process with its own emulated device count, supervises them, restarts a
+process that died with an exponential backoff (a run aborts if one keeps dying fast),
+and applies the seeded chaos schedule (`diloco.chaos`) with real signals. When every
+learner has finished or retired it stops the syncer, gathers the activity logs, and
+writes accounting.json, loss.png and timeline.png like the single-controller runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+from absl import logging
+
+from diloco import accounting, chaos, timeline
+from diloco import metrics as metrics_lib
+from diloco.config_lib import Config, ConfigError, parse_floats
+from diloco.runtime import span_record
+from diloco.store import Store
+
+LAUNCHER_ACTIVITY = "launcher.jsonl"
+
+
+@dataclasses.dataclass
+class Proc:
+  """One supervised process (the syncer is learner -1)."""
+  name: str
+  learner: int
+  devices: int
+  popen: subprocess.Popen | None = None
+  state: str = "idle"  # idle | running | stopped | waiting (to restart) | done | retired
+  restarts: int = 0
+  fast_failures: int = 0
+  started_at: float = 0.0
+  restart_at: float = 0.0
+  down_since: float | None = None
+  log: object = None
+
+
+class Launcher:
+  def __init__(self, cfg: Config, workdir: str, config_json: str):
+    self.cfg, self.workdir, self.config_json = cfg, os.path.abspath(workdir), config_json
+    self.store_root = cfg.store.root or os.path.join(self.workdir, "store")
+    self.store = Store(self.store_root)
+    self.max_learners = chaos.max_learners(cfg)
+    self.events = chaos.schedule(
+        cfg.launch.chaos, cfg.launch.chaos_faults, seed=cfg.seed,
+        start=cfg.launch.chaos_start_s, end=cfg.launch.chaos_end_s,
+        count=cfg.learners.count, max_learners=self.max_learners)
+    self.rng = np.random.default_rng([cfg.seed, 104729])
+    sizes = [int(x) for x in parse_floats(cfg.learners.devices, "learners.devices")]
+    self.procs = {-1: Proc("syncer", -1, 1)}
+    for m in range(self.max_learners):
+      devices = sizes[m] if m < len(sizes) else cfg.launch.devices_per_learner
+      self.procs[m] = Proc(f"learner{m}", m, devices)
+    os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
+    os.makedirs(os.path.join(self.workdir, "activity"), exist_ok=True)
+    self._activity = open(os.path.join(self.workdir, "activity", LAUNCHER_ACTIVITY), "a",
+                          encoding="utf-8")
+    self.origin = self.store.run_start(create=True)
+    self.applied: list[dict] = []
+
+  def now(self) -> float:
+    return time.time() - self.origin
+
+  # Processes.
+  def _command(self, proc: Proc) -> list[str]:
+    cmd = [sys.executable, "-m", "diloco.main", f"--config_json={self.config_json}",
+           f"--workdir={self.workdir}", f"--store={self.store_root}"]
+    if proc.learner < 0:
+      return cmd + ["--role=syncer"]
+    return cmd + ["--role=learner", f"--learner_id={proc.learner}"]
+
+  def start(self, proc: Proc) -> None:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + [
+        f"--xla_force_host_platform_device_count={proc.devices}"])
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    if proc.log is None:
+      proc.log = open(os.path.join(self.workdir, "logs", f"{proc.name}.log"), "ab")
+    proc.log.write(f"==== start at t={self.now():.2f}s ====\n".encode())
+    proc.log.flush()
+    proc.popen = subprocess.Popen(self._command(proc), stdout=proc.log, stderr=subprocess.STDOUT,
+                                  env=env, start_new_session=True)
+    proc.state, proc.started_at = "running", self.now()
+    if proc.down_since is not None and proc.learner >= 0:
+      self._span(proc, "down", proc.down_since, self.now())
+    proc.down_since = None
+    logging.info("launcher: started %s (pid %d)", proc.name, proc.popen.pid)
+
+  def _span(self, proc: Proc, kind: str, start: float, end: float) -> None:
+    self._activity.write(json.dumps(span_record(proc.learner, -1, kind, start, end,
+                                                devices=proc.devices)) + "\n")
+    self._activity.flush()
+
+  def _signal(self, proc: Proc, sig: int) -> bool:
+    if proc.popen is None or proc.popen.poll() is not None:
+      return False
+    os.kill(proc.popen.pid, sig)
+    return True
+
+  def _learners(self, *states: str) -> list[Proc]:
+    return [p for m, p in sorted(self.procs.items()) if m >= 0 and p.state in states]
+
+  def _reap(self) -> None:
+    """Notices exits: learners that finished, and deaths that need a restart."""
+    la = self.cfg.launch
+    for proc in self.procs.values():
+      if proc.state not in ("running", "stopped", "retiring") or proc.popen.poll() is None:
+        continue
+      code = proc.popen.returncode
+      if proc.state == "retiring" or (code == 0 and proc.learner >= 0):
+        proc.state = "retired" if proc.state == "retiring" else "done"
+        continue
+      if code == 0:  # the syncer only exits by itself when every learner has left
+        proc.state = "done"
+        continue
+      now = self.now()
+      proc.fast_failures = proc.fast_failures + 1 if now - proc.started_at < 60 else 1
+      if proc.fast_failures >= la.max_fast_failures:
+        raise RuntimeError(f"{proc.name} died {proc.fast_failures} times in a row (last exit "
+                           f"code {code}); see {self.workdir}/logs/{proc.name}.log:\n"
+                           + _tail(os.path.join(self.workdir, "logs", f"{proc.name}.log")))
+      backoff = min(la.restart_backoff_s * 2 ** (proc.fast_failures - 1), la.max_backoff_s)
+      proc.state, proc.restart_at, proc.down_since = "waiting", now + backoff, now
+      proc.restarts += 1
+      logging.warning("launcher: %s exited with %d; restart in %.1f s", proc.name, code, backoff)
+
+  def _pick(self, event: chaos.Event, states=("running",)) -> Proc | None:
+    if event.learner != chaos.ANY:
+      proc = self.procs.get(event.learner)
+      return proc if proc is not None and proc.state in states else None
+    live = self._learners(*states)
+    return live[int(self.rng.integers(len(live)))] if live else None
+
+  def apply(self, event: chaos.Event) -> None:
+    proc: Proc | None
+    if event.kind == "kill_syncer":
+      proc = self.procs[-1]
+      ok = proc.state == "running" and self._signal(proc, signal.SIGKILL)
+    elif event.kind == "add":
+      idle = self._learners("idle")
+      proc = idle[0] if idle else None
+      ok = proc is not None
+      if ok:
+        self.start(proc)
+    else:
+      proc = self._pick(event)
+      ok = proc is not None
+      if ok and event.kind == "kill":
+        ok = self._signal(proc, signal.SIGKILL)
+      elif ok and event.kind == "stop":
+        ok = self._signal(proc, signal.SIGSTOP)
+        if ok:
+          proc.state = "stopped"
+          self._continue_at.append((self.now() + event.duration, proc))
+          self._span(proc, "down", self.now(), self.now() + event.duration)
+      elif ok and event.kind == "retire":
+        # Retiring the last learner would end training: retire only with others running.
+        ok = len(self._learners("running")) > 1 and self._signal(proc, signal.SIGTERM)
+        if ok:
+          proc.state = "retiring"
+    record = {"at": round(self.now(), 3), "event": str(event), "applied": bool(ok),
+              "target": None if proc is None else proc.name}
+    self.applied.append(record)
+    print(f"chaos t={self.now():.1f}s: {event} -> "
+          f"{record['target'] if ok else 'skipped (no eligible target)'}", flush=True)
+
+  # The run.
+  def run(self) -> dict:
+    cfg = self.cfg
+    self._continue_at: list[tuple[float, Proc]] = []
+    self.start(self.procs[-1])
+    for m in range(cfg.learners.count):
+      self.start(self.procs[m])
+    pending = list(self.events)
+    last_status = 0.0
+    try:
+      while True:
+        now = self.now()
+        if now > cfg.launch.timeout_s:
+          raise TimeoutError(f"the run exceeded launch.timeout_s={cfg.launch.timeout_s:.0f} s")
+        self._reap()
+        for item in [c for c in self._continue_at if c[0] <= now]:
+          self._continue_at.remove(item)
+          if item[1].state == "stopped":
+            self._signal(item[1], signal.SIGCONT)
+            item[1].state = "running"
+        for proc in self.procs.values():
+          if proc.state == "waiting" and proc.restart_at <= now:
+            self.start(proc)
+        while pending and pending[0].at <= now:
+          self.apply(pending.pop(0))
+        active = self._learners("running", "stopped", "waiting", "retiring")
+        if not active and not [e for e in pending if e.kind == "add"]:
+          break
+        if now - last_status >= cfg.log.progress_every_s:
+          last_status = now
+          print(self.status_line(), flush=True)
+        time.sleep(0.1)
+      self.store.write_json("stop.json", {"at": self.now()})
+      syncer = self.procs[-1]
+      deadline = time.monotonic() + 300
+      while syncer.state != "done" and time.monotonic() < deadline:
+        self._reap()
+        if syncer.state == "waiting" and syncer.restart_at <= self.now():
+          self.start(syncer)
+        time.sleep(0.1)
+      if syncer.state != "done":
+        raise RuntimeError("the syncer did not stop within 300 s of stop.json; see "
+                           f"{self.workdir}/logs/syncer.log")
+    finally:
+      self.shutdown()
+    print(self.status_line(), flush=True)
+    return self.finish()
+
+  def status_line(self) -> str:
+    beats = self.store.heartbeats()
+    parts = []
+    for m, proc in sorted(self.procs.items()):
+      if m < 0 or proc.state == "idle":
+        continue
+      step = beats.get(m, {}).get("local_step", 0)
+      parts.append(f"L{m} {proc.state} s{step} r{proc.restarts}")
+    try:
+      reg = self.store.read_json("registry.json") or {}
+    except Exception:  # a status line never fails the run
+      reg = {}
+    return (" | ".join(parts) + f" || syncer {self.procs[-1].state} r{self.procs[-1].restarts}: "
+            f"rounds {reg.get('rounds', 0)}, quorum {reg.get('last_quorum', 0)}, "
+            f"rejected {sum(reg.get('rejected', {}).values())}")
+
+  def shutdown(self) -> None:
+    for proc in self.procs.values():
+      if proc.popen is not None and proc.popen.poll() is None:
+        self._signal(proc, signal.SIGCONT)
+        self._signal(proc, signal.SIGKILL)
+        proc.popen.wait(timeout=30)
+      if proc.log is not None:
+        proc.log.close()
+        proc.log = None
+    self._activity.close()
+
+  def finish(self) -> dict:
+    """Merges activity logs; writes accounting.json, loss.png and timeline.png."""
+    activity = []
+    folder = os.path.join(self.workdir, "activity")
+    for name in sorted(os.listdir(folder)):
+      activity += accounting.read_jsonl(os.path.join(folder, name))
+    activity.sort(key=lambda r: (r["start"], r["learner"]))
+    with open(os.path.join(self.workdir, accounting.ACTIVITY_FILE), "w") as f:
+      for r in activity:
+        f.write(json.dumps(r) + "\n")
+    cfg = self.cfg
+    num_params = sum(int(np.prod(s)) for s in _param_shapes(cfg).values())
+    summary = accounting.summary(self.workdir, num_fragments=cfg.sync.num_fragments,
+                                 num_params=num_params)
+    records = metrics_lib.read_metrics(os.path.join(self.workdir, metrics_lib.METRICS_FILE))
+    evals = [r["eval/loss"] for r in records if r.get("role") == "syncer" and "eval/loss" in r]
+    summary.update({
+        "eval/initial_loss": evals[0] if evals else float("nan"),
+        "eval/loss": evals[-1] if evals else float("nan"),
+        "chaos/events": len(self.applied),
+        "chaos/applied": sum(r["applied"] for r in self.applied),
+        "restarts": sum(p.restarts for p in self.procs.values()),
+        "syncer_restarts": self.procs[-1].restarts,
+    })
+    with open(os.path.join(self.workdir, "accounting.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    with open(os.path.join(self.workdir, "chaos.json"), "w") as f:
+      json.dump(self.applied, f, indent=2)
+    metrics_lib.plot_loss(records, os.path.join(self.workdir, "loss.png"),
+                          title=f"Decoupled DiLoCo, {cfg.learners.count} learner processes")
+    tape = accounting.read_jsonl(os.path.join(self.workdir, accounting.TAPE_FILE))
+    timeline.plot_timeline(tape, activity, os.path.join(self.workdir, "timeline.png"),
+                           title=f"multi-process, M={cfg.learners.count}, "
+                                 f"K={cfg.sync.quorum}, chaos {len(self.applied)} events")
+    return summary
+
+
+def _param_shapes(cfg: Config) -> dict:
+  from diloco import fragments as fragments_lib  # pylint: disable=import-outside-toplevel
+  from diloco import train_state  # pylint: disable=import-outside-toplevel
+  import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
+  _, state = train_state.abstract_params(cfg.model)
+  return {k: v.shape for k, v in fragments_lib.flatten_tree(nnx.to_pure_dict(state)).items()}
+
+
+def _tail(path: str, lines: int = 30) -> str:
+  try:
+    with open(path, "rb") as f:
+      return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+  except OSError:
+    return ""
+
+
+def run(cfg: Config, workdir: str) -> dict:
+  """Launches the multi-process run of `cfg` in `workdir`; returns its accounting summary."""
+  if cfg.learners.count < 1:
+    raise ConfigError("--role=launch needs learners.count >= 1 (a Decoupled DiLoCo config)")
+  os.makedirs(workdir, exist_ok=True)
+  config_json = os.path.abspath(os.path.join(workdir, "config.json"))
+  with open(config_json, "w") as f:
+    json.dump(dataclasses.asdict(cfg), f, indent=2)
+  return Launcher(cfg, workdir, config_json).run()

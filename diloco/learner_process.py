@@ -1,0 +1,198 @@
+"""A learner process (`--role=learner --learner_id=M`): one learner, its own devices, a store.
+
+It builds its mesh over every device this process sees (on a TPU pod: its slice, with
+`jax.distributed` inside the slice), takes a fresh incarnation number from the store,
+resumes its own checkpoint (params, AdamW state, data position) if it has one, or
+optionally a healthy peer's AdamW state, then loads the latest published global
+fragments and trains. It checkpoints every `checkpoint.every_steps` steps (asynchronously),
+and on SIGTERM flushes, checkpoints and leaves cleanly ("retired"). A SIGKILL loses only
+the steps since its last checkpoint; the launcher (or Kubernetes) restarts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from diloco import chaos, wan
+from diloco import checkpoint as checkpoint_lib
+from diloco import metrics as metrics_lib
+from diloco import runtime as runtime_lib
+from diloco.config_lib import Config, ConfigError, parse_floats
+from diloco.learner import Learner, Resume
+from diloco.store import Store
+from diloco.store_transport import DONE, RETIRED, LearnerStoreLink
+from diloco.transport import Heartbeat
+
+
+def _identity(cfg: Config) -> dict:
+  return {"model": dataclasses.asdict(cfg.model), "seed": cfg.seed,
+          "data_source": cfg.data.source, "seq_len": cfg.data.seq_len}
+
+
+def _speed(cfg: Config, learner_id: int) -> float:
+  speeds = parse_floats(cfg.learners.speeds, "learners.speeds")
+  return speeds[learner_id] if learner_id < len(speeds) else 1.0
+
+
+class _Activity:
+  """Appends this learner's activity spans to `workdir/activity/l{m}.jsonl`."""
+
+  def __init__(self, workdir: str, learner: int, incarnation: int, devices: int, speed: float):
+    os.makedirs(os.path.join(workdir, "activity"), exist_ok=True)
+    self._file = open(os.path.join(workdir, "activity", f"l{learner}.jsonl"), "a",
+                      encoding="utf-8")
+    self._fields = dict(learner=learner, incarnation=incarnation)
+    self._devices, self._speed = devices, speed
+
+  def span(self, kind: str, start: float, end: float, **extra) -> None:
+    record = runtime_lib.span_record(self._fields["learner"], self._fields["incarnation"], kind,
+                                     start, end, devices=self._devices, slowdown=self._speed,
+                                     **extra)
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
+  """Trains learner `learner_id` until `train.steps` local steps or SIGTERM."""
+  shards = chaos.max_learners(cfg)
+  if not 0 <= learner_id < shards:
+    raise ConfigError(f"--learner_id={learner_id} must be in [0, {shards}) (learners.count "
+                      "plus the learners the chaos schedule adds, or launch.max_learners)")
+  retiring = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: retiring.set())
+
+  store = Store(store_root)
+  incarnation = store.next_incarnation(learner_id)
+  devices = jax.devices()
+  spec, init_fn, step_fn = runtime_lib.build_learner(cfg, devices, learner_id)
+  plan = runtime_lib.fragment_plan(cfg, spec)
+  up, down = wan.learner_links(cfg.store.wan_mbps, cfg.store.wan_latency_ms, learner_id)
+  link = LearnerStoreLink(store, learner_id, incarnation, poll_s=cfg.store.poll_s, up=up,
+                          down=down, heartbeat_every_s=cfg.store.heartbeat_every_s)
+  link.wait_initial(plan.num_fragments, cfg.store.join_timeout_s)
+  origin = store.run_start() or time.time()
+  clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
+  joined_at = clock()
+
+  ckpt = checkpoint_lib.Checkpointer(str(store.learner_dir(learner_id)), cfg.checkpoint)
+  learner = Learner(learner_id=learner_id, incarnation=incarnation, num_groups=shards, cfg=cfg,
+                    spec=spec, init_fn=init_fn, step_fn=step_fn, plan=plan, transport=link,
+                    resume=Resume(), background_io=True)
+  latest = ckpt.latest_step()
+  if latest is not None:
+    learner.state, meta = ckpt.restore(latest, spec.abstract, learner.data_iter,
+                                       expect_meta=_identity(cfg))
+    learner.local_step = int(meta["local_step"])
+    logging.info("learner %d: resumed its checkpoint at local step %d", learner_id, latest)
+  elif cfg.store.peer_optimizer:
+    _adopt_peer_optimizer(cfg, store, learner, spec)
+  learner.load_global()  # the published fragments replace whatever parameters it had
+  link.heartbeat(Heartbeat(learner_id, incarnation, learner.local_step, 0.0, clock()))
+  activity = _Activity(workdir, learner_id, incarnation, len(devices), _speed(cfg, learner_id))
+  activity.span("load", joined_at, clock(), local_step=learner.local_step)
+  writer = metrics_lib.MetricWriter(workdir, role="learner", learner=learner_id)
+  print(f"learner {learner_id} incarnation {incarnation}: joined at local step "
+        f"{learner.local_step} on {len(devices)} {jax.default_backend()} devices", flush=True)
+  try:
+    state, saved = _train(cfg, learner, link, ckpt, activity, writer, clock, retiring)
+  finally:
+    writer.close()
+    activity.close()
+  if cfg.checkpoint.every_steps and saved != learner.local_step:
+    _save(cfg, ckpt, learner)  # where a restart of this learner id picks up
+  ckpt.close()
+  learner.close()
+  link.leave(state)
+  link.close()
+  print(f"learner {learner_id} incarnation {incarnation}: {state} at local step "
+        f"{learner.local_step}", flush=True)
+  return {"learner": learner_id, "incarnation": incarnation, "state": state,
+          "local_step": learner.local_step, "bytes_up": link.bytes_up,
+          "bytes_down": link.bytes_down, "wan_wait_s": round(link.wan_wait_s, 3)}
+
+
+def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring) -> str:
+  speed, jitter = _speed(cfg, learner.id), cfg.learners.step_jitter
+  rng = np.random.default_rng([cfg.seed, learner.id, learner.incarnation])
+  every = cfg.checkpoint.every_steps
+  step_time, previous = 0.0, clock()
+  written = saved = None
+  while learner.local_step < cfg.train.steps and not retiring.is_set():
+    learner.step(clock(), step_time)
+    factor = speed * (1.0 + jitter * rng.uniform(-1.0, 1.0)) if jitter else speed
+    extra = (factor - 1.0) * (clock() - previous)
+    if extra > 0:
+      retiring.wait(extra)
+    end = clock()
+    step_time = end - previous
+    activity.span("step", previous, end, local_step=learner.local_step,
+                  tokens=learner.tokens_per_step)
+    last = learner.last_values
+    if last is not None and last[0] != written:
+      written = last[0]
+      writer.write(last[0], dict(last[1], incarnation=learner.incarnation, time=end))
+    blocked = learner.sync_point()
+    waited_from = clock()
+    while blocked and not retiring.is_set():
+      if clock() - waited_from > cfg.sync.heartbeat_timeout_s:
+        logging.warning("learner %d gave up waiting for fragments %s", learner.id, blocked)
+        learner.give_up_waiting(blocked)
+        break
+      link.heartbeat(Heartbeat(learner.id, learner.incarnation, learner.local_step, step_time,
+                               clock()))
+      p = blocked[0]
+      link.wait_for(p, link.latest_version(p) + 1, 0.2)
+      blocked = learner.sync_point()
+    if clock() - waited_from > 1e-3:
+      activity.span("wait", waited_from, clock(), local_step=learner.local_step)
+    if every and learner.local_step % every == 0:
+      _save(cfg, ckpt, learner)
+      saved = learner.local_step
+    previous = clock()
+  learner.read_metrics()
+  return (RETIRED if retiring.is_set() else DONE), saved
+
+
+def _save(cfg: Config, ckpt: checkpoint_lib.Checkpointer, learner: Learner) -> None:
+  ckpt.save(learner.local_step, learner.state, learner.data_iter,
+            dict(_identity(cfg), local_step=learner.local_step, incarnation=learner.incarnation))
+
+
+def _adopt_peer_optimizer(cfg: Config, store: Store, learner: Learner, spec) -> None:
+  """Starts from the AdamW state of the peer with the newest checkpoint, if any."""
+  best = None
+  for m in range(chaos.max_learners(cfg)):
+    if m == learner.id:
+      continue
+    peer = checkpoint_lib.Checkpointer(str(store.learner_dir(m)), cfg.checkpoint)
+    step = peer.latest_step()
+    if step is not None and (best is None or step > best[1]):
+      best = (peer, step, m)
+    elif step is None:
+      peer.close()
+  if best is None:
+    logging.info("learner %d: no peer checkpoint; fresh AdamW state", learner.id)
+    return
+  peer, step, m = best
+  try:
+    state = peer.restore_state(step, spec.abstract)
+    learner.state = dict(learner.state, opt_state=state["opt_state"])
+    print(f"learner {learner.id}: adopted learner {m}'s AdamW state (its step {step})",
+          flush=True)
+  except Exception as e:  # the peer may have collected that step meanwhile
+    logging.warning("learner %d: could not read learner %d's checkpoint %d (%r); fresh AdamW "
+                    "state", learner.id, m, step, e)
+  finally:
+    peer.close()

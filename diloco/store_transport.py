@@ -1,0 +1,272 @@
+"""The transport over a store: what learner and syncer processes use instead of memory.
+
+`LearnerStoreLink` has the learner-side methods of `transport.InMemoryTransport`, so the
+same `Learner` runs unchanged; nothing on its hot path touches the store: deliveries and
+heartbeats are queued and written by background threads (through the emulated WAN link),
+and a poller thread downloads each newly committed merged fragment once, so `latest()` is
+a memory read. `SyncerStoreLink` turns the store into the syncer's messages: new
+heartbeats, readable payloads and rejections of unreadable ones, and releases payload
+entries once the syncer is done with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+
+from absl import logging
+
+from diloco import wan
+from diloco.store import Store, StoreError, parse_payload_name
+from diloco.transport import Heartbeat, Merged, Payload
+
+UP, RETIRED, DONE = "up", "retired", "done"
+
+
+class LearnerStoreLink:
+  """A learner process's transport: queued writes up, prefetched merged fragments down."""
+
+  def __init__(self, store: Store, learner: int, incarnation: int, *, poll_s: float,
+               up: wan.Link | None = None, down: wan.Link | None = None,
+               heartbeat_every_s: float = 0.2):
+    self.store, self.learner, self.incarnation = store, learner, incarnation
+    self._up, self._down = up or wan.Link(), down or wan.Link()
+    self._poll_s, self._beat_every = poll_s, heartbeat_every_s
+    self._cond = threading.Condition()
+    self._merged: dict[int, Merged] = {}
+    self._beat: Heartbeat | None = None
+    self._beat_state = UP
+    self._written: Heartbeat | None = None
+    self._beat_lock = threading.Lock()
+    self._seq = 0
+    self._outbox: queue.Queue = queue.Queue()
+    self._stop = threading.Event()
+    self._error: BaseException | None = None
+    self.bytes_up = self.bytes_down = self.bytes_applied = 0
+    self.wan_wait_s = 0.0
+    self._threads = [threading.Thread(target=self._guard, args=(fn,), daemon=True,
+                                      name=f"store-{name}-l{learner}")
+                     for name, fn in (("send", self._send_loop), ("beat", self._beat_loop),
+                                      ("poll", self._poll_loop))]
+    for t in self._threads:
+      t.start()
+
+  def _guard(self, fn) -> None:
+    try:
+      fn()
+    except BaseException as e:  # surfaced to the learner on its next call
+      logging.exception("learner %d: store thread failed", self.learner)
+      self._error = e
+      with self._cond:
+        self._cond.notify_all()
+
+  def _check(self) -> None:
+    if self._error is not None:
+      raise RuntimeError(f"learner {self.learner}: store {self.store.root} failed: "
+                         f"{self._error!r}") from self._error
+
+  # Learner side of the transport interface.
+  def heartbeat(self, beat: Heartbeat) -> None:
+    self._check()
+    with self._cond:
+      self._beat = beat
+
+  def deliver(self, payload: Payload) -> None:
+    self._check()
+    self._outbox.put(payload)
+
+  def latest(self, fragment: int) -> Merged | None:
+    self._check()
+    with self._cond:
+      return self._merged.get(fragment)
+
+  def latest_version(self, fragment: int) -> int:
+    merged = self.latest(fragment)
+    return -1 if merged is None else merged.version
+
+  def wait_for(self, fragment: int, min_version: int, timeout: float) -> Merged | None:
+    with self._cond:
+      self._cond.wait_for(lambda: self._error is not None or (
+          fragment in self._merged and self._merged[fragment].version >= min_version), timeout)
+    return self.latest(fragment)
+
+  def count_download(self, nbytes: int) -> None:
+    self.bytes_applied += nbytes
+
+  # Process life cycle.
+  def wait_initial(self, num_fragments: int, timeout: float) -> None:
+    """Blocks until every fragment has a published version (the syncer is up)."""
+    with self._cond:
+      ok = self._cond.wait_for(lambda: self._error is not None or all(
+          p in self._merged for p in range(num_fragments)), timeout)
+    self._check()
+    if not ok:
+      raise TimeoutError(f"learner {self.learner}: no merged fragments appeared in "
+                         f"{self.store.root}/merged within {timeout:.0f} s; is the syncer "
+                         "running on this store?")
+
+  def flush(self, timeout: float = 600.0) -> None:
+    """Waits until every queued delivery is committed to the store."""
+    deadline = time.monotonic() + timeout
+    while self._outbox.unfinished_tasks and time.monotonic() < deadline:
+      self._check()
+      time.sleep(0.01)
+    self._check()
+
+  def leave(self, state: str) -> None:
+    """Flushes, then tells the syncer that this incarnation is gone for good ("retired"/"done")."""
+    self.flush()
+    with self._cond:
+      self._beat_state = state
+    self._write_beat()
+
+  def close(self) -> None:
+    self._stop.set()
+    for t in self._threads:
+      t.join(timeout=30)
+
+  # Background threads.
+  def _send_loop(self) -> None:
+    while not self._stop.is_set():
+      try:
+        payload = self._outbox.get(timeout=0.1)
+      except queue.Empty:
+        continue
+      try:
+        self._write_beat_if_new()  # the syncer must know this incarnation before its payload
+        self.wan_wait_s += self._up.transfer(payload.nbytes)
+        self.bytes_up += self.store.put_payload(payload)
+      finally:
+        self._outbox.task_done()
+
+  def _write_beat_if_new(self) -> None:
+    with self._cond:
+      new = self._beat is not None and self._beat is not self._written
+    if new:
+      self._write_beat()
+
+  def _write_beat(self) -> None:
+    with self._beat_lock:  # one writer at a time, so records never go back in seq
+      self._write_beat_locked()
+
+  def _write_beat_locked(self) -> None:
+    with self._cond:
+      beat, state = self._beat, self._beat_state
+      self._seq += 1
+      seq = self._seq
+      self._written = beat
+    if beat is None:
+      return
+    self.store.put_heartbeat(self.learner, {
+        "learner": self.learner, "incarnation": self.incarnation, "seq": seq, "state": state,
+        "local_step": beat.local_step, "step_time": beat.step_time, "sent_at": time.time(),
+        "bytes_up": self.bytes_up, "bytes_down": self.bytes_down})
+
+  def _beat_loop(self) -> None:
+    while not self._stop.wait(self._beat_every):
+      if self._beat_state == UP:
+        self._write_beat_if_new()
+
+  def _poll_loop(self) -> None:
+    while not self._stop.is_set():
+      try:
+        index = self.store.merged_index()
+      except StoreError as e:  # a torn index on a non-atomic store: read it again next poll
+        logging.warning("learner %d: %s", self.learner, e)
+        index = {}
+      for p, version in sorted(index.items()):
+        with self._cond:
+          have = self._merged.get(p)
+        if have is not None and have.version >= version:
+          continue
+        merged, _ = self.store.read_merged(p, version)
+        self.wan_wait_s += self._down.transfer(merged.nbytes)
+        self.bytes_down += merged.nbytes
+        with self._cond:
+          self._merged[p] = merged
+          self._cond.notify_all()
+      self._stop.wait(self._poll_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+  """A store entry the syncer could not read as a payload."""
+  name: str
+  fragment: int
+  learner: int
+  incarnation: int
+  reason: str
+  nbytes: int
+
+
+class SyncerStoreLink:
+  """The syncer's view of the store: new heartbeats and payloads since the last poll."""
+
+  def __init__(self, store: Store, expected: dict[int, dict[str, tuple]],
+               already_merged: set[tuple[int, int, int, int]] = frozenset()):
+    """`already_merged` holds (fragment, learner, incarnation, step) of committed deliveries."""
+    self.store, self.expected = store, expected
+    self._beats: dict[int, tuple[int, int]] = {}  # learner -> (incarnation, seq) last seen
+    self._left: set[tuple[int, int]] = set()
+    self._held: dict[str, tuple[int, int, int, int]] = {}
+    self._done = set(already_merged)
+    self._first_poll = True
+
+  def poll(self, now: float) -> tuple[list[Heartbeat], list[Payload], list[Rejected],
+                                      list[tuple[int, int]]]:
+    """(heartbeats, payloads, rejected entries, learners that left) since the last poll.
+
+    A heartbeat counts when its record changed: a restarted syncer takes the records it
+    finds as a baseline, so a learner that died while it was down does not look alive.
+    """
+    beats, left = [], []
+    for learner, record in sorted(self.store.heartbeats().items()):
+      try:
+        key = (int(record["incarnation"]), int(record["seq"]))
+        state = str(record.get("state", UP))
+        beat = Heartbeat(learner, key[0], int(record["local_step"]),
+                         float(record["step_time"]), now)
+      except (KeyError, TypeError, ValueError):
+        continue
+      if self._beats.get(learner) == key:
+        continue
+      self._beats[learner] = key
+      if state in (RETIRED, DONE):
+        if (learner, key[0]) not in self._left:
+          self._left.add((learner, key[0]))
+          left.append((learner, key[0]))
+      elif not self._first_poll:
+        beats.append(beat)
+    if self._first_poll:  # payloads wait for the next poll, when live learners have beaten
+      self._first_poll = False
+      return beats, [], [], left
+    payloads, rejected = [], []
+    for name in self.store.committed_payloads():
+      if name in self._held:
+        continue
+      ids = parse_payload_name(name)
+      if ids in self._done:  # merged by a round committed before a syncer restart
+        self.store.remove_payload(name)
+        continue
+      try:
+        payloads.append(self.store.read_payload(name, self.expected))
+        self._held[name] = ids
+      except StoreError as e:
+        logging.warning("syncer: rejected store entry %s: %s", name, e)
+        rejected.append(Rejected(name, ids[0], ids[1], ids[2], e.reason,
+                                 self.store.payload_bytes(name)))
+        self.store.remove_payload(name)
+    return beats, payloads, rejected, left
+
+  def release(self, pending: set[tuple[int, int, int, int]]) -> None:
+    """Deletes held payload entries that are no longer pending (merged, replaced, rejected).
+
+    Call it only after the rounds closed in the same tick are durable: a syncer that
+    crashes before that finds the entries again on restart.
+    """
+    for name, ids in list(self._held.items()):
+      if ids not in pending:
+        self.store.remove_payload(name)
+        del self._held[name]

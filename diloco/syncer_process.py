@@ -1,0 +1,222 @@
+"""The syncer process (`--role=syncer`): the host syncer over a store, durable round by round.
+
+Each merged round is written to the store as one entry (the fragment's new values and
+Nesterov momentum) plus a commit marker that carries the syncer's small state and the
+round's tape record; only then is it added to `merged/index.json`, the one file learners
+poll. So a learner can only act on a durable round, and a restarted syncer resumes from
+the newest committed entry of every fragment: versions continue from there (none is
+reused), the round counter from the newest committed round, deliveries still in the
+store are read again (those already merged are skipped), and `tape.jsonl` is repaired
+so that it has every committed round exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+
+from diloco import data as data_lib
+from diloco import fragments as fragments_lib
+from diloco import metrics as metrics_lib
+from diloco import optim, train_state, train_step
+from diloco.config_lib import Config
+from diloco.runtime import fragment_plan, initial_global
+from diloco.sharding import batch_sharding
+from diloco.store import Store
+from diloco.store_transport import DONE, RETIRED, SyncerStoreLink
+from diloco.syncer import Syncer
+from diloco.transport import Merged
+
+TAPE_FILE = "tape.jsonl"
+
+
+def _model_on_host(cfg: Config):
+  """Spec, init and eval step of the model on this process's first device (the host)."""
+  mesh_cfg = type(cfg.mesh)(data=1, fsdp=1, tensor=1)
+  from diloco import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  mesh = mesh_lib.learner_mesh(jax.devices()[:1], mesh_cfg)
+  spec = train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, cfg.train.steps),
+                               mesh)
+  return spec, train_state.make_init(cfg.model, spec), train_step.make_eval_step(spec)
+
+
+def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
+            ) -> tuple[bool, set, list[dict]]:
+  """Restores `syncer` from the store's committed rounds.
+
+  Returns (recovered?, keys (fragment, learner, incarnation, step) of deliveries that
+  committed rounds merged, the committed rounds' tape records).
+  """
+  if not store.merged_versions(0):
+    return False, set(), []
+  fragments, history, markers = {}, {}, []
+  for p in range(num_fragments):
+    versions = store.merged_versions(p)
+    if not versions:
+      raise RuntimeError(f"store {store.root}: fragment {p} has no committed version while "
+                         "fragment 0 has; the store is not from one run")
+    version = versions[-1]
+    merged, momentum = store.read_merged(p, version, with_momentum=True)
+    fragments[p] = (version, merged.tensors, momentum)
+    history[p] = {v: store.read_merged(p, v)[0].tensors for v in versions
+                  if v >= version - max_staleness}
+    markers.append(store.merged_marker(p, version))
+  with_rounds = [m for m in markers if m.get("round") is not None]
+  newest = max(with_rounds, key=lambda m: m["round"], default=markers[0])
+  rounds = newest["round"] + 1 if with_rounds else 0
+  syncer.restore_state(newest["state"], fragments, history, rounds)
+  merged_keys = {(m["fragment"], a["learner"], a["incarnation"], a["local_step"])
+                 for m in with_rounds for a in m["tape"]["admitted"]}
+  # The index may lag the markers by one write if the syncer died in between.
+  store.write_json("merged/index.json", {str(p): fragments[p][0] for p in range(num_fragments)})
+  return True, merged_keys, [m["tape"] for m in with_rounds]
+
+
+def repair_tape(path: str, rounds: int, committed: list[dict]) -> None:
+  """Leaves `path` with every committed round (< `rounds`) exactly once, in round order."""
+  records = {}
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError:
+          continue  # torn by a crash mid-write
+        if isinstance(record, dict) and 0 <= record.get("round", -1) < rounds:
+          records.setdefault(record["round"], record)
+  for record in committed:
+    records.setdefault(record["round"], record)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    for r in sorted(records):
+      f.write(json.dumps(records[r]) + "\n")
+  os.replace(tmp, path)
+
+
+class _Evaluator:
+  """Evaluates snapshots of G on the host in the background (one at a time)."""
+
+  def __init__(self, cfg: Config, spec, eval_fn, writer: metrics_lib.MetricWriter):
+    self.spec, self.eval_fn, self.writer = spec, eval_fn, writer
+    self.batches = [jax.device_put(b, batch_sharding(spec.mesh)) for b in data_lib.eval_batches(
+        cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
+    self._thread: threading.Thread | None = None
+    self.last: float | None = None
+
+  def evaluate(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
+    params = jax.device_put(fragments_lib.unflatten_tree(flat_params),
+                            self.spec.shardings["params"])
+    with jax.set_mesh(self.spec.mesh):
+      loss = float(np.mean(jax.device_get([self.eval_fn(params, b) for b in self.batches])))
+    if not math.isfinite(loss):
+      raise FloatingPointError(f"global eval/loss is {loss} at t={now:.1f}s")
+    self.writer.write(step, {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),
+                             "time": now, "outer/rounds": rounds})
+    print(f"t={now:.1f}s step {step}: global eval/loss {loss:.4f} after {rounds} rounds",
+          flush=True)
+    self.last = loss
+    return loss
+
+  def start(self, flat_params: dict, step: int, now: float, rounds: int) -> None:
+    if self._thread is not None and self._thread.is_alive():
+      return
+    self._thread = threading.Thread(target=self.evaluate, args=(flat_params, step, now, rounds),
+                                    daemon=True, name="eval")
+    self._thread.start()
+
+  def join(self) -> None:
+    if self._thread is not None:
+      self._thread.join()
+
+
+def run(cfg: Config, workdir: str, store_root: str) -> dict:
+  """Serves rounds until the launcher writes `stop.json` or every learner has left."""
+  os.makedirs(workdir, exist_ok=True)
+  store = Store(store_root)
+  origin = store.run_start(create=True)
+  clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
+  spec, init_fn, eval_fn = _model_on_host(cfg)
+  plan = fragment_plan(cfg, spec)
+  with jax.set_mesh(spec.mesh):
+    global_params = initial_global(init_fn, cfg.seed)
+  pending_records: list[dict] = []
+  syncer = Syncer(global_params, plan, cfg.sync, cfg.outer, on_round=pending_records.append)
+  keep = cfg.sync.max_staleness + 2
+  recovered, merged_keys, committed = recover(store, syncer, plan.num_fragments,
+                                              cfg.sync.max_staleness)
+  if not recovered:
+    for merged in syncer.initial(clock()):
+      store.put_merged(merged, syncer.momentum, {"round": None, "state": syncer.export_state()})
+  tape_path = os.path.join(workdir, TAPE_FILE)
+  repair_tape(tape_path, syncer.rounds, committed)
+  print(f"syncer: {'resumed at round ' + str(syncer.rounds) if recovered else 'started'}, "
+        f"versions {syncer.versions}", flush=True)
+  expected = {p: {k: global_params[k].shape for k in paths}
+              for p, paths in enumerate(plan.fragments)}
+  link = SyncerStoreLink(store, expected, merged_keys)
+  writer = metrics_lib.MetricWriter(workdir, role="syncer", tensorboard=cfg.log.tensorboard)
+  evaluator = _Evaluator(cfg, spec, eval_fn, writer)
+  progress, next_eval = 0, cfg.train.eval_every
+  if not recovered:
+    evaluator.evaluate(syncer.global_params(), 0, clock(), 0)
+  tape = open(tape_path, "a", encoding="utf-8")
+  last_registry = 0.0
+  try:
+    while True:
+      now = clock()
+      beats, payloads, rejected, left = link.poll(now)
+      for r in rejected:
+        syncer.reject(r.fragment, r.learner, r.incarnation, r.reason, r.nbytes, now)
+      for learner, incarnation in left:
+        syncer.forget(learner, incarnation)
+      merged, deadline = syncer.tick(now, beats, payloads)
+      _commit(store, syncer, merged, pending_records, tape, keep)
+      link.release(syncer.pending_keys())
+      progress = max([progress] + [b.local_step for b in beats])
+      if next_eval and progress >= next_eval:
+        evaluator.start(syncer.global_params(), progress, clock(), syncer.rounds)
+        next_eval += cfg.train.eval_every
+      if now - last_registry >= 1.0:
+        last_registry = now
+        store.write_json("registry.json", dict(syncer.state_summary(), time=now,
+                                               versions=syncer.versions,
+                                               alive=syncer.alive(now)))
+      if store.exists("stop.json") or _all_left(store):
+        break
+      wait = cfg.store.poll_s if deadline is None else min(cfg.store.poll_s,
+                                                           max(deadline - clock(), 0.0))
+      time.sleep(wait)
+    evaluator.join()
+    final = evaluator.evaluate(syncer.global_params(), progress, clock(), syncer.rounds)
+  finally:
+    tape.close()
+    writer.close()
+  summary = dict(syncer.state_summary(), versions=syncer.versions)
+  store.write_json("registry.json", dict(summary, time=clock(), alive=[]))
+  print(f"syncer: stopped after {syncer.rounds} rounds, eval/loss {final:.4f}", flush=True)
+  return dict(summary, **{"eval/loss": final})
+
+
+def _commit(store: Store, syncer: Syncer, merged: list[Merged], records: list[dict], tape,
+            keep: int) -> None:
+  """Durable entry, commit marker and index (in that order), then the tape line."""
+  assert len(merged) == len(records), (len(merged), len(records))
+  for m, record in zip(merged, records):
+    store.put_merged(m, syncer.momentum,
+                     {"round": record["round"], "state": syncer.export_state(), "tape": record})
+    tape.write(json.dumps(record) + "\n")
+    tape.flush()
+    store.collect_merged(m.fragment, keep)
+  records.clear()
+
+
+def _all_left(store: Store) -> bool:
+  """True once learners have heartbeats and every one of them is done or retired."""
+  states = [r.get("state") for r in store.heartbeats().values()]
+  return bool(states) and all(s in (DONE, RETIRED) for s in states) and DONE in states

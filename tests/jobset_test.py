@@ -1,0 +1,206 @@
+"""scripts/make_jobset.py: the rendered JobSet parses and has the structure GKE needs.
+
+Nothing here talks to a cluster; these checks guard the manifest's shape (one job per
+learner, hosts per slice, selectors, commands) and that bad flags fail with their name.
+"""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("make_jobset", ROOT / "scripts" / "make_jobset.py")
+make_jobset = importlib.util.module_from_spec(_spec)
+sys.modules["make_jobset"] = make_jobset  # dataclasses look their module up while executing it
+_spec.loader.exec_module(make_jobset)
+
+STORE = "gs://diloco-test-bucket/run-7"
+
+
+def _argv(**overrides) -> list[str]:
+  flags = {"name": "dd-test", "image": "us-docker.pkg.dev/proj/repo/diloco:abc",
+           "store": STORE, "config": "configs/decoupled.py:gemma_2b", "learners": "3",
+           "tpu_type": "v5p-128"}
+  flags.update(overrides)
+  return [f"--{k}={v}" for k, v in flags.items() if v is not None]
+
+
+def _render(**overrides) -> dict:
+  text = make_jobset.render(make_jobset.parse_args(_argv(**overrides)))
+  return yaml.safe_load(text)
+
+
+def _jobs(manifest: dict) -> dict[str, dict]:
+  return {rj["name"]: rj for rj in manifest["spec"]["replicatedJobs"]}
+
+
+def _backoff(rj: dict) -> int:
+  return rj["template"]["spec"]["backoffLimit"]
+
+
+def _container(rj: dict) -> dict:
+  (container,) = rj["template"]["spec"]["template"]["spec"]["containers"]
+  return container
+
+
+@pytest.mark.parametrize("tpu_type, accelerator, topology, hosts, chips_per_host", [
+    ("v5p-128", "tpu-v5p-slice", "4x4x4", 16, 4),  # v5p-N counts TensorCores: 64 chips
+    ("v5litepod-256", "tpu-v5-lite-podslice", "16x16", 64, 4),
+    ("v6e-16", "tpu-v6e-slice", "4x4", 4, 4),
+])
+def test_multi_host_slices(tpu_type, accelerator, topology, hosts, chips_per_host):
+  manifest = _render(tpu_type=tpu_type)
+  assert manifest["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+  assert manifest["kind"] == "JobSet"
+  jobs = _jobs(manifest)
+  assert list(jobs) == ["syncer", "learner-0", "learner-1", "learner-2"]
+  for i in range(3):
+    rj = jobs[f"learner-{i}"]
+    assert rj["replicas"] == 1
+    job = rj["template"]["spec"]
+    assert job["parallelism"] == job["completions"] == hosts
+    assert job["completionMode"] == "Indexed"
+    pod = job["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": accelerator,
+                                   "cloud.google.com/gke-tpu-topology": topology}
+    container = _container(rj)
+    assert container["resources"]["limits"] == {"google.com/tpu": chips_per_host}
+    assert container["resources"]["requests"] == {"google.com/tpu": chips_per_host}
+    cmd = container["command"]
+    assert cmd[:3] == ["python", "-m", "diloco.main"]
+    assert "--role=learner" in cmd and "--jax_distributed" in cmd
+    assert [a for a in cmd if a.startswith("--learner_id=")] == [f"--learner_id={i}"]
+    assert f"--store={STORE}" in cmd
+    assert "--config=configs/decoupled.py:gemma_2b" in cmd
+    assert "--config.learners.count=3" in cmd
+    env = {e["name"]: e for e in container["env"]}
+    assert env["DILOCO_LEARNER_ID"]["value"] == str(i)
+    assert env["DILOCO_STORE"]["value"] == STORE
+    assert "job-completion-index" in env["DILOCO_HOST_INDEX"]["valueFrom"]["fieldRef"][
+        "fieldPath"]
+    annotations = rj["template"]["metadata"]["annotations"]
+    assert annotations[make_jobset.EXCLUSIVE_KEY] == "cloud.google.com/gke-nodepool"
+
+
+def test_syncer_is_one_cpu_pod():
+  syncer = _jobs(_render(syncer_machine="n2-highmem-64"))["syncer"]
+  job = syncer["template"]["spec"]
+  assert syncer["replicas"] == 1 and job["parallelism"] == job["completions"] == 1
+  pod = job["template"]["spec"]
+  assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "n2-highmem-64"}
+  container = _container(syncer)
+  assert "resources" not in container  # no google.com/tpu
+  cmd = container["command"]
+  assert "--role=syncer" in cmd and f"--store={STORE}" in cmd
+  assert not any(a.startswith("--learner_id") or a == "--jax_distributed" for a in cmd)
+
+
+def test_single_host_slice_has_no_jax_distributed():
+  learner = _jobs(_render(tpu_type="v5litepod-8", learners="1"))["learner-0"]
+  job = learner["template"]["spec"]
+  assert job["parallelism"] == 1
+  container = _container(learner)
+  assert container["resources"]["limits"] == {"google.com/tpu": 8}
+  assert "--jax_distributed" not in container["command"]
+  assert job["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x4"
+
+
+def test_overrides_topology_and_chips_per_host():
+  learner = _jobs(_render(tpu_type="v6e-8", chips_per_host="4"))["learner-0"]
+  assert learner["template"]["spec"]["parallelism"] == 2
+  assert "--jax_distributed" in _container(learner)["command"]
+  learner = _jobs(_render(tpu_type="v5p-32", topology="2x2x4"))["learner-0"]
+  assert learner["template"]["spec"]["parallelism"] == 4
+
+
+def test_failure_policy_restarts_only_the_failed_job():
+  manifest = _render(max_restarts="7")
+  policy = manifest["spec"]["failurePolicy"]
+  assert policy["maxRestarts"] == 7
+  assert [r["action"] for r in policy["rules"]] == ["RestartJob"]
+  assert all(not r.get("targetReplicatedJobs") for r in policy["rules"])  # every job
+  assert {_backoff(rj) for rj in manifest["spec"]["replicatedJobs"]} == {0}
+
+
+def test_pod_restart_mode_never_restarts_the_jobset():
+  manifest = _render(restart_mode="pod", max_restarts="5")
+  assert manifest["spec"]["failurePolicy"] == {"maxRestarts": 0}
+  assert {_backoff(rj) for rj in manifest["spec"]["replicatedJobs"]} == {5}
+
+
+def test_config_overrides_reach_every_process():
+  argv = _argv() + ["--override=data.path=gs://b/tokens", "--override=checkpoint.every_steps=500"]
+  manifest = yaml.safe_load(make_jobset.render(make_jobset.parse_args(argv)))
+  for rj in manifest["spec"]["replicatedJobs"]:
+    cmd = _container(rj)["command"]
+    assert "--config.data.path=gs://b/tokens" in cmd
+    assert "--config.checkpoint.every_steps=500" in cmd
+    assert "--config.store.heartbeat_every_s=2.0" in cmd  # GCS: ~1 update/s per object
+  argv = _argv() + ["--override=store.heartbeat_every_s=5"]
+  cmd = _container(_jobs(yaml.safe_load(make_jobset.render(make_jobset.parse_args(argv))))[
+      "syncer"])["command"]
+  assert [a for a in cmd if "heartbeat_every_s" in a] == ["--config.store.heartbeat_every_s=5"]
+
+
+@pytest.mark.parametrize("override", [
+    "data.pth=x", "nodots=1", "learners.count=4", "checkpoint.every_steps=often",
+    "mesh.tensor=3",  # 3 does not divide the 64 chips of a v5p-128
+])
+def test_bad_overrides_are_named(override):
+  with pytest.raises(ValueError, match="--override|--config"):
+    make_jobset.build_jobset(make_jobset.parse_args(_argv() + [f"--override={override}"]))
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    ({"store": "/tmp/store"}, "--store"),
+    ({"store": "s3://bucket/run"}, "--store"),
+    ({"learners": "0"}, "--learners"),
+    ({"tpu_type": "v4-8"}, "--tpu_type"),
+    ({"tpu_type": "v5p-7"}, "--tpu_type"),
+    ({"tpu_type": "v5p-32"}, "--topology"),  # no default shape: must be given
+    ({"topology": "4x4x8"}, "--topology"),  # 128 chips, but v5p-128 has 64
+    ({"tpu_type": "v5litepod-16", "chips_per_host": "3"}, "--chips_per_host"),
+    ({"config": "configs/decoupled.py:gemma_99b"}, "--config"),
+    ({"config": "configs/nope.py:tiny"}, "--config"),
+    ({"tpu_type": "v5litepod-1"}, "--config"),  # tensor=4 does not fit one chip
+    ({"name": "Bad_Name"}, "--name"),
+    ({"name": "x" * 60}, "--name"),
+    ({"image": ""}, "--image"),
+    ({"syncer_machine": "ct5lp-hightpu-4t"}, "--syncer_machine"),
+    ({"max_restarts": "-1"}, "--max_restarts"),
+])
+def test_bad_flags_are_named(overrides, flag):
+  with pytest.raises(ValueError, match=flag):
+    make_jobset.build_jobset(make_jobset.parse_args(_argv(**overrides)))
+
+
+def test_main_reports_bad_flag_and_writes_nothing(capsys, tmp_path):
+  out = tmp_path / "js.yaml"
+  assert make_jobset.main(_argv(store="bucket/run", output=str(out))) == 2
+  captured = capsys.readouterr()
+  assert "--store" in captured.err and captured.out == ""
+  assert not out.exists()
+
+
+def test_main_writes_output_file(capsys, tmp_path):
+  out = tmp_path / "js.yaml"
+  assert make_jobset.main(_argv(output=str(out), learners="2")) == 0
+  assert "wrote" in capsys.readouterr().out
+  assert len(_jobs(yaml.safe_load(out.read_text()))) == 3
+
+
+def test_dry_run_subprocess_prints_only_yaml(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "scripts/make_jobset.py", "--dry_run",
+       *_argv(tpu_type="v5litepod-256", learners="2")],
+      cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr
+  manifest = yaml.safe_load(proc.stdout)
+  assert manifest["kind"] == "JobSet"
+  assert [rj["name"] for rj in manifest["spec"]["replicatedJobs"]] == [
+      "syncer", "learner-0", "learner-1"]
+  assert not list(tmp_path.iterdir())
