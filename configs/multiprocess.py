@@ -28,8 +28,8 @@ def get_config(preset: str = "tiny"):
     cfg.log.progress_every_s = 10.0
     cfg.launch.devices_per_learner = 2
     cfg.launch.chaos_faults = 10
-    cfg.launch.chaos_start_s = 25.0
-    cfg.launch.chaos_end_s = 70.0
+    cfg.launch.chaos_start_s = 5.0
+    cfg.launch.chaos_end_s = 45.0
     cfg.launch.max_learners = 4  # room for one learner added by the chaos schedule
     cfg.launch.timeout_s = 900.0
   if preset == "tiny":

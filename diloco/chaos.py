@@ -6,7 +6,8 @@ Grammar: events separated by ';', each one of
   kill_syncer@T  SIGKILL the syncer (restarted; it resumes from its last durable round);
   add@T          start a new learner (scavenged capacity);
   retire:M@T     SIGTERM learner M: it flushes, checkpoints and leaves for good.
-M is a learner id or '*', a live learner drawn at that moment from the seeded generator.
+Times count from the moment every initial learner has taken a step (start-up and compilation
+vary by machine). M is a learner id or '*', a live learner drawn then from the seeded generator.
 `generate` draws N more events from the seed; the launcher applies them all in time order.
 """
 

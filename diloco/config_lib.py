@@ -200,7 +200,8 @@ class LaunchConfig:
   max_backoff_s: float = 20.0
   # A process that dies this many times in a row, each within a minute, aborts the run.
   max_fast_failures: int = 5
-  # Real faults, ';'-separated (M may be '*': a random live learner, drawn from the seed):
+  # Real faults, ';'-separated, at T seconds after every initial learner has taken a step
+  # (M may be '*': a random live learner, drawn from the seed):
   # "kill:M@T" SIGKILL (restarted), "stop:M@T+D" SIGSTOP for D s then SIGCONT,
   # "kill_syncer@T", "add@T" a new learner joins, "retire:M@T" SIGTERM, leaves cleanly.
   chaos: str = ""

@@ -170,6 +170,10 @@ class Launcher:
         ok = len(self._learners("running")) > 1 and self._signal(proc, signal.SIGTERM)
         if ok:
           proc.state = "retiring"
+    if event.kind == "retire" and not ok and event.learner != chaos.ANY:
+      down = self.procs.get(event.learner)
+      if down is not None and down.state == "waiting":  # dead already: just never restart it
+        proc, ok, down.state = down, True, "retired"
     record = {"at": round(self.now(), 3), "event": str(event), "applied": bool(ok),
               "target": None if proc is None else proc.name}
     self.applied.append(record)
@@ -185,6 +189,7 @@ class Launcher:
       self.start(self.procs[m])
     pending = list(self.events)
     last_status = 0.0
+    chaos_origin = None  # chaos times count from when every initial learner has stepped
     try:
       while True:
         now = self.now()
@@ -199,7 +204,11 @@ class Launcher:
         for proc in self.procs.values():
           if proc.state == "waiting" and proc.restart_at <= now:
             self.start(proc)
-        while pending and pending[0].at <= now:
+        if chaos_origin is None and self._all_stepping():
+          chaos_origin = now
+          print(f"launcher: all {cfg.learners.count} learners training at t={now:.1f}s; "
+                f"{len(pending)} chaos events from now on", flush=True)
+        while chaos_origin is not None and pending and pending[0].at <= now - chaos_origin:
           self.apply(pending.pop(0))
         active = self._learners("running", "stopped", "waiting", "retiring")
         if not active and not [e for e in pending if e.kind == "add"]:
@@ -223,6 +232,10 @@ class Launcher:
       self.shutdown()
     print(self.status_line(), flush=True)
     return self.finish()
+
+  def _all_stepping(self) -> bool:
+    beats = self.store.heartbeats()
+    return all(beats.get(m, {}).get("local_step", 0) >= 1 for m in range(self.cfg.learners.count))
 
   def status_line(self) -> str:
     beats = self.store.heartbeats()

@@ -20,9 +20,13 @@ per-block scale), optionally with error feedback (`quantize_with_feedback`).
 
 The merges stream over the data in cache-sized chunks with preallocated accumulators: RDA reads
 every delta twice (once for its norm, once to accumulate), which is the minimum for an exact RDA.
-Accumulation is in float32 (float64 for float64 inputs); norms are summed in float64. The merges
-use element-wise ufuncs rather than multithreaded BLAS matrix products: those were no faster
-single-threaded and collapsed on a busy host, and ufuncs keep merges bit-reproducible.
+Accumulation is in float32 (float64 for float64 inputs); norms are summed in float64. Weighted
+sums take a Horner form (`_WeightedSum`) that costs one in-cache multiply per input besides the pass
+that streams it. The merges use element-wise ufuncs rather than multithreaded BLAS matrix
+products: those were no faster single-threaded and collapsed on a busy host, and ufuncs keep
+merges bit-reproducible. `merge_and_step` fuses a fragment's merge with its Nesterov step (the
+syncer's round): it rounds exactly like `merge_fragment` then `nesterov_step`, but never writes
+the merged gradient out in full.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ QUANT_BITS = (16, 8, 4)
 RDA_DIRECTION_EPS = 1e-4
 
 _CHUNK = 1 << 16  # elements per streamed chunk: a few such buffers stay in a core's L2 cache
+_NORM_CHUNKS = 4  # the read-only norm pass streams this many `_CHUNK`s per call
 
 
 def token_weights(tokens: Sequence[float] | np.ndarray, steps: Sequence[float] | np.ndarray,
@@ -131,50 +136,115 @@ def _rchunks(n: int) -> Iterator[int]:
 
 
 def _sq_norm(flat: np.ndarray, acc: np.dtype) -> float:
-  """Squared L2 norm in one streaming pass, chunk partial sums added in float64."""
+  """Squared L2 norm in one streaming pass, chunk partial sums added in float64.
+
+  This pass only reads, so it takes `_NORM_CHUNKS` times longer chunks: fewer calls, and the
+  read stays at the memory bandwidth.
+  """
+  step = _CHUNK * _NORM_CHUNKS
   total = 0.0
-  buf = None if flat.dtype == acc else np.empty(min(_CHUNK, flat.size), acc)
-  for s in _chunks(flat.size):
-    c = flat[s:s + _CHUNK]
+  buf = None if flat.dtype == acc else np.empty(min(step, flat.size), acc)
+  for s in range(0, flat.size, step):
+    c = flat[s:s + step]
     if buf is not None:
       c = buf[:c.size]
-      c[...] = flat[s:s + _CHUNK]
-    total += float(np.dot(c, c))
+      c[...] = flat[s:s + step]
+    total += float(c.dot(c))
   return total
 
 
-def _combine(flats: Sequence[np.ndarray], coeffs: Sequence[float],
-             acc: np.dtype) -> tuple[np.ndarray, float]:
-  """Returns `sum_i coeffs[i] * flats[i]` (dtype `acc`) and its squared norm, in one pass.
+def _scalar(x: float, acc: np.dtype) -> np.ndarray:
+  """`x` as a 0-d array of dtype `acc`.
 
-  Each output chunk stays in cache while every input's chunk is scaled and added to it, so each
-  input is read from memory once and the output written once. Chunks run from the end backwards:
-  the norm pass that usually precedes this one went forwards, so the data it read last is still
-  in the last-level cache. Plain ufuncs (no multithreaded BLAS) keep the result bit-reproducible.
+  The ufuncs round it to `acc` as they would a Python float, but skip that conversion on each
+  call, which costs about as much as the arithmetic on a chunk.
   """
-  n = flats[0].size if flats else 0
-  if not flats or n == 0:
-    return np.zeros(n, acc), 0.0
-  out = np.empty(n, acc)
-  chunk = min(_CHUNK, n)
-  tmp = np.empty(chunk, acc)
-  cast = None if all(f.dtype == acc for f in flats) else np.empty(chunk, acc)
+  return np.asarray(x, acc)
+
+
+class _WeightedSum:
+  """Forms `sum_i c_i x_i` (flat inputs, all `c_i > 0`) chunk by chunk, in cache.
+
+  Horner form: inputs in ascending coefficient order, `o = x_0 * r_1 + x_1`, then
+  `o = o * r_i + x_i` with `r_i = c_{i-1} / c_i <= 1`, which leaves the sum divided by the
+  largest coefficient (`factor`). Per input that is the pass that streams it plus one in-place
+  multiply of the cached `o`: cheaper than scaling each input into a scratch chunk and adding
+  that, and the partial sums stay within the inputs' range. When the coefficients span too many
+  orders of magnitude for the ratios' products to stay normal numbers, the scaled inputs are
+  summed directly instead (`factor` 1). Every merge path accumulates through here, so fused and
+  unfused merges round identically.
+  """
+
+  def __init__(self, flats: Sequence[np.ndarray], coeffs: Sequence[float], acc: np.dtype,
+               chunk: int):
+    c = [float(x) for x in coeffs]
+    order = sorted(range(len(c)), key=c.__getitem__)
+    info = np.finfo(acc)
+    self.direct = len(c) > 1 and c[order[0]] < c[order[-1]] * float(info.tiny / info.eps)
+    if self.direct:
+      order = list(range(len(c)))
+      self.mults = [_scalar(x, acc) for x in c]
+      self.factor = 1.0
+    else:
+      self.mults = [_scalar(c[order[i - 1]] / c[order[i]], acc) for i in range(1, len(c))]
+      self.factor = c[order[-1]]
+    self.inputs = [flats[i] for i in order]
+    self.tmp = np.empty(chunk, acc) if self.direct else None
+    self.cast = None if all(f.dtype == acc for f in flats) else np.empty(chunk, acc)
+    self.factor_acc = _scalar(self.factor, acc)
+
+  def scaled_chunk(self, s: int, o: np.ndarray) -> None:
+    """Writes elements `s:s + o.size` of the sum, divided by `factor`, into `o`."""
+    e = s + o.size
+    mul, add = np.multiply, np.add
+    for i, f in enumerate(self.inputs):
+      x = f[s:e]
+      if self.cast is not None:  # low-precision input: widen first
+        x = self.cast[:o.size]
+        x[...] = f[s:e]
+      if self.direct:
+        if i == 0:
+          mul(x, self.mults[0], o)
+        else:
+          mul(x, self.mults[i], self.tmp[:o.size])
+          add(o, self.tmp[:o.size], o)
+      elif i == 0:
+        if len(self.inputs) == 1:
+          o[...] = x
+        else:
+          mul(x, self.mults[0], o)
+      else:
+        if i > 1:
+          mul(o, self.mults[i - 1], o)
+        add(o, x, o)
+
+  def chunk(self, s: int, o: np.ndarray) -> None:
+    """Writes elements `s:s + o.size` of the sum into `o`."""
+    self.scaled_chunk(s, o)
+    if self.factor != 1.0:
+      np.multiply(o, self.factor_acc, o)
+
+
+def _combine(flats: Sequence[np.ndarray], coeffs: Sequence[float], acc: np.dtype,
+             out: np.ndarray) -> tuple[float, float]:
+  """Writes `sum_i coeffs[i] * flats[i] / factor` into `out`; returns `(factor, |out|^2)`.
+
+  Each output chunk stays in cache while every input's chunk is added to it, so each input is
+  read from memory once and the output written once. Chunks run from the end backwards: the norm
+  pass that usually precedes this one went forwards, so the data it read last may still be in
+  the last-level cache. Plain ufuncs (no multithreaded BLAS) keep the result bit-reproducible.
+  `out` is a flat buffer of dtype `acc` and the inputs' size; all coefficients are positive.
+  """
+  n = out.size
+  if n == 0:
+    return 1.0, 0.0
+  summer = _WeightedSum(flats, coeffs, acc, min(_CHUNK, n))
   sq = 0.0
   for s in _rchunks(n):
-    o = out[s:s + chunk]
-    t = tmp[:o.size]
-    for i, (f, c) in enumerate(zip(flats, coeffs)):
-      x = f[s:s + chunk]
-      if x.dtype != acc:  # low-precision input: widen before multiplying
-        cast[:x.size] = x
-        x = cast[:x.size]
-      if i == 0:
-        np.multiply(x, float(c), out=o)
-      else:
-        np.multiply(x, float(c), out=t)
-        o += t
-    sq += float(np.dot(o, o))
-  return out, sq
+    o = out[s:s + _CHUNK]
+    summer.scaled_chunk(s, o)
+    sq += float(o.dot(o))
+  return summer.factor, sq
 
 
 def _finish(out: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -193,10 +263,46 @@ def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float] | np.nd
     The weighted mean, in the deltas' dtype (accumulated in float32, or float64 for float64).
   """
   flats, shape, dtype = _flatten_all(deltas)
-  w = _check_weights(weights, len(flats))
+  return _finish(_mean_flat(flats, _check_weights(weights, len(flats))), shape, dtype)
+
+
+def _mean_sum(flats: Sequence[np.ndarray], w: np.ndarray, acc: np.dtype,
+              chunk: int) -> _WeightedSum:
+  """The weighted mean of flat deltas (normalised weights `w`) as a `_WeightedSum`."""
   keep = [m for m in range(len(flats)) if w[m] > 0]
-  out, _ = _combine([flats[m] for m in keep], [w[m] for m in keep], _acc_dtype(dtype))
-  return _finish(out, shape, dtype)
+  return _WeightedSum([flats[m] for m in keep], [w[m] for m in keep], acc, chunk)
+
+
+def _mean_flat(flats: Sequence[np.ndarray], w: np.ndarray) -> np.ndarray:
+  """`weighted_mean` of checked flat deltas, with normalised weights `w`."""
+  acc = _acc_dtype(flats[0].dtype)
+  out = np.empty(flats[0].size, acc)
+  if out.size:
+    mean = _mean_sum(flats, w, acc, min(_CHUNK, out.size))
+    for s in _rchunks(out.size):
+      mean.chunk(s, out[s:s + _CHUNK])
+  return out
+
+
+def _rda_into(flats: Sequence[np.ndarray], w: np.ndarray, acc: np.dtype,
+              out: np.ndarray) -> float | None:
+  """Writes the RDA direction `sum_m (w_m / |d_m|) d_m`, up to a positive factor, into `out`.
+
+  Returns the factor that turns `out` into the RDA merge (0 with `out` zeroed when every weighted
+  delta is zero), or None when the mean direction vanishes and the weighted mean applies instead.
+  The caller applies it, so that a fused merge can do so in its own pass.
+  """
+  norms = [math.sqrt(_sq_norm(f, acc)) if w[m] > 0 else 0.0 for m, f in enumerate(flats)]
+  live = [m for m in range(len(flats)) if w[m] > 0 and norms[m] > 0]
+  if not live:  # every weighted delta is zero, and so is their mean
+    out[...] = 0
+    return 0.0
+  radius = sum(w[m] * norms[m] for m in live)
+  factor, sq = _combine([flats[m] for m in live], [w[m] / norms[m] for m in live], acc, out)
+  direction_norm = factor * math.sqrt(sq)
+  if not direction_norm > RDA_DIRECTION_EPS * sum(w[m] for m in live):
+    return None
+  return radius * factor / direction_norm
 
 
 def radial_directional_average(deltas: Sequence[np.ndarray],
@@ -215,19 +321,44 @@ def radial_directional_average(deltas: Sequence[np.ndarray],
     The merged array, in the deltas' dtype.
   """
   flats, shape, dtype = _flatten_all(deltas)
-  w = _check_weights(weights, len(flats))
-  acc = _acc_dtype(dtype)
-  norms = [math.sqrt(_sq_norm(f, acc)) if w[m] > 0 else 0.0 for m, f in enumerate(flats)]
-  live = [m for m in range(len(flats)) if w[m] > 0 and norms[m] > 0]
-  if not live:  # every weighted delta is zero, and so is their mean
-    return np.zeros(shape, dtype)
-  radius = sum(w[m] * norms[m] for m in live)
-  out, sq = _combine([flats[m] for m in live], [w[m] / norms[m] for m in live], acc)
-  direction_norm = math.sqrt(sq)
-  if not direction_norm > RDA_DIRECTION_EPS * sum(w[m] for m in live):
-    return weighted_mean(deltas, w)
-  np.multiply(out, radius / direction_norm, out=out)
-  return _finish(out, shape, dtype)
+  return _finish(_rda_flat(flats, _check_weights(weights, len(flats))), shape, dtype)
+
+
+def _rda_flat(flats: Sequence[np.ndarray], w: np.ndarray) -> np.ndarray:
+  """`radial_directional_average` of checked flat deltas, with normalised weights `w`."""
+  acc = _acc_dtype(flats[0].dtype)
+  out = np.empty(flats[0].size, acc)
+  scale = _rda_into(flats, w, acc, out)
+  if scale is None:
+    return _mean_flat(flats, w)
+  np.multiply(out, _scalar(scale, acc), out)
+  return out
+
+
+def _fragment_layout(deltas: Sequence[Sequence[np.ndarray] | Mapping[str, np.ndarray]],
+                     embedding_mask: Sequence[bool] | Mapping[str, bool] | None
+                     ) -> tuple[list[Any], list[bool]]:
+  """Checks that learners send the same tensors; returns the tensor keys and embedding flags."""
+  if not deltas:
+    raise ValueError("no deltas to merge")
+  first = deltas[0]
+  if isinstance(first, Mapping):
+    keys = list(first.keys())
+    for i, d in enumerate(deltas):
+      if not isinstance(d, Mapping) or set(d.keys()) != set(keys):
+        raise ValueError(f"learner {i} sends other tensors than learner 0: {sorted(keys)}")
+    mask = dict(embedding_mask or {})
+    if not set(mask) <= set(keys):
+      raise ValueError(f"embedding_mask names unknown tensors: {sorted(set(mask) - set(keys))}")
+    return keys, [bool(mask.get(k, False)) for k in keys]
+  keys = list(range(len(first)))
+  for i, d in enumerate(deltas):
+    if isinstance(d, Mapping) or len(d) != len(keys):
+      raise ValueError(f"learner {i} sends {len(d)} tensors, learner 0 sends {len(keys)}")
+  flags = [False] * len(keys) if embedding_mask is None else [bool(f) for f in embedding_mask]
+  if len(flags) != len(keys):
+    raise ValueError(f"embedding_mask has {len(flags)} entries for {len(keys)} tensors")
+  return keys, flags
 
 
 def merge_fragment(deltas: Sequence[Sequence[np.ndarray] | Mapping[str, np.ndarray]],
@@ -250,35 +381,14 @@ def merge_fragment(deltas: Sequence[Sequence[np.ndarray] | Mapping[str, np.ndarr
   """
   if method not in MERGE_METHODS:
     raise ValueError(f"unknown merge method {method!r}; allowed: {MERGE_METHODS}")
-  if not deltas:
-    raise ValueError("no deltas to merge")
+  keys, flags = _fragment_layout(deltas, embedding_mask)
   w = _check_weights(weights, len(deltas))
-  first = deltas[0]
-  if isinstance(first, Mapping):
-    keys = list(first.keys())
-    for i, d in enumerate(deltas):
-      if not isinstance(d, Mapping) or set(d.keys()) != set(keys):
-        raise ValueError(f"learner {i} sends other tensors than learner 0: {sorted(keys)}")
-    mask = dict(embedding_mask or {})
-    if not set(mask) <= set(keys):
-      raise ValueError(f"embedding_mask names unknown tensors: {sorted(set(mask) - set(keys))}")
-    flags = [bool(mask.get(k, False)) for k in keys]
-  else:
-    keys = list(range(len(first)))
-    for i, d in enumerate(deltas):
-      if isinstance(d, Mapping) or len(d) != len(keys):
-        raise ValueError(f"learner {i} sends {len(d)} tensors, learner 0 sends {len(keys)}")
-    flags = [False] * len(keys) if embedding_mask is None else [bool(f) for f in embedding_mask]
-    if len(flags) != len(keys):
-      raise ValueError(f"embedding_mask has {len(flags)} entries for {len(keys)} tensors")
   merged = []
   for k, is_embedding in zip(keys, flags):
-    per_learner = [d[k] for d in deltas]
-    if method == "mean" or is_embedding:
-      merged.append(weighted_mean(per_learner, w))
-    else:
-      merged.append(radial_directional_average(per_learner, w))
-  return dict(zip(keys, merged)) if isinstance(first, Mapping) else merged
+    flats, shape, dtype = _flatten_all([d[k] for d in deltas])
+    out = _mean_flat(flats, w) if method == "mean" or is_embedding else _rda_flat(flats, w)
+    merged.append(_finish(out, shape, dtype))
+  return dict(zip(keys, merged)) if isinstance(deltas[0], Mapping) else merged
 
 
 def _tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
@@ -323,17 +433,27 @@ def _nesterov_leaf(p: np.ndarray, b: np.ndarray | None, g: np.ndarray, lr: float
     raise ValueError(f"shapes differ: params {p.shape}, momentum {b.shape}, grad {g.shape}")
   pf, bf, gf = p.reshape(-1), b.reshape(-1), np.ascontiguousarray(g).reshape(-1)
   tmp = np.empty(min(_CHUNK, pf.size), b.dtype)
-  lr, mu = float(lr), float(mu)
+  lr, mu = _scalar(lr, b.dtype), _scalar(mu, b.dtype)
   for s in _chunks(pf.size):
-    bc, gc = bf[s:s + _CHUNK], gf[s:s + _CHUNK]
-    t = tmp[:bc.size]
-    bc *= mu  # b = mu * b + g, rounded as optax rounds it
-    bc += gc
-    np.multiply(bc, mu, out=t)  # u = g + mu * b
-    t += gc
-    t *= lr
-    np.subtract(pf[s:s + _CHUNK], t, out=pf[s:s + _CHUNK], casting="unsafe")
+    e = s + _CHUNK
+    _nesterov_chunk(pf[s:e], bf[s:e], gf[s:e], tmp[:pf[s:e].size], lr, mu)
   return p, b
+
+
+def _nesterov_chunk(p: np.ndarray, b: np.ndarray, g: np.ndarray, t: np.ndarray, lr: np.ndarray,
+                    mu: np.ndarray) -> None:
+  """The Nesterov step on one chunk, in place; `t` is scratch and ends as the step `p_old - p`.
+
+  Shared by `nesterov_step` and `merge_and_step` so that both round as optax does; `lr` and `mu`
+  come from `_scalar` with the momentum's dtype.
+  """
+  mul, add = np.multiply, np.add
+  mul(b, mu, b)  # b = mu * b + g
+  add(b, g, b)
+  mul(b, mu, t)  # step = lr * (g + mu * b)
+  add(t, g, t)
+  mul(t, lr, t)
+  np.subtract(p, t, out=p, casting="unsafe")
 
 
 def nesterov_step(params: PyTree, momentum: PyTree | None, grad: PyTree, lr: float, mu: float,
@@ -362,6 +482,111 @@ def nesterov_step(params: PyTree, momentum: PyTree | None, grad: PyTree, lr: flo
   if isinstance(pairs, tuple):
     return pairs
   return _tree_map(lambda pb: pb[0], pairs), _tree_map(lambda pb: pb[1], pairs)
+
+
+def _inplace_flat(a: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+  """A flat view of `a` for in-place updates; `a` must be a writeable C-contiguous ndarray."""
+  if not (isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable):
+    raise ValueError(f"{what} must be writeable C-contiguous NumPy arrays")
+  if a.shape != shape:
+    raise ValueError(f"{what} has shape {a.shape}, the deltas {shape}")
+  return a.reshape(-1)
+
+
+def merge_and_step(params: Sequence[np.ndarray] | Mapping[str, np.ndarray],
+                   momentum: Sequence[np.ndarray] | Mapping[str, np.ndarray],
+                   deltas: Sequence[Sequence[np.ndarray] | Mapping[str, np.ndarray]],
+                   weights: Sequence[float] | np.ndarray,
+                   embedding_mask: Sequence[bool] | Mapping[str, bool] | None,
+                   lr: float, mu: float, method: str = "rda", *,
+                   workspace: np.ndarray | None = None) -> list[float] | dict[str, float]:
+  """`merge_fragment` then `nesterov_step(..., inplace=True)`, in fewer passes over memory.
+
+  A syncer round is bound by memory traffic. Here a weighted-mean tensor's merged gradient is
+  made chunk by chunk and consumed by the Nesterov step while still in cache (one pass over the
+  deltas), and an RDA tensor's direction is written once, its rescale folded into the Nesterov
+  pass, so the merged gradient is never written, re-read and rescaled in full. The result rounds
+  exactly like the unfused pair, except that narrow (bf16) deltas' merged gradient is not
+  rounded to bf16 before the step.
+
+  Args:
+    params: the global tensors `G`, updated in place: a dict (it may hold other tensors too) or
+      a sequence, keyed like each learner's deltas, of writeable C-contiguous arrays of the
+      deltas' shapes.
+    momentum: the Nesterov momentum, same structure and requirements, updated in place.
+    deltas: one entry per learner, as for `merge_fragment`.
+    weights: M non-negative weights, as for `merge_fragment`.
+    embedding_mask: tensors merged by the weighted mean, as for `merge_fragment`.
+    lr: outer learning rate.
+    mu: momentum coefficient.
+    method: `rda` or `mean`, as for `merge_fragment`.
+    workspace: optional flat writeable buffer of the accumulation dtype (float32; float64 for
+      float64 deltas) with at least as many elements as the largest RDA tensor, aliasing no
+      other argument; it holds an RDA direction between its two passes. Keeping one across
+      rounds spares a fresh allocation's page faults; by default one is allocated per call.
+
+  Returns:
+    Per tensor (a dict or list like the deltas), the squared L2 norm of the step
+    `lr * (g + mu * b)` taken from the params (chunks' float32 sums added in float64).
+
+  Raises:
+    ValueError: as `merge_fragment`, or params, momentum or workspace unfit; nothing is updated
+      then.
+  """
+  if method not in MERGE_METHODS:
+    raise ValueError(f"unknown merge method {method!r}; allowed: {MERGE_METHODS}")
+  keys, flags = _fragment_layout(deltas, embedding_mask)
+  w = _check_weights(weights, len(deltas))
+  for what, tree in (("params", params), ("momentum", momentum)):
+    has = set(tree.keys()) if isinstance(tree, Mapping) else set(range(len(tree)))
+    if isinstance(tree, Mapping) != isinstance(deltas[0], Mapping) or not set(keys) <= has:
+      raise ValueError(f"{what} lacks some of the deltas' tensors {keys}")
+  tensors = []  # everything is checked before anything is updated
+  for k, is_embedding in zip(keys, flags):
+    flats, shape, dtype = _flatten_all([d[k] for d in deltas])
+    pf = _inplace_flat(params[k], shape, "params")
+    bf = _inplace_flat(momentum[k], shape, "momentum")
+    tensors.append((flats, _acc_dtype(dtype), pf, bf, method == "rda" and not is_embedding))
+  sizes = {}  # accumulation dtype -> largest RDA tensor
+  for flats, acc, _, _, rda in tensors:
+    if rda:
+      sizes[acc] = max(sizes.get(acc, 0), flats[0].size)
+  if workspace is None:
+    buffers = {acc: np.empty(n, acc) for acc, n in sizes.items()}
+  elif not (isinstance(workspace, np.ndarray) and workspace.ndim == 1
+            and workspace.flags.c_contiguous and workspace.flags.writeable
+            and set(sizes) <= {workspace.dtype}
+            and workspace.size >= max(sizes.values(), default=0)):
+    raise ValueError(f"workspace must be a writeable flat {sorted(map(str, sizes))} array of at "
+                     f"least {max(sizes.values(), default=0)} elements")
+  else:
+    buffers = {workspace.dtype: workspace}
+  step_sq = []
+  for flats, acc, pf, bf, rda in tensors:
+    n = flats[0].size
+    chunk = max(min(_CHUNK, n), 1)
+    g, step = np.empty(chunk, acc), np.empty(chunk, bf.dtype)
+    lr_b, mu_b = _scalar(lr, bf.dtype), _scalar(mu, bf.dtype)
+    direction, scale = None, None
+    if rda:
+      direction = buffers[acc][:n]
+      scale = _rda_into(flats, w, acc, direction)
+    if scale is None:  # weighted mean, made chunk by chunk below
+      mean = _mean_sum(flats, w, acc, chunk)
+    else:
+      scale = _scalar(scale, acc)
+    sq = 0.0
+    for s in _chunks(n):
+      e = min(s + chunk, n)
+      gc, t = g[:e - s], step[:e - s]
+      if scale is None:
+        mean.chunk(s, gc)
+      else:
+        np.multiply(direction[s:e], scale, gc)
+      _nesterov_chunk(pf[s:e], bf[s:e], gc, t, lr_b, mu_b)
+      sq += float(t.dot(t))
+    step_sq.append(sq)
+  return dict(zip(keys, step_sq)) if isinstance(deltas[0], Mapping) else step_sq
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -184,6 +184,22 @@ class Store:
         out.append(entry.name)
     return sorted(out)
 
+  def collect_uncommitted(self, max_age_s: float) -> int:
+    """Deletes payload leftovers without a commit marker older than `max_age_s` (a writer
+    died mid-write, including Orbax's temporary directories); returns how many."""
+    removed, now = 0, time.time()
+    for entry in (self.root / "payloads").iterdir():
+      if not entry.is_dir() or (self.root / "payloads" / f"{entry.name}.json").exists():
+        continue
+      try:
+        age = now - entry.stat().mtime
+      except FileNotFoundError:
+        continue
+      if age > max_age_s:
+        entry.rmtree()
+        removed += 1
+    return removed
+
   def read_payload(self, name: str, expected: dict[int, dict[str, tuple]]) -> Payload:
     """Reads a committed delivery; StoreError with a reason if it cannot be used.
 

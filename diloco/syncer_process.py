@@ -184,6 +184,7 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
         next_eval += cfg.train.eval_every
       if now - last_registry >= 1.0:
         last_registry = now
+        store.collect_uncommitted(max_age_s=max(60.0, 2 * cfg.sync.heartbeat_timeout_s))
         store.write_json("registry.json", dict(syncer.state_summary(), time=now,
                                                versions=syncer.versions,
                                                alive=syncer.alive(now)))

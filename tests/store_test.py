@@ -1,0 +1,223 @@
+"""The store: real Orbax entries on disk, commit markers, bad entries, durable syncer recovery."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from diloco import chaos, fragments, outer, syncer_process, wan
+from diloco import syncer as syncer_lib
+from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
+from diloco.store import Store, parse_payload_name, payload_name
+from diloco.store_transport import LearnerStoreLink, SyncerStoreLink
+from diloco.transport import Heartbeat, Payload
+
+SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
+PLAN = fragments.plan_fragments(SHAPES, num_fragments=2)
+EXPECTED = {p: {k: SHAPES[k] for k in paths} for p, paths in enumerate(PLAN.fragments)}
+
+
+def _params(seed):
+  rng = np.random.default_rng(seed)
+  return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _payload(learner, p, values, *, step=4, base=0, incarnation=0, kind="values"):
+  tensors = {k: values[k] for k in PLAN.fragments[p]}
+  return Payload(learner, incarnation, p, step, step, 100 * step, base, kind, tensors, 0.0)
+
+
+def _syncer(on_round=None, **sync):
+  cfg = SyncConfig(**{"quorum": 1, "gamma": 0.0, "heartbeat_timeout_s": 30.0, **sync})
+  return syncer_lib.Syncer(_params(0), PLAN, cfg, OuterConfig(), sync_delay_s=0.0,
+                           on_round=on_round)
+
+
+def _beat(store, learner, incarnation=0, seq=1, state="up"):
+  store.put_heartbeat(learner, {"learner": learner, "incarnation": incarnation, "seq": seq,
+                                "state": state, "local_step": 4, "step_time": 0.1})
+
+
+def test_names_are_built_only_from_validated_integers():
+  assert payload_name(1, 2, 3, 40) == "f1_l2_i3_s40"
+  assert parse_payload_name("f1_l2_i3_s40") == (1, 2, 3, 40)
+  for bad in ("f1_l2_i3_s40/../x", "f1_l2_i3", "fx_l2_i3_s4", "../f1_l2_i3_s4"):
+    assert parse_payload_name(bad) is None
+  for bad in (-1, 1.5, "3", True):
+    with pytest.raises(ValueError):
+      payload_name(bad, 0, 0, 0)
+
+
+def test_payload_round_trip_values_and_quantized(tmp_path):
+  store = Store(tmp_path)
+  values = _params(1)
+  store.put_payload(_payload(0, 0, values))
+  q = {k: outer.quantize(values[k], 4, 8) for k in PLAN.fragments[1]}
+  store.put_payload(Payload(1, 0, 1, 5, 5, 500, 0, "delta", q, 0.0))
+  names = store.committed_payloads()
+  assert names == ["f0_l0_i0_s4", "f1_l1_i0_s5"]
+  got = store.read_payload(names[0], EXPECTED)
+  assert got.steps == 4 and got.tokens == 400 and got.kind == "values"
+  for k in PLAN.fragments[0]:
+    np.testing.assert_array_equal(got.tensors[k], values[k])
+  got = store.read_payload(names[1], EXPECTED)
+  for k in PLAN.fragments[1]:
+    np.testing.assert_array_equal(outer.dequantize(got.tensors[k]), outer.dequantize(q[k]))
+
+
+def test_json_records_are_replaced_atomically(tmp_path):
+  store = Store(tmp_path)
+  store.write_json("registry.json", {"a": 1})
+  store.write_json("registry.json", {"a": 2})
+  assert store.read_json("registry.json") == {"a": 2}
+  assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
+  assert store.read_json("missing.json") is None
+
+
+def _plant(store, tmp_path):
+  """One entry of every bad kind, plus one good delivery; returns the expected reasons."""
+  good = _params(1)
+  p_of = PLAN.fragment_of("layers/0/w")
+  store.put_payload(_payload(0, p_of, good, step=1))  # the good one
+  # Half-written: data but no commit marker -> never read.
+  store.put_payload(_payload(0, 1, good, step=2))
+  os.remove(tmp_path / "payloads" / "f1_l0_i0_s2.json")
+  # Truncated: every data file of the entry cut to a few bytes.
+  store.put_payload(_payload(0, 0, good, step=3))
+  for root, _, files in os.walk(tmp_path / "payloads" / "f0_l0_i0_s3"):
+    for f in files:
+      if not f.startswith((".", "_", "zarr")):
+        with open(os.path.join(root, f), "r+b") as fh:
+          fh.truncate(3)
+  # Garbage: a commit marker that is not JSON.
+  store.put_payload(_payload(0, 1, good, step=4))
+  (tmp_path / "payloads" / "f1_l0_i0_s4.json").write_bytes(b"\x00\xffnot json")
+  # Wrong shape and wrong dtype written as if they were the right tensors.
+  wrong = dict(good, **{"layers/0/w": np.zeros((2, 2), np.float32)})
+  bad_dtype = {k: v.astype(np.float16) for k, v in good.items()}
+  store.put_payload(_payload(0, p_of, wrong, step=5))
+  store.put_payload(_payload(0, p_of, bad_dtype, step=6))
+  nan = dict(good, **{"layers/0/w": np.full((4, 4), np.nan, np.float32)})
+  store.put_payload(_payload(0, p_of, nan, step=7))
+  store.put_payload(_payload(9, 0, good, step=8))                 # unknown learner
+  store.put_payload(_payload(1, 0, good, step=9, incarnation=0))  # stale incarnation (1 is at 2)
+  store.put_payload(_payload(0, 1 - p_of, good, step=10, base=0))  # too stale, see below
+  return {"unreadable": 2, "wrong_shape": 1, "wrong_dtype": 1, "non_finite": 1,
+          "unknown_learner": 1, "wrong_incarnation": 1, "stale": 1}
+
+
+def test_every_bad_entry_kind_is_rejected_with_its_reason(tmp_path):
+  store = Store(tmp_path)
+  s = _syncer(max_staleness=0)
+  s.versions[1 - PLAN.fragment_of("layers/0/w")] = 1  # version 0 is now too stale there
+  g0 = s.global_params()
+  expected = _plant(store, tmp_path)
+  link = SyncerStoreLink(store, EXPECTED)
+  _beat(store, 0)
+  _beat(store, 1, incarnation=2)
+  assert link.poll(1.0) == ([], [], [], [])  # the first poll only takes a baseline
+  _beat(store, 0, seq=2)
+  _beat(store, 1, incarnation=2, seq=2)
+  beats, payloads, rejected, _ = link.poll(2.0)
+  assert len(beats) == 2
+  for r in rejected:
+    s.reject(r.fragment, r.learner, r.incarnation, r.reason, r.nbytes, 2.0)
+  merged, _ = s.tick(2.0, beats, payloads)
+  assert dict(s.rejections) == expected
+  p_of = PLAN.fragment_of("layers/0/w")
+  assert [m.fragment for m in merged] == [p_of] and s.last_quorum == 1  # only the good one
+  link.release(s.pending_keys())
+  assert store.committed_payloads() == []  # everything read was released
+  assert store.uncommitted_payloads() == ["f1_l0_i0_s2"]  # never trusted, never read
+  assert store.collect_uncommitted(max_age_s=3600) == 0
+  assert store.collect_uncommitted(max_age_s=-1) == 1 and store.uncommitted_payloads() == []
+  for k in PLAN.fragments[1 - p_of]:
+    np.testing.assert_array_equal(s.global_params()[k], g0[k])
+
+
+def test_learner_link_delivers_and_prefetches_merged(tmp_path):
+  store = Store(tmp_path)
+  s = _syncer()
+  for m in s.initial(0.0):
+    store.put_merged(m, s.momentum, {"round": None, "state": s.export_state()})
+  link = LearnerStoreLink(store, 3, 0, poll_s=0.01, heartbeat_every_s=0.01)
+  try:
+    link.wait_initial(PLAN.num_fragments, timeout=30)
+    assert link.latest_version(0) == 0 and link.latest_version(1) == 0
+    link.heartbeat(Heartbeat(3, 0, 1, 0.1, 0.0))
+    link.deliver(_payload(3, 0, _params(5)))
+    link.flush()
+    assert store.committed_payloads() == ["f0_l3_i0_s4"]
+    assert store.heartbeats()[3]["local_step"] == 1  # written before the payload
+    link.leave("retired")
+    assert store.heartbeats()[3]["state"] == "retired"
+  finally:
+    link.close()
+
+
+def test_syncer_recovers_the_last_durable_round_exactly(tmp_path):
+  """Kill-and-restart in process: same G, momentum, versions; tape without gap or duplicate."""
+  store = Store(tmp_path / "store")
+  records: list = []
+  s = _syncer(on_round=records.append)
+  for m in s.initial(0.0):
+    store.put_merged(m, s.momentum, {"round": None, "state": s.export_state()})
+  tape_path = str(tmp_path / "tape.jsonl")
+  tape = open(tape_path, "a", encoding="utf-8")
+  beats = [Heartbeat(m, 0, 1, 0.1, 0.0) for m in (0, 1)]
+  for r in range(5):
+    p = r % 2
+    merged, _ = s.tick(float(r + 1), beats if r == 0 else (),
+                       [_payload(r % 2, p, _params(10 + r), base=s.versions[p], step=r + 1)])
+    syncer_process._commit(store, s, merged, records, tape, keep=3)
+  tape.close()
+  # A round that closed but died before its commit marker: never durable.
+  s.tick(6.0, (), [_payload(0, 0, _params(99), base=s.versions[0], step=9)])
+  with open(tape_path, "a") as f:
+    f.write('{"round": 5, "torn')  # a torn line from the crash
+  durable = _syncer()
+  durable_params = {}
+  for p in range(2):
+    v = store.merged_versions(p)[-1]
+    durable_params.update(store.read_merged(p, v)[0].tensors)
+
+  fresh = _syncer()
+  ok, merged_keys, committed = syncer_process.recover(store, fresh, 2, max_staleness=8)
+  syncer_process.repair_tape(tape_path, fresh.rounds, committed)
+  assert ok and fresh.rounds == 5 and fresh.versions == [3, 2]
+  for k, v in durable_params.items():
+    np.testing.assert_array_equal(fresh.global_params()[k], v)
+  assert set(fresh.registry) == {0, 1}
+  assert (0, 0, 0, 5) in merged_keys  # round 4 merged learner 0's step-5 delivery
+  rounds = [json.loads(line)["round"] for line in open(tape_path)]
+  assert rounds == [0, 1, 2, 3, 4]
+  assert store.merged_versions(0) == [1, 2, 3]  # keep=3: version 0 collected
+  del durable
+
+
+def test_wan_link_serialises_transfers_and_adds_latency():
+  now = [0.0]
+  link = wan.Link(8.0, 50.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+  assert link.transfer(1_000_000) == pytest.approx(1.05)  # 8 Mbit at 8 Mbit/s + 50 ms
+  assert link.arrival(500_000) == pytest.approx(1.05 + 0.5 + 0.05 - 0.05 + 0.0, abs=0.06)
+  assert wan.Link().transfer(10**9) == 0.0
+  up, down = wan.learner_links("100,10", "5", 3)
+  assert up.bytes_per_s == 10e6 / 8 and down.latency_s == 0.005
+  with pytest.raises(ConfigError, match="store.wan_mbps"):
+    wan.learner_links("-1", "", 0)
+
+
+def test_chaos_grammar_and_seeded_generation():
+  events = chaos.parse("kill:1@20; stop:*@30+5;kill_syncer@40;add@50;retire:2@90")
+  assert [str(e) for e in events] == ["kill:1@20", "stop:*@30+5", "kill_syncer@40", "add@50",
+                                      "retire:2@90"]
+  with pytest.raises(ConfigError, match="launch.chaos"):
+    chaos.parse("explode:1@3")
+  a = chaos.generate(12, seed=3, start=10, end=60, spare=1)
+  assert a == chaos.generate(12, seed=3, start=10, end=60, spare=1)
+  assert len(a) == 12 and all(10 <= e.at <= 60 for e in a)
+  assert sum(e.kind == "add" for e in a) <= 1
+  assert sum(e.kind == "retire" for e in a) <= sum(e.kind == "add" for e in a)
+  with pytest.raises(ConfigError, match="launch.max_learners"):
+    chaos.schedule("add@1;add@2", 0, seed=0, start=0, end=1, count=3, max_learners=4)
