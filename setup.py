@@ -30,6 +30,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8,<10"],
+        # A gs:// store or workdir (etils.epath uses gcsfs for object stores).
+        "gcs": ["gcsfs"],
     },
     classifiers=[
         "Programming Language :: Python :: 3.11",

@@ -355,6 +355,8 @@ def summary(workdir: str, num_fragments: int, num_params: int, *,
   activity = read_jsonl(os.path.join(workdir, ACTIVITY_FILE))
   if horizon is None:
     horizon = max([r["end"] for r in activity] + [r["published_at"] for r in tape], default=0.0)
+  # Uptime counts from the first learner activity: process start-up is not a stall.
+  start = min([r["start"] for r in activity], default=0.0)
   allocated = allocated_device_seconds(activity)
   useful = useful_device_seconds(tape, activity, num_fragments)
   kinds = activity_breakdown(activity)
@@ -369,7 +371,8 @@ def summary(workdir: str, num_fragments: int, num_params: int, *,
       dp_groups=len(learners) or None)
   out = {
       "goodput": useful / allocated if allocated > 0.0 else 0.0, "useful_device_s": useful,
-      "allocated_device_s": allocated, "uptime": uptime(tape, horizon, stall_s=stall_s),
+      "allocated_device_s": allocated,
+      "uptime": uptime(tape, horizon, start=start, stall_s=stall_s),
       "horizon_s": horizon, "merged_tokens": merged_tokens(tape, num_fragments),
       "merged_tokens_per_s": merged_tokens_per_s(tape, num_fragments, horizon),
       "rounds": stats["rounds"], "mean_quorum": stats["mean_quorum"],

@@ -74,6 +74,9 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
+  # Orbax warns on every save without OCDBT (the store's choice, see diloco/store.py).
+  logging.get_absl_logger().addFilter(
+      lambda record: "Skipping merge of OCDBT" not in record.getMessage())
   if _JAX_DISTRIBUTED.value:
     jax.distributed.initialize()
   try:

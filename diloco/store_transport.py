@@ -205,9 +205,12 @@ class SyncerStoreLink:
   """The syncer's view of the store: new heartbeats and payloads since the last poll."""
 
   def __init__(self, store: Store, expected: dict[int, dict[str, tuple]],
-               already_merged: set[tuple[int, int, int, int]] = frozenset()):
-    """`already_merged` holds (fragment, learner, incarnation, step) of committed deliveries."""
-    self.store, self.expected = store, expected
+               already_merged: set[tuple[int, int, int, int]] = frozenset(),
+               fresh_s: float = 0.0):
+    """`already_merged` holds (fragment, learner, incarnation, step) of committed deliveries;
+    on the first poll, heartbeats written less than `fresh_s` ago (by the learner's wall
+    clock) count as alive; older ones are only a baseline."""
+    self.store, self.expected, self.fresh_s = store, expected, fresh_s
     self._beats: dict[int, tuple[int, int]] = {}  # learner -> (incarnation, seq) last seen
     self._left: set[tuple[int, int]] = set()
     self._held: dict[str, tuple[int, int, int, int]] = {}
@@ -237,7 +240,8 @@ class SyncerStoreLink:
         if (learner, key[0]) not in self._left:
           self._left.add((learner, key[0]))
           left.append((learner, key[0]))
-      elif not self._first_poll:
+      elif not self._first_poll or abs(time.time() - float(record.get("sent_at", 0.0))) < \
+          self.fresh_s:
         beats.append(beat)
     if self._first_poll:  # payloads wait for the next poll, when live learners have beaten
       self._first_poll = False

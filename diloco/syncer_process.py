@@ -159,7 +159,8 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
         f"versions {syncer.versions}", flush=True)
   expected = {p: {k: global_params[k].shape for k in paths}
               for p, paths in enumerate(plan.fragments)}
-  link = SyncerStoreLink(store, expected, merged_keys)
+  link = SyncerStoreLink(store, expected, merged_keys,
+                         fresh_s=cfg.sync.heartbeat_timeout_s / 2)
   writer = metrics_lib.MetricWriter(workdir, role="syncer", tensorboard=cfg.log.tensorboard)
   evaluator = _Evaluator(cfg, spec, eval_fn, writer)
   progress, next_eval = 0, cfg.train.eval_every

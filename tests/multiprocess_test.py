@@ -17,7 +17,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHAOS = "kill:0@4;add@6;stop:1@12+8;kill_syncer@24;retire:3@50"
+# Named faults first; the seeded random ones come after the retirement (chaos window below).
+CHAOS = "kill:0@4;add@6;stop:1@12+8;kill_syncer@24;retire:3@60"
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,9 @@ def run_dir(tmp_path_factory):
   proc = subprocess.run(
       [sys.executable, "-m", "diloco.main", "--config=configs/multiprocess.py:tiny",
        f"--workdir={workdir}", "--role=launch", f"--config.launch.chaos={CHAOS}",
-       "--config.launch.chaos_faults=7", "--config.launch.timeout_s=1200"],
+       "--config.launch.chaos_faults=7", "--config.launch.chaos_start_s=62",
+       "--config.launch.chaos_end_s=90", "--config.launch.timeout_s=1200",
+       "--config.train.steps=200"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return workdir, proc.stdout
@@ -109,8 +112,8 @@ def test_added_learner_joins_from_global_and_retired_one_leaves(run_dir):
   tape = _tape(workdir)
   assert any(a["learner"] == 3 for r in tape for a in r["admitted"])
   log = open(os.path.join(workdir, "logs", "learner3.log")).read()
-  assert "retired at local step" in log or "retire:3@50" in json.dumps(_events(workdir))
-  retire = next(e for e in _events(workdir) if e["event"] == "retire:3@50")
+  assert "retired at local step" in log or "retire:3@60" in json.dumps(_events(workdir))
+  retire = next(e for e in _events(workdir) if e["event"] == "retire:3@60")
   assert retire["applied"]
   assert all(a["learner"] != 3 for r in tape if r["closed_at"] > retire["at"] + 10
              for a in r["admitted"])
