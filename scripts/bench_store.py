@@ -1,0 +1,324 @@
+"""Benchmark: store round trips over raw NumPy files, and delivery-to-visible merge latency.
+
+1. Throughput. One round trip of a float32 fragment through the store, as a delivery lives:
+   `Store.put_payload` (Orbax entry + commit marker), `Store.read_payload` (the syncer's
+   checked read), `Store.remove_payload`. The baseline is what a user would write by hand
+   in the same directory: `np.save` of each tensor to its own `.npy` file (the store also
+   keeps one array per tensor), `np.load` of them, `os.remove`. The two alternate in one
+   run (the order flips every repetition); throughput is fragment bytes per round-trip
+   second, ratio = baseline time / store time (best, and median). Goal: ratio >= 0.7.
+   Both hit the page cache alike; only the store's TensorStore writes are fsynced.
+2. Latency. M learner threads, each with a `LearnerStoreLink` on its own `Store`, and a
+   syncer thread that loops like `syncer_process.run` (poll `SyncerStoreLink`, `tick`,
+   durable `_commit`, `release`) over P fragments of a small fake parameter set. In round r
+   every learner delivers fragment r % P (the schedule makes them all due at the same step)
+   with `base_version` = the newest version it has, then waits until the version that
+   admitted its delivery is visible through its own link (in `merged/index.json` and read
+   back). A sample is that time minus the time `put_payload` of the delivery returned.
+   Heartbeats report no step time, so rounds close without a grace window.
+
+  PYTHONPATH=. .venv/bin/python scripts/bench_store.py  # prints one JSON line last
+  PYTHONPATH=. .venv/bin/python scripts/bench_store.py --fragment_mib=2 --rounds=10
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+from absl import logging
+
+from diloco import fragments, store_transport, syncer_process
+from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.store import Store, payload_name
+from diloco.syncer import Syncer
+from diloco.transport import Heartbeat, Payload
+
+
+class _TimedStore(Store):
+  """A `Store` that notes when each delivery and each merged version became committed."""
+
+  def __init__(self, root: str, committed: dict, published: dict):
+    super().__init__(root)
+    self._committed, self._published = committed, published
+
+  def put_payload(self, payload: Payload) -> int:
+    nbytes = super().put_payload(payload)
+    self._committed[payload_name(payload.fragment, payload.learner, payload.incarnation,
+                                 payload.local_step)] = time.time()
+    return nbytes
+
+  def put_merged(self, merged, momentum, marker) -> None:
+    super().put_merged(merged, momentum, marker)
+    self._published[(merged.fragment, merged.version)] = time.time()
+
+
+# Throughput.
+def _store_trip(store: Store, payload: Payload, expected: dict) -> tuple[dict, list[float]]:
+  t0 = time.perf_counter()
+  store.put_payload(payload)
+  t1 = time.perf_counter()
+  name = payload_name(payload.fragment, payload.learner, payload.incarnation, payload.local_step)
+  got = store.read_payload(name, expected).tensors
+  t2 = time.perf_counter()
+  store.remove_payload(name)
+  return got, [t1 - t0, t2 - t1, time.perf_counter() - t2]
+
+
+def _numpy_trip(directory: str, tensors: dict) -> tuple[dict, list[float]]:
+  t0 = time.perf_counter()
+  files = {}
+  for i, (path, tensor) in enumerate(sorted(tensors.items())):
+    files[path] = os.path.join(directory, f"t{i:04d}.npy")
+    np.save(files[path], tensor)
+  t1 = time.perf_counter()
+  got = {path: np.load(f) for path, f in files.items()}
+  t2 = time.perf_counter()
+  for f in files.values():
+    os.remove(f)
+  return got, [t1 - t0, t2 - t1, time.perf_counter() - t2]
+
+
+def _throughput(top: str, args) -> dict:
+  """Alternated round trips; a warm-up of each first, and a check that both read back."""
+  rng = np.random.default_rng(args.seed)
+  per_tensor = args.fragment_mib * (1 << 20) // 4 // args.tensors
+  tensors = {f"layers/{i}/w": rng.standard_normal(per_tensor, dtype=np.float32)
+             for i in range(args.tensors)}
+  expected = {0: {k: v.shape for k, v in tensors.items()}}
+  store = Store(os.path.join(top, "store"))
+  plain = os.path.join(top, "numpy")
+  os.makedirs(plain)
+  times = {"store": [], "numpy": []}
+  parts = {"store": [], "numpy": []}
+  for rep in range(args.reps + 1):
+    payload = Payload(0, 0, 0, rep + 1, 1, 1, 0, "values", tensors, 0.0)
+    for kind in ("store", "numpy") if rep % 2 else ("numpy", "store"):
+      t0 = time.perf_counter()
+      got, split = (_store_trip(store, payload, expected) if kind == "store" else
+                    _numpy_trip(plain, tensors))
+      elapsed = time.perf_counter() - t0
+      if rep == 0:  # warm-up, untimed
+        if any(not np.array_equal(got[k], tensors[k]) for k in tensors):
+          raise AssertionError(f"{kind} round trip read back other values")
+        continue
+      times[kind].append(elapsed)
+      parts[kind].append(split)
+  nbytes = sum(v.nbytes for v in tensors.values())
+  best = {k: min(v) for k, v in times.items()}
+  median = {k: statistics.median(v) for k, v in times.items()}
+  split = {k: dict(zip(("write", "read", "remove"),
+                       (round(statistics.median(s), 5) for s in zip(*v))))
+           for k, v in parts.items()}
+  return {
+      "ratio": round(best["numpy"] / best["store"], 4),
+      "ratio_median": round(median["numpy"] / median["store"], 4),
+      "store_bytes_per_s": round(nbytes / best["store"]),
+      "numpy_bytes_per_s": round(nbytes / best["numpy"]),
+      "store_s": round(best["store"], 5),
+      "numpy_s": round(best["numpy"], 5),
+      "store_median_split_s": split["store"],
+      "numpy_median_split_s": split["numpy"],
+      "fragment_bytes": nbytes,
+  }
+
+
+# Latency.
+def _syncer_loop(store: Store, syncer: Syncer, link, records: list, poll_s: float,
+                 keep: int, stop: threading.Event) -> None:
+  """`syncer_process.run`'s loop without evaluation: poll, tick, durable commit, release."""
+  with open(os.devnull, "w", encoding="utf-8") as tape:
+    last_registry = 0.0
+    while not stop.is_set():
+      now = time.time()
+      beats, payloads, rejected, left = link.poll(now)
+      for r in rejected:
+        syncer.reject(r.fragment, r.learner, r.incarnation, r.reason, r.nbytes, now)
+      for learner, incarnation in left:
+        syncer.forget(learner, incarnation)
+      merged, deadline = syncer.tick(now, beats, payloads)
+      syncer_process._commit(store, syncer, merged, records, tape, keep)  # the real durable path
+      link.release(syncer.pending_keys())
+      if now - last_registry >= 1.0:
+        last_registry = now
+        store.write_json("registry.json", dict(syncer.state_summary(), time=now,
+                                               versions=syncer.versions,
+                                               alive=syncer.alive(now)))
+      if store.exists("stop.json"):
+        break
+      stop.wait(poll_s if deadline is None else min(poll_s, max(deadline - time.time(), 0.0)))
+
+
+def _learner_loop(m: int, store: Store, args, num_fragments: int, admitted: dict,
+                  ready: threading.Event, barrier: threading.Barrier, out: list) -> None:
+  """Registers, then per round: deliver, wait until the version that admitted it is visible."""
+  incarnation = store.next_incarnation(m)
+  link = store_transport.LearnerStoreLink(store, m, incarnation, poll_s=args.poll_s)
+  rng = np.random.default_rng(args.seed + 1 + m)
+  try:
+    link.heartbeat(Heartbeat(m, incarnation, 0, 0.0, time.time()))
+    link.wait_initial(num_fragments, timeout=args.wait_s)
+    if not ready.wait(args.wait_s):
+      raise TimeoutError(f"learner {m}: the syncer did not register every learner")
+    for r in range(args.warmup + args.rounds):
+      barrier.wait()
+      p, step = r % num_fragments, r + 1
+      base = link.latest(p)
+      tensors = {k: v + rng.standard_normal(v.shape, dtype=np.float32) * 1e-3
+                 for k, v in base.tensors.items()}
+      link.heartbeat(Heartbeat(m, incarnation, step, 0.0, time.time()))
+      link.deliver(Payload(m, incarnation, p, step, 1, 1000, base.version, "values", tensors,
+                           time.time()))
+      deadline = time.monotonic() + args.wait_s
+      need, seen = base.version + 1, None
+      while time.monotonic() < deadline:
+        got = link.wait_for(p, need, timeout=min(0.5, max(deadline - time.monotonic(), 0.0)))
+        version = admitted.get((m, step))
+        if version is not None and got.version >= version:
+          seen = time.time()
+          break
+        need = max(need, got.version + 1) if version is None else version
+      if r >= args.warmup:
+        out.append((m, p, step, incarnation, seen))
+  finally:
+    link.close()
+
+
+def _latency(root: str, args) -> dict:
+  """Delivery-committed to merged-visible seconds, over `rounds` rounds of M learners."""
+  num_fragments, learners = args.fragments, args.learners
+  per_tensor = int(args.latency_fragment_mib * (1 << 20)) // 4 // args.tensors
+  rng = np.random.default_rng(args.seed)
+  params = {f"layers/{i}/w": rng.standard_normal(per_tensor, dtype=np.float32)
+            for i in range(num_fragments * args.tensors)}
+  plan = fragments.plan_fragments({k: v.shape for k, v in params.items()}, num_fragments)
+  committed, published, admitted = {}, {}, {}
+  store = _TimedStore(root, committed, published)
+  sync = SyncConfig(num_fragments=num_fragments, quorum=args.quorum)
+  records: list[dict] = []
+
+  def on_round(record: dict) -> None:
+    records.append(record)
+    for a in record["admitted"]:
+      admitted[(a["learner"], a["local_step"])] = record["version"]
+
+  syncer = Syncer(params, plan, sync, OuterConfig(), on_round=on_round)
+  for merged in syncer.initial(time.time()):
+    store.put_merged(merged, syncer.momentum, {"round": None, "state": syncer.export_state()})
+  expected = {p: {k: params[k].shape for k in paths} for p, paths in enumerate(plan.fragments)}
+  link = store_transport.SyncerStoreLink(store, expected)
+  link.poll(time.time())  # the syncer's first poll, before any learner (it ignores payloads)
+  stop, ready = threading.Event(), threading.Event()
+  barrier = threading.Barrier(learners, timeout=args.wait_s + 5)
+  samples: list[tuple] = []
+  errors: list[BaseException] = []
+
+  def guarded(fn, *fn_args):
+    try:
+      fn(*fn_args)
+    except BaseException as e:  # reported after the threads are stopped
+      errors.append(e)
+      barrier.abort()
+
+  threads = [threading.Thread(target=guarded, name="syncer", daemon=True, args=(
+      _syncer_loop, store, syncer, link, records, args.poll_s, sync.max_staleness + 2, stop))]
+  threads += [threading.Thread(target=guarded, name=f"learner{m}", daemon=True, args=(
+      _learner_loop, m, _TimedStore(root, committed, published), args,
+      num_fragments, admitted, ready, barrier, samples)) for m in range(learners)]
+  end = time.monotonic() + args.timeout_s
+  for t in threads:
+    t.start()
+  deadline = time.monotonic() + args.wait_s
+  while len(syncer.registry) < learners and not errors and time.monotonic() < deadline:
+    time.sleep(0.01)
+  if len(syncer.registry) == learners:  # else the learners time out waiting
+    ready.set()
+  for t in threads[1:]:
+    t.join(max(end - time.monotonic(), 0.0))
+  store.write_json("stop.json", {"time": time.time()})
+  stop.set()
+  threads[0].join(30)
+  if errors:
+    raise RuntimeError(f"latency run failed: {errors[0]!r}") from errors[0]
+  if any(t.is_alive() for t in threads):
+    raise TimeoutError(f"latency run did not finish within {args.timeout_s} s")
+  lat, to_index, timeouts = [], [], 0
+  for m, p, step, incarnation, seen in samples:
+    if seen is None:
+      timeouts += 1
+      continue
+    delivered = committed[payload_name(p, m, incarnation, step)]
+    lat.append(seen - delivered)
+    to_index.append(published[(p, admitted[(m, step)])] - delivered)
+  if not lat:
+    raise RuntimeError(f"latency run: no delivery became visible within {args.wait_s} s")
+  return {
+      "latency_median_s": round(statistics.median(lat), 4),
+      "latency_p90_s": round(float(np.percentile(lat, 90)), 4),
+      "latency_max_s": round(max(lat), 4),
+      "latency_to_index_median_s": round(statistics.median(to_index), 4),
+      "latency_samples": len(lat),
+      "latency_timeouts": timeouts,
+      "latency_rounds_merged": syncer.rounds,
+      "latency_rejected": dict(syncer.rejections),
+      "latency_fragment_bytes": per_tensor * 4 * args.tensors,
+  }
+
+
+def main(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--fragment_mib", type=int, default=16, help="throughput fragment, MiB")
+  parser.add_argument("--tensors", type=int, default=4, help="equal tensors per fragment")
+  parser.add_argument("--reps", type=int, default=9, help="timed round trips of each kind")
+  parser.add_argument("--learners", type=int, default=4, help="learner threads (M)")
+  parser.add_argument("--fragments", type=int, default=4, help="fragments of the fake model (P)")
+  parser.add_argument("--latency_fragment_mib", type=float, default=1.0,
+                      help="fragment size of the latency run, MiB")
+  parser.add_argument("--rounds", type=int, default=40, help="timed delivery rounds")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+  parser.add_argument("--quorum", type=int, default=1, help="sync.quorum (K)")
+  parser.add_argument("--poll_s", type=float, default=0.05, help="store.poll_s")
+  parser.add_argument("--wait_s", type=float, default=30.0,
+                      help="longest wait for one delivery to become visible")
+  parser.add_argument("--timeout_s", type=float, default=600.0, help="bound of the latency run")
+  parser.add_argument("--dir", default=None, help="parent of the temporary directory")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  logging.set_verbosity(logging.ERROR)  # Orbax warns on every non-OCDBT save
+
+  top = tempfile.mkdtemp(prefix="bench_store_", dir=args.dir)
+  try:
+    throughput = _throughput(top, args)
+    latency = _latency(os.path.join(top, "latency"), args)
+  finally:
+    shutil.rmtree(top, ignore_errors=True)
+  result = {
+      "bench": "store",
+      **throughput,
+      **latency,
+      "baseline": "np.save/np.load/os.remove, one .npy per tensor",
+      "learners": args.learners,
+      "fragments": args.fragments,
+      "quorum": args.quorum,
+      "poll_s": args.poll_s,
+      "tensors": args.tensors,
+      "reps": args.reps,
+      "rounds": args.rounds,
+      "orbax": importlib.metadata.version("orbax-checkpoint"),
+      "tensorstore": importlib.metadata.version("tensorstore"),
+      "numpy": np.__version__,
+      "machine": platform.machine(),
+  }
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
