@@ -21,20 +21,24 @@ per-block scale), optionally with error feedback (`quantize_with_feedback`).
 The merges stream over the data in cache-sized chunks with preallocated accumulators: RDA reads
 every delta twice (once for its norm, once to accumulate), which is the minimum for an exact RDA.
 Accumulation is in float32 (float64 for float64 inputs); norms are summed in float64. Weighted
-sums take a Horner form (`_WeightedSum`) that costs one in-cache multiply per input besides the pass
-that streams it. The merges use element-wise ufuncs rather than multithreaded BLAS matrix
-products: those were no faster single-threaded and collapsed on a busy host, and ufuncs keep
-merges bit-reproducible. `merge_and_step` fuses a fragment's merge with its Nesterov step (the
-syncer's round): it rounds exactly like `merge_fragment` then `nesterov_step`, but never writes
-the merged gradient out in full.
+sums take a Horner form (`_WeightedSum`): per input, the pass that streams it plus one in-cache
+multiply. The merges use element-wise ufuncs rather than BLAS (no faster single-threaded, and
+OpenBLAS threads collapsed on a busy host); instead, fixed blocks of the data are shared by
+`MERGE_THREADS` Python threads (`_map_blocks`), with bit-identical results for any thread count.
+`merge_and_step` fuses a fragment's merge with its Nesterov step (the syncer's round): it rounds
+exactly like `merge_fragment` then `nesterov_step`, but never writes, re-reads and rescales the
+merged gradient in full.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 import dataclasses
 import math
-from typing import Any
+import os
+import threading
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -51,8 +55,18 @@ QUANT_BITS = (16, 8, 4)
 # any real direction.
 RDA_DIRECTION_EPS = 1e-4
 
+# Threads, the caller's included, that share the work of one merge (`_map_blocks`); set it to 1
+# for single-threaded merges. Results do not depend on it.
+MERGE_THREADS = min(2, os.cpu_count() or 1)
+
 _CHUNK = 1 << 16  # elements per streamed chunk: a few such buffers stay in a core's L2 cache
 _NORM_CHUNKS = 4  # the read-only norm pass streams this many `_CHUNK`s per call
+_BLOCK_CHUNKS = 8  # `_CHUNK`s per block, the unit of work that `_map_blocks` hands a thread
+
+_T = TypeVar("_T")
+_executor_lock = threading.Lock()
+_executor_state: list[tuple[int, ThreadPoolExecutor]] = []  # (workers, executor) once created
+os.register_at_fork(after_in_child=_executor_state.clear)  # a fork does not copy the threads
 
 
 def token_weights(tokens: Sequence[float] | np.ndarray, steps: Sequence[float] | np.ndarray,
@@ -127,37 +141,87 @@ def _flatten_all(deltas: Sequence[np.ndarray]) -> tuple[list[np.ndarray], tuple[
   return [np.ascontiguousarray(a).reshape(-1) for a in arrays], shape, dtype
 
 
-def _chunks(n: int) -> range:
-  return range(0, n, _CHUNK)
+def _executor(workers: int) -> ThreadPoolExecutor:
+  """The module's helper threads (created on first use, again after a fork)."""
+  with _executor_lock:
+    if not _executor_state or _executor_state[0][0] < workers:
+      if _executor_state:
+        _executor_state[0][1].shutdown(wait=False)
+      _executor_state[:] = [(workers, ThreadPoolExecutor(workers, "diloco-merge"))]
+    return _executor_state[0][1]
 
 
-def _rchunks(n: int) -> Iterator[int]:
-  return reversed(range(0, n, _CHUNK))
+def _map_blocks(fn: Callable[[int, int], _T], n: int) -> list[_T]:
+  """`[fn(lo, hi) for each block lo:hi of range(n)]`, the blocks shared by `MERGE_THREADS` threads.
+
+  One core cannot keep enough memory reads in flight to use the host's bandwidth, and the merges'
+  in-cache arithmetic costs about half as much as their streaming, so a second core takes about a
+  quarter off a round. Blocks are fixed (`_BLOCK_CHUNKS` chunks) and results come back in block
+  order, so the results do not depend on the thread count. Blocks are handed out one at a time (a
+  core slowed by other work takes fewer), and the calling thread works too: when the helpers are
+  busy elsewhere it simply does every block itself.
+  """
+  size = _CHUNK * _BLOCK_CHUNKS
+  bounds = [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+  threads = min(MERGE_THREADS, len(bounds))
+  if threads <= 1:
+    return [fn(lo, hi) for lo, hi in bounds]
+  results: list[Any] = [None] * len(bounds)
+  lock = threading.Lock()
+  taken = [0]
+
+  def work() -> None:
+    while True:
+      with lock:
+        j = taken[0]
+        taken[0] += 1
+      if j >= len(bounds):
+        return
+      results[j] = fn(*bounds[j])
+
+  helpers = [_executor(threads - 1).submit(work) for _ in range(threads - 1)]
+  try:
+    work()
+  finally:
+    with lock:
+      taken[0] = len(bounds)  # after an error, stop handing out blocks
+    for h in helpers:
+      if not h.cancel():
+        h.result()  # waits for its block; raises its error
+  return results
 
 
-def _sq_norm(flat: np.ndarray, acc: np.dtype) -> float:
-  """Squared L2 norm in one streaming pass, chunk partial sums added in float64.
+def _sq_norms(flats: Sequence[np.ndarray], acc: np.dtype) -> list[float]:
+  """Squared L2 norms of flat arrays of one size, in one streaming pass.
 
-  This pass only reads, so it takes `_NORM_CHUNKS` times longer chunks: fewer calls, and the
-  read stays at the memory bandwidth.
+  Chunk dot products (in `acc`) are added in float64. This pass only reads, so its chunks are
+  `_NORM_CHUNKS` times longer: fewer calls, and the read stays at the memory bandwidth.
   """
   step = _CHUNK * _NORM_CHUNKS
-  total = 0.0
-  buf = None if flat.dtype == acc else np.empty(min(step, flat.size), acc)
-  for s in range(0, flat.size, step):
-    c = flat[s:s + step]
-    if buf is not None:
-      c = buf[:c.size]
-      c[...] = flat[s:s + step]
-    total += float(c.dot(c))
-  return total
+
+  def block(lo: int, hi: int) -> list[float]:
+    buf = None if all(f.dtype == acc for f in flats) else np.empty(min(step, hi - lo), acc)
+    sums = []
+    for f in flats:
+      total = 0.0
+      for s in range(lo, hi, step):
+        c = f[s:min(s + step, hi)]
+        if buf is not None:
+          c = buf[:c.size]
+          c[...] = f[s:s + c.size]
+        total += float(c.dot(c))
+      sums.append(total)
+    return sums
+
+  parts = _map_blocks(block, flats[0].size) if flats else []
+  return [sum((p[m] for p in parts), 0.0) for m in range(len(flats))]
 
 
 def _scalar(x: float, acc: np.dtype) -> np.ndarray:
   """`x` as a 0-d array of dtype `acc`.
 
-  The ufuncs round it to `acc` as they would a Python float, but skip that conversion on each
-  call, which costs about as much as the arithmetic on a chunk.
+  The ufuncs round it to `acc` as they would a Python float, but skip converting it on each call
+  (about 0.6 us, a tenth of a chunk's arithmetic).
   """
   return np.asarray(x, acc)
 
@@ -175,8 +239,7 @@ class _WeightedSum:
   unfused merges round identically.
   """
 
-  def __init__(self, flats: Sequence[np.ndarray], coeffs: Sequence[float], acc: np.dtype,
-               chunk: int):
+  def __init__(self, flats: Sequence[np.ndarray], coeffs: Sequence[float], acc: np.dtype):
     c = [float(x) for x in coeffs]
     order = sorted(range(len(c)), key=c.__getitem__)
     info = np.finfo(acc)
@@ -189,25 +252,32 @@ class _WeightedSum:
       self.mults = [_scalar(c[order[i - 1]] / c[order[i]], acc) for i in range(1, len(c))]
       self.factor = c[order[-1]]
     self.inputs = [flats[i] for i in order]
-    self.tmp = np.empty(chunk, acc) if self.direct else None
-    self.cast = None if all(f.dtype == acc for f in flats) else np.empty(chunk, acc)
+    self.acc = acc
+    self.narrow = any(f.dtype != acc for f in flats)
     self.factor_acc = _scalar(self.factor, acc)
 
-  def scaled_chunk(self, s: int, o: np.ndarray) -> None:
+  def scratch(self, chunk: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Buffers for one thread's chunks: the product one (direct sums) and the cast one."""
+    return (np.empty(chunk, self.acc) if self.direct else None,
+            np.empty(chunk, self.acc) if self.narrow else None)
+
+  def scaled_chunk(self, s: int, o: np.ndarray,
+                   scratch: tuple[np.ndarray | None, np.ndarray | None]) -> None:
     """Writes elements `s:s + o.size` of the sum, divided by `factor`, into `o`."""
     e = s + o.size
+    tmp, cast = scratch
     mul, add = np.multiply, np.add
     for i, f in enumerate(self.inputs):
       x = f[s:e]
-      if self.cast is not None:  # low-precision input: widen first
-        x = self.cast[:o.size]
+      if cast is not None:  # low-precision input: widen first
+        x = cast[:o.size]
         x[...] = f[s:e]
       if self.direct:
         if i == 0:
           mul(x, self.mults[0], o)
         else:
-          mul(x, self.mults[i], self.tmp[:o.size])
-          add(o, self.tmp[:o.size], o)
+          mul(x, self.mults[i], tmp[:o.size])
+          add(o, tmp[:o.size], o)
       elif i == 0:
         if len(self.inputs) == 1:
           o[...] = x
@@ -218,9 +288,10 @@ class _WeightedSum:
           mul(o, self.mults[i - 1], o)
         add(o, x, o)
 
-  def chunk(self, s: int, o: np.ndarray) -> None:
+  def chunk(self, s: int, o: np.ndarray,
+            scratch: tuple[np.ndarray | None, np.ndarray | None]) -> None:
     """Writes elements `s:s + o.size` of the sum into `o`."""
-    self.scaled_chunk(s, o)
+    self.scaled_chunk(s, o, scratch)
     if self.factor != 1.0:
       np.multiply(o, self.factor_acc, o)
 
@@ -230,21 +301,22 @@ def _combine(flats: Sequence[np.ndarray], coeffs: Sequence[float], acc: np.dtype
   """Writes `sum_i coeffs[i] * flats[i] / factor` into `out`; returns `(factor, |out|^2)`.
 
   Each output chunk stays in cache while every input's chunk is added to it, so each input is
-  read from memory once and the output written once. Chunks run from the end backwards: the norm
-  pass that usually precedes this one went forwards, so the data it read last may still be in
-  the last-level cache. Plain ufuncs (no multithreaded BLAS) keep the result bit-reproducible.
-  `out` is a flat buffer of dtype `acc` and the inputs' size; all coefficients are positive.
+  read from memory once and the output written once. Plain ufuncs (no multithreaded BLAS) keep
+  the result bit-reproducible. `out` is a flat buffer of dtype `acc` and the inputs' size; all
+  coefficients are positive.
   """
-  n = out.size
-  if n == 0:
-    return 1.0, 0.0
-  summer = _WeightedSum(flats, coeffs, acc, min(_CHUNK, n))
-  sq = 0.0
-  for s in _rchunks(n):
-    o = out[s:s + _CHUNK]
-    summer.scaled_chunk(s, o)
-    sq += float(o.dot(o))
-  return summer.factor, sq
+  summer = _WeightedSum(flats, coeffs, acc)
+
+  def block(lo: int, hi: int) -> float:
+    scratch = summer.scratch(min(_CHUNK, hi - lo))
+    sq = 0.0
+    for s in range(lo, hi, _CHUNK):
+      o = out[s:min(s + _CHUNK, hi)]
+      summer.scaled_chunk(s, o, scratch)
+      sq += float(o.dot(o))
+    return sq
+
+  return summer.factor, sum(_map_blocks(block, out.size), 0.0)
 
 
 def _finish(out: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -266,21 +338,24 @@ def weighted_mean(deltas: Sequence[np.ndarray], weights: Sequence[float] | np.nd
   return _finish(_mean_flat(flats, _check_weights(weights, len(flats))), shape, dtype)
 
 
-def _mean_sum(flats: Sequence[np.ndarray], w: np.ndarray, acc: np.dtype,
-              chunk: int) -> _WeightedSum:
+def _mean_sum(flats: Sequence[np.ndarray], w: np.ndarray, acc: np.dtype) -> _WeightedSum:
   """The weighted mean of flat deltas (normalised weights `w`) as a `_WeightedSum`."""
   keep = [m for m in range(len(flats)) if w[m] > 0]
-  return _WeightedSum([flats[m] for m in keep], [w[m] for m in keep], acc, chunk)
+  return _WeightedSum([flats[m] for m in keep], [w[m] for m in keep], acc)
 
 
 def _mean_flat(flats: Sequence[np.ndarray], w: np.ndarray) -> np.ndarray:
   """`weighted_mean` of checked flat deltas, with normalised weights `w`."""
   acc = _acc_dtype(flats[0].dtype)
   out = np.empty(flats[0].size, acc)
-  if out.size:
-    mean = _mean_sum(flats, w, acc, min(_CHUNK, out.size))
-    for s in _rchunks(out.size):
-      mean.chunk(s, out[s:s + _CHUNK])
+  mean = _mean_sum(flats, w, acc)
+
+  def block(lo: int, hi: int) -> None:
+    scratch = mean.scratch(min(_CHUNK, hi - lo))
+    for s in range(lo, hi, _CHUNK):
+      mean.chunk(s, out[s:min(s + _CHUNK, hi)], scratch)
+
+  _map_blocks(block, out.size)
   return out
 
 
@@ -292,8 +367,9 @@ def _rda_into(flats: Sequence[np.ndarray], w: np.ndarray, acc: np.dtype,
   delta is zero), or None when the mean direction vanishes and the weighted mean applies instead.
   The caller applies it, so that a fused merge can do so in its own pass.
   """
-  norms = [math.sqrt(_sq_norm(f, acc)) if w[m] > 0 else 0.0 for m, f in enumerate(flats)]
-  live = [m for m in range(len(flats)) if w[m] > 0 and norms[m] > 0]
+  weighted = [m for m in range(len(flats)) if w[m] > 0]
+  norms = dict(zip(weighted, map(math.sqrt, _sq_norms([flats[m] for m in weighted], acc))))
+  live = [m for m in weighted if norms[m] > 0]
   if not live:  # every weighted delta is zero, and so is their mean
     out[...] = 0
     return 0.0
@@ -432,17 +508,21 @@ def _nesterov_leaf(p: np.ndarray, b: np.ndarray | None, g: np.ndarray, lr: float
   if p.shape != b.shape or p.shape != g.shape:
     raise ValueError(f"shapes differ: params {p.shape}, momentum {b.shape}, grad {g.shape}")
   pf, bf, gf = p.reshape(-1), b.reshape(-1), np.ascontiguousarray(g).reshape(-1)
-  tmp = np.empty(min(_CHUNK, pf.size), b.dtype)
   lr, mu = _scalar(lr, b.dtype), _scalar(mu, b.dtype)
-  for s in _chunks(pf.size):
-    e = s + _CHUNK
-    _nesterov_chunk(pf[s:e], bf[s:e], gf[s:e], tmp[:pf[s:e].size], lr, mu)
+
+  def block(lo: int, hi: int) -> None:
+    tmp = np.empty(min(_CHUNK, hi - lo), b.dtype)
+    for s in range(lo, hi, _CHUNK):
+      e = min(s + _CHUNK, hi)
+      _nesterov_chunk(pf[s:e], bf[s:e], gf[s:e], tmp[:e - s], lr, mu)
+
+  _map_blocks(block, pf.size)
   return p, b
 
 
 def _nesterov_chunk(p: np.ndarray, b: np.ndarray, g: np.ndarray, t: np.ndarray, lr: np.ndarray,
                     mu: np.ndarray) -> None:
-  """The Nesterov step on one chunk, in place; `t` is scratch and ends as the step `p_old - p`.
+  """The Nesterov step on one chunk, in place; `t` ends holding the step subtracted from `p`.
 
   Shared by `nesterov_step` and `merge_and_step` so that both round as optax does; `lr` and `mu`
   come from `_scalar` with the momentum's dtype.
@@ -491,6 +571,34 @@ def _inplace_flat(a: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
   if a.shape != shape:
     raise ValueError(f"{what} has shape {a.shape}, the deltas {shape}")
   return a.reshape(-1)
+
+
+def _merge_and_step_tensor(flats: Sequence[np.ndarray], w: np.ndarray, acc: np.dtype,
+                           pf: np.ndarray, bf: np.ndarray, lr: float, mu: float,
+                           direction: np.ndarray | None) -> float:
+  """`merge_and_step` on one tensor: RDA through `direction` if given, else the weighted mean."""
+  scale = None if direction is None else _rda_into(flats, w, acc, direction)
+  mean = _mean_sum(flats, w, acc) if scale is None else None
+  scale = None if scale is None else _scalar(scale, acc)
+  lr_b, mu_b = _scalar(lr, bf.dtype), _scalar(mu, bf.dtype)
+
+  def block(lo: int, hi: int) -> float:
+    chunk = min(_CHUNK, hi - lo)
+    g, step = np.empty(chunk, acc), np.empty(chunk, bf.dtype)
+    scratch = mean.scratch(chunk) if mean is not None else None
+    sq = 0.0
+    for s in range(lo, hi, _CHUNK):
+      e = min(s + _CHUNK, hi)
+      gc, t = g[:e - s], step[:e - s]
+      if mean is not None:
+        mean.chunk(s, gc, scratch)
+      else:
+        np.multiply(direction[s:e], scale, gc)
+      _nesterov_chunk(pf[s:e], bf[s:e], gc, t, lr_b, mu_b)
+      sq += float(t.dot(t))
+    return sq
+
+  return sum(_map_blocks(block, pf.size), 0.0)
 
 
 def merge_and_step(params: Sequence[np.ndarray] | Mapping[str, np.ndarray],
@@ -561,31 +669,9 @@ def merge_and_step(params: Sequence[np.ndarray] | Mapping[str, np.ndarray],
                      f"least {max(sizes.values(), default=0)} elements")
   else:
     buffers = {workspace.dtype: workspace}
-  step_sq = []
-  for flats, acc, pf, bf, rda in tensors:
-    n = flats[0].size
-    chunk = max(min(_CHUNK, n), 1)
-    g, step = np.empty(chunk, acc), np.empty(chunk, bf.dtype)
-    lr_b, mu_b = _scalar(lr, bf.dtype), _scalar(mu, bf.dtype)
-    direction, scale = None, None
-    if rda:
-      direction = buffers[acc][:n]
-      scale = _rda_into(flats, w, acc, direction)
-    if scale is None:  # weighted mean, made chunk by chunk below
-      mean = _mean_sum(flats, w, acc, chunk)
-    else:
-      scale = _scalar(scale, acc)
-    sq = 0.0
-    for s in _chunks(n):
-      e = min(s + chunk, n)
-      gc, t = g[:e - s], step[:e - s]
-      if scale is None:
-        mean.chunk(s, gc)
-      else:
-        np.multiply(direction[s:e], scale, gc)
-      _nesterov_chunk(pf[s:e], bf[s:e], gc, t, lr_b, mu_b)
-      sq += float(t.dot(t))
-    step_sq.append(sq)
+  step_sq = [_merge_and_step_tensor(flats, w, acc, pf, bf, lr, mu,
+                                    buffers[acc][:flats[0].size] if rda else None)
+             for flats, acc, pf, bf, rda in tensors]
   return dict(zip(keys, step_sq)) if isinstance(deltas[0], Mapping) else step_sq
 
 

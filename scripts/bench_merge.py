@@ -1,10 +1,16 @@
 """Benchmark: syncer merge throughput over host copy bandwidth, measured in the same run.
 
-One syncer round of a fragment: token weights, RDA merge of M float32 outer gradients
-(`diloco.outer.merge_fragment`), Nesterov outer step in place. Throughput is payload bytes
-(M x fragment bytes) per second; the reference is `np.copyto` of one array of the same total size.
-RDA must read every payload twice (norms, then the weighted sum), so the ratio is bounded by
-about 0.5; the goal is >= 0.3.
+One syncer round of a fragment as the syncer should run it: token weights, then
+`diloco.outer.merge_and_step`, which merges M float32 outer gradients by RDA and takes the Nesterov
+outer step in place on the fragment and its momentum, reusing one workspace buffer across rounds
+and sharing the work among `outer.MERGE_THREADS` threads (2 where there are 2 cores; `--threads`
+overrides it). Throughput is payload bytes (M x fragment bytes) per second; the reference is
+`np.copyto` (one thread) of one array of the same total size. `ratio` is best copy time over best
+round time; copies and rounds are timed alternately so that both see the same load on a shared
+host, and `ratio_median` is the median of the per-repetition ratios. `ratio_unfused` times the
+unfused pair (`merge_fragment`, then `nesterov_step(inplace=True)`, same threads) the same way,
+for comparison. RDA must read every payload twice (norms, then the weighted sum); the goal is
+>= 0.3.
 
   PYTHONPATH=. .venv/bin/python scripts/bench_merge.py  # prints one JSON line last
 """
@@ -15,21 +21,24 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from diloco import outer
 
 
-def _best_and_median(fn, reps: int) -> tuple[float, float]:
-  """Wall times of `reps` calls after one warm-up call: (best, median) in seconds."""
-  fn()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
+def _interleaved_times(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+  """Wall times in seconds of `reps` rounds calling every fn once, after one warm-up round."""
+  for fn in fns.values():
     fn()
-    times.append(time.perf_counter() - t0)
-  return min(times), statistics.median(times)
+  times = {name: [] for name in fns}
+  for _ in range(reps):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t0)
+  return times
 
 
 def main(argv: list[str]) -> None:
@@ -39,7 +48,10 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--tensors", type=int, default=4, help="equal tensors per fragment")
   parser.add_argument("--reps", type=int, default=5, help="timed repetitions (best is used)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--threads", type=int, default=outer.MERGE_THREADS,
+                      help="threads per merge (outer.MERGE_THREADS)")
   args = parser.parse_args(argv)
+  outer.MERGE_THREADS = args.threads
 
   rng = np.random.default_rng(args.seed)
   per_tensor = args.fragment_mib * (1 << 20) // 4 // args.tensors
@@ -48,31 +60,43 @@ def main(argv: list[str]) -> None:
             for _ in range(args.learners)]
   params = {n: rng.standard_normal(per_tensor, dtype=np.float32) for n in names}
   momentum = {n: np.zeros(per_tensor, np.float32) for n in names}
+  workspace = np.empty(per_tensor, np.float32)  # the syncer keeps one across rounds
   tokens = rng.integers(1000, 2000, args.learners)
   steps = rng.integers(20, 30, args.learners)
   payload_bytes = sum(a.nbytes for d in deltas for a in d.values())
 
   def merge_round():
     w = outer.token_weights(tokens, steps)
+    outer.merge_and_step(params, momentum, deltas, w, None, lr=0.7, mu=0.9,
+                         workspace=workspace)
+
+  def unfused_round():
+    w = outer.token_weights(tokens, steps)
     g = outer.merge_fragment(deltas, w, None, method="rda")
     outer.nesterov_step(params, momentum, g, lr=0.7, mu=0.9, inplace=True)
 
   src = np.ones(payload_bytes // 4, np.float32)
   dst = np.zeros_like(src)
-  copy_s, copy_med = _best_and_median(lambda: np.copyto(dst, src), args.reps)
-  merge_s, merge_med = _best_and_median(merge_round, args.reps)
+  times = _interleaved_times(
+      {"copy": lambda: np.copyto(dst, src), "merge": merge_round, "unfused": unfused_round},
+      args.reps)
+  copy_s, merge_s, unfused_s = (min(times[k]) for k in ("copy", "merge", "unfused"))
   result = {
       "bench": "merge",
       "ratio": round(copy_s / merge_s, 4),
-      "ratio_median": round(copy_med / merge_med, 4),
+      "ratio_median": round(statistics.median(
+          c / m for c, m in zip(times["copy"], times["merge"])), 4),
+      "ratio_unfused": round(copy_s / unfused_s, 4),
       "merge_bytes_per_s": round(payload_bytes / merge_s),
       "copy_bytes_per_s": round(payload_bytes / copy_s),
       "merge_s": round(merge_s, 5),
       "copy_s": round(copy_s, 5),
+      "unfused_s": round(unfused_s, 5),
       "payload_bytes": payload_bytes,
       "learners": args.learners,
       "fragment_bytes": payload_bytes // args.learners,
       "reps": args.reps,
+      "threads": args.threads,
       "numpy": np.__version__,
       "machine": platform.machine(),
   }

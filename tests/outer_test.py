@@ -39,8 +39,10 @@ def _deltas(rng, m, shape=(7, 13), dtype=np.float32):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-  """Makes the streamed chunks tiny so that multi-chunk paths (and tails) are exercised."""
+  """Tiny chunks and blocks on two threads, so that multi-chunk, multi-block and tail paths run."""
   monkeypatch.setattr(outer, "_CHUNK", 16)
+  monkeypatch.setattr(outer, "_BLOCK_CHUNKS", 2)
+  monkeypatch.setattr(outer, "MERGE_THREADS", 2)
 
 
 # ---- Weights. ----
@@ -266,6 +268,224 @@ def test_nesterov_formula_on_arrays_and_purity():
   p2, b2 = outer.nesterov_step(p0, b0, g, lr=0.5, mu=0.9, inplace=True)
   assert p2 is p0 and b2 is b0
   np.testing.assert_array_equal(p2, p)
+
+
+# ---- Fused merge and Nesterov step (the syncer's round). ----
+
+def oracle_nesterov(p, b, g, lr, mu):
+  b = mu * b + g
+  return p - lr * (g + mu * b), b
+
+
+_SHAPES = {"emb": (9, 4), "w": (5, 7), "v": (37,), "s": ()}  # "emb" gets the weighted mean
+
+
+def _fragment_deltas(rng, m, dtype=np.float32):
+  return [{k: rng.standard_normal(s).astype(dtype) for k, s in _SHAPES.items()} for _ in range(m)]
+
+
+def _copy(tree):
+  if isinstance(tree, dict):
+    return {k: np.array(v) for k, v in tree.items()}
+  return [np.array(v) for v in tree]
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_merge_and_step_matches_oracle_and_optax(m, small_chunks):
+  rng = np.random.default_rng(20 + m)
+  lr, mu = 0.7, 0.9
+  params = {k: rng.standard_normal(s).astype(np.float32) for k, s in _SHAPES.items()}
+  momentum = {k: np.zeros(s, np.float32) for k, s in _SHAPES.items()}
+  p64 = {k: v.astype(np.float64) for k, v in params.items()}
+  b64 = {k: v.astype(np.float64) for k, v in momentum.items()}
+  tx = optax.sgd(lr, momentum=mu, nesterov=True)
+  ref_params, state = _copy(params), tx.init(_copy(params))
+  workspace = np.empty(64, np.float32)
+  for _ in range(3):
+    deltas = _fragment_deltas(rng, m)
+    w = rng.uniform(0.1, 2.0, m)
+    before = _copy(params)
+    step_sq = outer.merge_and_step(params, momentum, deltas, w, {"emb": True}, lr, mu,
+                                   workspace=workspace)
+    grads = {k: (oracle_mean if k == "emb" else oracle_rda)([d[k] for d in deltas], w)
+             for k in _SHAPES}
+    for k in _SHAPES:
+      p64[k], b64[k] = oracle_nesterov(p64[k], b64[k], grads[k], lr, mu)
+    updates, state = tx.update({k: g.astype(np.float32) for k, g in grads.items()}, state,
+                               ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+    assert set(step_sq) == set(_SHAPES)
+    for k in _SHAPES:
+      moved = np.sum((before[k].astype(np.float64) - params[k]) ** 2)
+      np.testing.assert_allclose(step_sq[k], moved, rtol=1e-5)
+  for k, shape in _SHAPES.items():
+    assert params[k].dtype == np.float32 and params[k].shape == shape
+    np.testing.assert_allclose(params[k], p64[k], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(momentum[k], b64[k], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(params[k], np.asarray(ref_params[k]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(momentum[k], np.asarray(state[0].trace[k]), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("method", outer.MERGE_METHODS)
+@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize("with_workspace", [False, True])
+def test_merge_and_step_rounds_like_merge_then_step(dtype, method, as_list, with_workspace,
+                                                    small_chunks):
+  rng = np.random.default_rng(30)
+  deltas = _fragment_deltas(rng, 5, dtype)
+  mask = {"emb": True}
+  params = {k: rng.standard_normal(s).astype(np.float32) for k, s in _SHAPES.items()}
+  momentum = {k: rng.standard_normal(s).astype(np.float32) for k, s in _SHAPES.items()}
+  if as_list:
+    deltas = [list(d.values()) for d in deltas]
+    mask = [k == "emb" for k in _SHAPES]
+    params, momentum = list(params.values()), list(momentum.values())
+  w = outer.token_weights([900, 1200, 1500, 700, 1000], [9, 12, 14, 7, 11])
+  keys = range(len(_SHAPES)) if as_list else _SHAPES
+  p_ref, b_ref = _copy(params), _copy(momentum)
+  grad = outer.merge_fragment(deltas, w, mask, method=method)
+  for k in keys:
+    outer.nesterov_step(p_ref[k], b_ref[k], grad[k], 0.5, 0.8, inplace=True)
+  workspace = np.empty(40, dtype) if with_workspace else None
+  step_sq = outer.merge_and_step(params, momentum, deltas, w, mask, 0.5, 0.8, method=method,
+                                 workspace=workspace)
+  assert isinstance(step_sq, list) == as_list
+  for k in keys:
+    np.testing.assert_array_equal(params[k], p_ref[k])
+    np.testing.assert_array_equal(momentum[k], b_ref[k])
+
+
+def _fused_one_tensor(deltas, w, grad, embedding=False, lr=0.5, mu=0.9):
+  """`merge_and_step` on one tensor, and the float64 oracle step with gradient `grad`."""
+  rng = np.random.default_rng(40)
+  dtype = np.float64 if deltas[0].dtype == np.float64 else np.float32
+  p = rng.standard_normal(deltas[0].shape).astype(dtype)
+  b = rng.standard_normal(deltas[0].shape).astype(dtype)
+  want = oracle_nesterov(p.astype(np.float64), b.astype(np.float64), grad, lr, mu)
+  outer.merge_and_step([p], [b], [[d] for d in deltas], w, [embedding], lr, mu)
+  return (p, b), want
+
+
+def test_merge_and_step_edge_cases(small_chunks):
+  rng = np.random.default_rng(41)
+  d, e = rng.standard_normal(50), rng.standard_normal(50)
+  zero = np.zeros(50)
+  cases = [
+      ([d, -2.0 * d], [0.5, 0.5], -0.5 * d),  # unit vectors cancel: weighted mean
+      ([zero, zero], [1, 2], zero),  # nothing to merge: a momentum-only step
+      ([d, e, np.full(50, 1e30)], [1, 1, 0], oracle_rda([d, e], [1, 1])),  # weight 0 ignored
+      ([d * 1e150, e * 1e-150], [1, 3], oracle_rda([d * 1e150, e * 1e-150], [1, 3])),
+  ]
+  for deltas, w, grad in cases:
+    got, want = _fused_one_tensor(deltas, w, grad)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-12, atol=1e-14)
+
+
+def test_weighted_sums_with_extreme_coefficient_ratios(small_chunks):
+  """Coefficients 1e32 apart (float32) are summed directly, not in Horner form."""
+  rng = np.random.default_rng(42)
+  d, e = (rng.standard_normal(40).astype(np.float32) for _ in range(2))
+  f32 = np.dtype(np.float32)
+  assert outer._WeightedSum([d, e], [1.0, 1e-32], f32).direct
+  assert not outer._WeightedSum([d, e], [1.0, 1e-20], f32).direct
+  big, small = d * np.float32(1e16), e * np.float32(1e-16)
+  np.testing.assert_allclose(outer.radial_directional_average([big, small], [1, 2]),
+                             oracle_rda([big, small], [1, 2]), rtol=1e-5, atol=1e-6)
+  got, want = _fused_one_tensor([big, small], [1, 2], oracle_rda([big, small], [1, 2]))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  w = [1.0, 1e-35]
+  np.testing.assert_allclose(outer.weighted_mean([d, e], w), oracle_mean([d, e], w), rtol=1e-6)
+  got, want = _fused_one_tensor([d, e], w, oracle_mean([d, e], w), embedding=True)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_merge_and_step_keeps_bfloat16_merges_in_float32():
+  rng = np.random.default_rng(43)
+  ds = [d.astype(ml_dtypes.bfloat16) for d in _deltas(rng, 6, (300,))]
+  grad = oracle_rda([d.astype(np.float64) for d in ds], np.ones(6))
+  got, want = _fused_one_tensor(ds, np.ones(6), grad)
+  assert got[0].dtype == np.float32
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_merge_and_step_rejects_bad_state_and_updates_nothing():
+  rng = np.random.default_rng(44)
+  deltas = _fragment_deltas(rng, 2)
+  w = [1, 1]
+
+  def state():
+    return ({k: np.ones(s, np.float32) for k, s in _SHAPES.items()},
+            {k: np.zeros(s, np.float32) for k, s in _SHAPES.items()})
+
+  params, momentum = state()
+  params["w"] = np.ones((7, 5), np.float32).T  # right shape, not C-contiguous
+  bad = [(params, momentum, {}, "C-contiguous")]
+  params, momentum = state()
+  momentum["v"].flags.writeable = False
+  bad.append((params, momentum, {}, "writeable"))
+  params, momentum = state()
+  params["v"] = np.ones(36, np.float32)
+  bad.append((params, momentum, {}, "shape"))
+  params, momentum = state()
+  del momentum["s"]
+  bad.append((params, momentum, {}, "lacks"))
+  for kwargs in ({"workspace": np.empty(64, np.float64)}, {"workspace": np.empty(34, np.float32)},
+                 {"method": "median"}):
+    params, momentum = state()
+    bad.append((params, momentum, kwargs, "workspace" if "workspace" in kwargs else "rda"))
+  for params, momentum, kwargs, match in bad:
+    before = _copy(params), _copy(momentum)
+    with pytest.raises(ValueError, match=match):
+      outer.merge_and_step(params, momentum, deltas, w, {"emb": True}, 0.5, 0.9, **kwargs)
+    for tree, ref in zip((params, momentum), before):
+      for k in tree:
+        np.testing.assert_array_equal(tree[k], ref[k])
+  params, momentum = state()
+  params["other"] = np.ones(3, np.float32)  # tensors of other fragments are left alone
+  outer.merge_and_step(params, momentum, deltas, w, {"emb": True}, 0.5, 0.9)
+  np.testing.assert_array_equal(params["other"], np.ones(3, np.float32))
+
+
+def test_merges_do_not_depend_on_the_thread_count(monkeypatch):
+  monkeypatch.setattr(outer, "_CHUNK", 64)
+  monkeypatch.setattr(outer, "_BLOCK_CHUNKS", 1)
+  rng = np.random.default_rng(45)
+  deltas = [{"a": rng.standard_normal((50, 41)).astype(np.float32),
+             "e": rng.standard_normal(777).astype(np.float32)} for _ in range(6)]
+  w = rng.uniform(0.1, 2.0, 6)
+  results = []
+  for threads in (1, 2, 3):
+    monkeypatch.setattr(outer, "MERGE_THREADS", threads)
+    merged = outer.merge_fragment(deltas, w, {"e": True})
+    params = {k: np.ones_like(v) for k, v in deltas[0].items()}
+    momentum = {k: np.full_like(v, 0.5) for k, v in deltas[0].items()}
+    step_sq = outer.merge_and_step(params, momentum, deltas, w, {"e": True}, 0.7, 0.9)
+    results.append((merged, params, momentum, step_sq))
+  for merged, params, momentum, step_sq in results[1:]:
+    for got, want in zip((merged, params, momentum), results[0][:3]):
+      for k in got:
+        np.testing.assert_array_equal(got[k], want[k])
+    assert step_sq == results[0][3]
+
+
+def test_map_blocks_keeps_order_and_raises(monkeypatch):
+  monkeypatch.setattr(outer, "_CHUNK", 4)
+  monkeypatch.setattr(outer, "_BLOCK_CHUNKS", 1)
+  monkeypatch.setattr(outer, "MERGE_THREADS", 2)
+  assert outer._map_blocks(lambda lo, hi: (lo, hi), 10) == [(0, 4), (4, 8), (8, 10)]
+  assert outer._map_blocks(lambda lo, hi: lo, 0) == []
+
+  def fail(lo, hi):
+    if lo == 8:
+      raise RuntimeError("block 8")
+    return lo
+
+  with pytest.raises(RuntimeError, match="block 8"):
+    outer._map_blocks(fail, 40)
 
 
 # ---- Quantisers. ----
