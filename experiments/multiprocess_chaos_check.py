@@ -1,4 +1,8 @@
-"""The multi-process runtime end to end: real processes, real signals, one seeded chaos run.
+"""NOT IN CI YET (fails: learner processes exit with code 1 under CI load and the launched run
+hits launch.timeout_s; under investigation). Run by hand: python -m pytest -q -p no:cacheprovider
+experiments/multiprocess_chaos_check.py --rootdir=. -c pyproject.toml
+
+The multi-process runtime end to end: real processes, real signals, one seeded chaos run.
 
 One launched run (3 learner processes + a syncer, tiny model) carries every fault the
 runtime must survive: a SIGKILLed learner, a SIGSTOPped one, a SIGKILLed syncer, a
