@@ -12,7 +12,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from absl import logging
@@ -42,8 +43,11 @@ class Syncer:
                on_round: Callable[[dict], None] | None = None):
     """`global_params` maps paths to arrays; `sync_delay_s` fixes the (virtual) sync time."""
     self.plan = plan
-    self.params = {k: np.array(v, np.float32) for k, v in global_params.items()}
+    self.params = {k: np.array(v, np.float32, order="C") for k, v in global_params.items()}
     self.momentum = {k: np.zeros_like(v) for k, v in self.params.items()}
+    # Holds an RDA direction between merge passes; kept across rounds to spare page faults.
+    self._merge_workspace = np.empty(max((v.size for v in self.params.values()), default=0),
+                                     np.float32)
     self.versions = [0] * plan.num_fragments
     self.policy = policy.PolicyConfig(
         quorum=sync.quorum, tau=sync.tau, gamma=sync.gamma,
@@ -207,13 +211,11 @@ class Syncer:
     weights = outer.token_weights([e.payload.tokens for _, e in entries],
                                   [e.payload.steps for _, e in entries], self.outer_cfg.weights)
     mask = {k: self.plan.is_embedding(k) for k in paths}
-    grad = outer.merge_fragment(deltas, weights, mask, method=self.outer_cfg.merge)
-    new_params, new_momentum = outer.nesterov_step(
-        anchor_now, {k: self.momentum[k] for k in paths}, grad,
-        self.outer_cfg.learning_rate, self.outer_cfg.momentum)
-    update_norm = float(np.sqrt(sum(np.sum((new_params[k] - anchor_now[k]) ** 2) for k in paths)))
-    self.params.update({k: np.asarray(v, np.float32) for k, v in new_params.items()})
-    self.momentum.update(new_momentum)
+    # Merge and Nesterov step in place on G and the momentum (published values are copies).
+    step_sq = outer.merge_and_step(
+        self.params, self.momentum, deltas, weights, mask, self.outer_cfg.learning_rate,
+        self.outer_cfg.momentum, method=self.outer_cfg.merge, workspace=self._merge_workspace)
+    update_norm = float(np.sqrt(sum(step_sq.values())))
     old_version = self.versions[p]
     self.versions[p] += 1
     version = self.versions[p]
@@ -275,8 +277,8 @@ class Syncer:
     """
     for p, (version, params, momentum) in fragments.items():
       self.versions[p] = version
-      self.params.update({k: np.array(v, np.float32) for k, v in params.items()})
-      self.momentum.update({k: np.array(v, np.float32) for k, v in momentum.items()})
+      self.params.update({k: np.array(v, np.float32, order="C") for k, v in params.items()})
+      self.momentum.update({k: np.array(v, np.float32, order="C") for k, v in momentum.items()})
     if self._keep_history:
       for p, versions in history.items():
         self._history[p] = {v: {k: np.array(x, np.float32) for k, x in t.items()}
