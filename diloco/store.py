@@ -16,8 +16,8 @@ and fixed words, never from what an entry contains):
   registry.json, stop.json          syncer registry (for people and tools); end of run
   run.json                          the run's start time (the clock origin of all records)
 
-An entry is trusted only once its commit marker exists: Orbax writes the data under a
-temporary name and renames it, and the marker is written after that returns, so a
+An entry is trusted only once its commit marker exists: on a local disk Orbax writes the
+data under a temporary name that is then renamed, and the marker is written after that, so a
 reader never sees a half-written entry as complete (`is_orbax_checkpoint` would not
 tell). JSON records are written to a temporary name and renamed on a local disk;
 object-store writes of a single object are atomic by themselves.
@@ -35,6 +35,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from etils import epath
 
 from diloco import outer
@@ -48,6 +49,8 @@ _MAX_JSON_BYTES = 1 << 22
 UNREADABLE = "unreadable"
 WRONG_SHAPE = "wrong_shape"
 WRONG_DTYPE = "wrong_dtype"
+# Not a rejection: the entry was deleted after it was listed (it is nobody's delivery now).
+GONE = "gone"
 
 
 class StoreError(RuntimeError):
@@ -83,12 +86,44 @@ def _tensor_key(i: int) -> str:
   return f"t{i:04d}"
 
 
-def _checkpointer() -> ocp.Checkpointer:
-  # Uncompressed zarr3 without OCDBT: payloads are noise-like floats that do not compress.
-  # Orbax's fixed cost per entry and TensorStore's fsyncs make this ~0.12 of np.save speed
-  # (scripts/bench_store.py; goal 0.7 not met; see BUILD_NOTES for the planned raw-.npy path).
-  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
-      use_ocdbt=False, use_zarr3=True, use_compression=False))
+class _UnsyncedNumpyHandler(ocp.type_handlers.NumpyHandler):
+  """Orbax's NumPy handler with TensorStore's fsync turned off, for fragment payloads.
+
+  A payload is consumed within seconds and deleted; if the machine crashed before the page
+  cache reached the disk, the deliveries on it are lost like an unsent message (and a torn
+  entry fails the checked read). Skipping the sync halves the write time and makes the later
+  delete ~10x cheaper on a local disk. Orbax offers no public option for the TensorStore
+  context of a write, so this overrides the one method that opens the array for writing
+  (`tests/store_test.py` checks that the hook still exists in the installed Orbax).
+  """
+
+  _CONTEXT = ts.Context({"file_io_concurrency": {"limit": 128}, "file_io_sync": False})
+
+  async def _open_and_write(self, value, tspec, ts_context):
+    del ts_context
+    return await super()._open_and_write(value, tspec, self._CONTEXT)
+
+
+def _tree_handler(durable: bool) -> ocp.PyTreeCheckpointHandler:
+  """Orbax's PyTree handler, called directly: the store does its own tmp-then-rename and commit
+  marker, so the Checkpointer's temporary directory, metadata and barriers would only add
+  fixed cost to every entry (see `scripts/bench_store.py`).
+
+  Uncompressed zarr3 without OCDBT: payloads are noise-like floats that do not compress, and
+  one TensorStore array per tensor is what readers fetch. Host arrays are written as they are:
+  saves are synchronous and nothing mutates an array while it is written, so Orbax's defensive
+  deep copy of every array is dropped. `durable=False` skips fsync (payloads only).
+  """
+  handler_type = ocp.type_handlers.NumpyHandler if durable else _UnsyncedNumpyHandler
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (np.ndarray, handler_type(deepcopy_host_arrays=False)))
+  return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True, use_compression=False,
+                                     type_handler_registry=registry)
+
+
+def _host_tree(tree: dict) -> dict:
+  """Nested dicts of host arrays (the handler is registered for NumPy arrays only)."""
+  return {k: _host_tree(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}
 
 
 class Store:
@@ -99,7 +134,8 @@ class Store:
     self.local = "://" not in str(root)
     for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners"):
       (self.root / sub).mkdir(parents=True, exist_ok=True)
-    self._ckpt = _checkpointer()
+    self._durable = _tree_handler(durable=True)
+    self._unsynced = _tree_handler(durable=False)
 
   # JSON control records.
   def write_json(self, rel: str, record: Any) -> None:
@@ -136,14 +172,33 @@ class Store:
     elif path.exists():
       path.unlink()
 
-  def _save_tree(self, rel: str, tree: dict) -> None:
+  def _save_tree(self, rel: str, tree: dict, *, durable: bool = True) -> None:
+    """Writes an Orbax entry at `rel`; on a local disk under a temporary name, then renamed.
+    `durable=False` (payloads) leaves the data to the page cache instead of syncing it.
+
+    In an object store there is no atomic rename of a prefix; the commit marker, written by
+    the caller after this returns, is what makes the entry trusted there (and here).
+    """
     path = self.root / rel
     if path.exists():  # left over by a writer that died before its commit marker
       path.rmtree()
-    self._ckpt.save(path, tree)
+    tree = _host_tree(tree)
+    handler = self._durable if durable else self._unsynced
+    if not self.local:
+      path.mkdir(parents=True)
+      handler.save(path, args=ocp.args.PyTreeSave(tree))
+      return
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    tmp.mkdir(parents=True)
+    try:
+      handler.save(tmp, args=ocp.args.PyTreeSave(tree))
+      os.replace(tmp, path)
+    except BaseException:
+      tmp.rmtree(missing_ok=True)
+      raise
 
   def _load_tree(self, rel: str) -> dict:
-    return self._ckpt.restore(self.root / rel)
+    return self._durable.restore(self.root / rel, args=ocp.args.PyTreeRestore())
 
   # Learner deliveries.
   def put_payload(self, payload: Payload) -> int:
@@ -158,7 +213,7 @@ class Store:
                                 {"values": tensor.values, "scales": tensor.scales})
       else:
         tree[_tensor_key(i)] = np.asarray(tensor)
-    self._save_tree(f"payloads/{name}", tree)
+    self._save_tree(f"payloads/{name}", tree, durable=False)
     self.write_json(f"payloads/{name}.json", {
         "learner": payload.learner, "incarnation": payload.incarnation,
         "fragment": payload.fragment, "local_step": payload.local_step, "steps": payload.steps,
@@ -212,6 +267,8 @@ class Store:
       raise StoreError(UNREADABLE, f"payload {name!r}: not a payload name")
     fragment, learner, incarnation, local_step = ids
     meta = self.read_json(f"payloads/{name}.json")
+    if meta is None:
+      raise StoreError(GONE, f"payload {name}: deleted since it was listed")
     try:
       fields = {k: int(meta[k]) for k in ("learner", "incarnation", "fragment", "local_step",
                                           "steps", "tokens", "base_version")}

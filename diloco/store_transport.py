@@ -19,7 +19,7 @@ import time
 from absl import logging
 
 from diloco import wan
-from diloco.store import Store, StoreError, parse_payload_name
+from diloco.store import GONE, Store, StoreError, parse_payload_name
 from diloco.transport import Heartbeat, Merged, Payload
 
 UP, RETIRED, DONE = "up", "retired", "done"
@@ -201,8 +201,61 @@ class Rejected:
   nbytes: int
 
 
+class _Deleter:
+  """Deletes store entries on one background thread, in order.
+
+  Deleting an entry whose files were synced to disk takes tens of milliseconds on a local
+  disk (one request per object on GCS); the syncer's loop should spend that time merging and
+  publishing. A name already queued is not queued twice.
+  """
+
+  def __init__(self):
+    self._queue: queue.Queue = queue.Queue()
+    self._lock = threading.Lock()
+    self._pending: set[str] = set()
+    self._thread = threading.Thread(target=self._run, name="store-deleter", daemon=True)
+    self._thread.start()
+
+  def submit(self, name: str, delete) -> None:
+    """Deletes entry `name` by calling `delete()` later; failures are logged, not raised."""
+    with self._lock:
+      if name in self._pending:
+        return
+      self._pending.add(name)
+    self._queue.put((name, delete))
+
+  def queued(self, name: str) -> bool:
+    with self._lock:
+      return name in self._pending
+
+  def _run(self) -> None:
+    while (item := self._queue.get()) is not None:
+      name, delete = item
+      try:
+        delete()
+      except Exception as e:  # a failed delete must not stop the syncer; polls resubmit it
+        logging.warning("store: could not delete %s: %r", name, e)
+      with self._lock:
+        self._pending.discard(name)
+      self._queue.task_done()
+    self._queue.task_done()
+
+  def flush(self) -> None:
+    """Returns once everything submitted so far is deleted."""
+    self._queue.join()
+
+  def close(self) -> None:
+    self.flush()
+    self._queue.put(None)
+    self._thread.join()
+
+
 class SyncerStoreLink:
-  """The syncer's view of the store: new heartbeats and payloads since the last poll."""
+  """The syncer's view of the store: new heartbeats and payloads since the last poll.
+
+  Entries it is done with (merged, replaced, rejected) and old merged versions are deleted
+  by a background thread; call `close()` at the end to finish those deletes.
+  """
 
   def __init__(self, store: Store, expected: dict[int, dict[str, tuple]],
                already_merged: set[tuple[int, int, int, int]] = frozenset(),
@@ -216,6 +269,8 @@ class SyncerStoreLink:
     self._held: dict[str, tuple[int, int, int, int]] = {}
     self._done = set(already_merged)
     self._first_poll = True
+    self._released: set[str] = set()  # handed to the deleter; never read again
+    self._deleter = _Deleter()
 
   def poll(self, now: float) -> tuple[list[Heartbeat], list[Payload], list[Rejected],
                                       list[tuple[int, int]]]:
@@ -247,21 +302,31 @@ class SyncerStoreLink:
       self._first_poll = False
       return beats, [], [], left
     payloads, rejected = [], []
-    for name in self.store.committed_payloads():
+    listed = self.store.committed_payloads()
+    # A name released earlier may still be listed by a listing that began before its delete
+    # finished; once a listing no longer holds it, no later one will (names are unique).
+    self._released.intersection_update(listed)
+    for name in listed:
+      if name in self._released:
+        if not self._deleter.queued(name):  # its delete failed, or raced this listing
+          self._remove_payload(name)
+        continue
       if name in self._held:
         continue
       ids = parse_payload_name(name)
       if ids in self._done:  # merged by a round committed before a syncer restart
-        self.store.remove_payload(name)
+        self._remove_payload(name)
         continue
       try:
         payloads.append(self.store.read_payload(name, self.expected))
         self._held[name] = ids
       except StoreError as e:
+        if e.reason == GONE:
+          continue
         logging.warning("syncer: rejected store entry %s: %s", name, e)
         rejected.append(Rejected(name, ids[0], ids[1], ids[2], e.reason,
                                  self.store.payload_bytes(name)))
-        self.store.remove_payload(name)
+        self._remove_payload(name)
     return beats, payloads, rejected, left
 
   def release(self, pending: set[tuple[int, int, int, int]]) -> None:
@@ -272,5 +337,21 @@ class SyncerStoreLink:
     """
     for name, ids in list(self._held.items()):
       if ids not in pending:
-        self.store.remove_payload(name)
+        self._remove_payload(name)
         del self._held[name]
+
+  def collect_merged(self, fragment: int, keep: int) -> None:
+    """`Store.collect_merged` in the background (after the deletes submitted before it)."""
+    self._deleter.submit(f"merged/f{fragment}",
+                         lambda: self.store.collect_merged(fragment, keep))
+
+  def _remove_payload(self, name: str) -> None:
+    self._released.add(name)
+    self._deleter.submit(name, lambda: self.store.remove_payload(name))
+
+  def flush(self) -> None:
+    """Returns once every delete submitted so far is done."""
+    self._deleter.flush()
+
+  def close(self) -> None:
+    self._deleter.close()

@@ -171,14 +171,7 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   try:
     while True:
       now = clock()
-      beats, payloads, rejected, left = link.poll(now)
-      for r in rejected:
-        syncer.reject(r.fragment, r.learner, r.incarnation, r.reason, r.nbytes, now)
-      for learner, incarnation in left:
-        syncer.forget(learner, incarnation)
-      merged, deadline = syncer.tick(now, beats, payloads)
-      _commit(store, syncer, merged, pending_records, tape, keep)
-      link.release(syncer.pending_keys())
+      beats, deadline = sync_once(store, syncer, link, pending_records, tape, keep, now)
       progress = max([progress] + [b.local_step for b in beats])
       if next_eval and progress >= next_eval:
         evaluator.start(syncer.global_params(), progress, clock(), syncer.rounds)
@@ -197,6 +190,7 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
     evaluator.join()
     final = evaluator.evaluate(syncer.global_params(), progress, clock(), syncer.rounds)
   finally:
+    link.close()
     tape.close()
     writer.close()
   summary = dict(syncer.state_summary(), versions=syncer.versions)
@@ -205,8 +199,27 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   return dict(summary, **{"eval/loss": final})
 
 
-def _commit(store: Store, syncer: Syncer, merged: list[Merged], records: list[dict], tape,
-            keep: int) -> None:
+def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list[dict], tape,
+              keep: int, now: float) -> tuple[list, float | None]:
+  """One pass of the syncer loop: poll the store, tick the syncer, make the closed rounds
+  durable, then let go of the entries they consumed (deleted in the background, with all but
+  the newest `keep` versions of each merged fragment). Returns the new heartbeats and when
+  the next round must close (None: no deadline)."""
+  beats, payloads, rejected, left = link.poll(now)
+  for r in rejected:
+    syncer.reject(r.fragment, r.learner, r.incarnation, r.reason, r.nbytes, now)
+  for learner, incarnation in left:
+    syncer.forget(learner, incarnation)
+  merged, deadline = syncer.tick(now, beats, payloads)
+  _commit(store, syncer, merged, records, tape)
+  for m in merged:
+    link.collect_merged(m.fragment, keep)
+  link.release(syncer.pending_keys())
+  return beats, deadline
+
+
+def _commit(store: Store, syncer: Syncer, merged: list[Merged], records: list[dict],
+            tape) -> None:
   """Durable entry, commit marker and index (in that order), then the tape line."""
   assert len(merged) == len(records), (len(merged), len(records))
   for m, record in zip(merged, records):
@@ -214,7 +227,6 @@ def _commit(store: Store, syncer: Syncer, merged: list[Merged], records: list[di
                      {"round": record["round"], "state": syncer.export_state(), "tape": record})
     tape.write(json.dumps(record) + "\n")
     tape.flush()
-    store.collect_merged(m.fragment, keep)
   records.clear()
 
 

@@ -4,9 +4,11 @@ import json
 import os
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from diloco import chaos, fragments, outer, syncer_process, wan
+from diloco import store as store_lib
 from diloco import syncer as syncer_lib
 from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
 from diloco.store import Store, parse_payload_name, payload_name
@@ -107,6 +109,29 @@ def _plant(store, tmp_path):
           "unknown_learner": 1, "wrong_incarnation": 1, "stale": 1}
 
 
+def test_payload_writes_skip_fsync_through_the_orbax_hook(tmp_path, monkeypatch):
+  """Payload entries are written with the unsynced TensorStore context, merged ones are not:
+  if Orbax renames the method the store overrides, this fails instead of silently syncing."""
+  contexts = []
+  original = ocp.type_handlers.NumpyHandler._open_and_write
+
+  async def spy(self, value, tspec, ts_context):
+    contexts.append(ts_context)
+    return await original(self, value, tspec, ts_context)
+
+  monkeypatch.setattr(ocp.type_handlers.NumpyHandler, "_open_and_write", spy)
+  store = Store(tmp_path)
+  store.put_payload(_payload(0, 0, _params(1)))
+  n_payload = len(contexts)
+  assert n_payload == len(PLAN.fragments[0])  # one TensorStore write per tensor
+  assert all(c is store_lib._UnsyncedNumpyHandler._CONTEXT for c in contexts)
+  s = _syncer()
+  store.put_merged(s.initial(0.0)[0], s.momentum, {"round": None})
+  assert len(contexts) == n_payload + 2 * len(PLAN.fragments[0])  # params and momentum
+  assert all(c is not store_lib._UnsyncedNumpyHandler._CONTEXT for c in contexts[n_payload:])
+  assert contexts[n_payload].spec.to_json().get("file_io_sync") is not False
+
+
 def test_every_bad_entry_kind_is_rejected_with_its_reason(tmp_path):
   store = Store(tmp_path)
   s = _syncer(max_staleness=0)
@@ -128,12 +153,43 @@ def test_every_bad_entry_kind_is_rejected_with_its_reason(tmp_path):
   p_of = PLAN.fragment_of("layers/0/w")
   assert [m.fragment for m in merged] == [p_of] and s.last_quorum == 1  # only the good one
   link.release(s.pending_keys())
+  link.close()  # deletes run in the background; this waits for them
   assert store.committed_payloads() == []  # everything read was released
   assert store.uncommitted_payloads() == ["f1_l0_i0_s2"]  # never trusted, never read
   assert store.collect_uncommitted(max_age_s=3600) == 0
   assert store.collect_uncommitted(max_age_s=-1) == 1 and store.uncommitted_payloads() == []
   for k in PLAN.fragments[1 - p_of]:
     np.testing.assert_array_equal(s.global_params()[k], g0[k])
+
+
+def test_syncer_link_retries_a_failed_delete_and_never_rereads(tmp_path, monkeypatch):
+  store = Store(tmp_path)
+  s = _syncer()
+  link = SyncerStoreLink(store, EXPECTED)
+  try:
+    link.poll(0.0)
+    _beat(store, 0)
+    store.put_payload(_payload(0, 0, _params(1)))
+    beats, payloads, rejected, _ = link.poll(1.0)
+    assert len(payloads) == 1 and rejected == []
+    s.tick(1.0, beats, payloads)
+    real_remove, failures = store.remove_payload, []
+
+    def flaky_remove(name):
+      if not failures:
+        failures.append(name)
+        raise OSError("transient")
+      real_remove(name)
+
+    monkeypatch.setattr(store, "remove_payload", flaky_remove)
+    link.release(s.pending_keys())
+    link.flush()
+    assert failures and store.committed_payloads() == failures  # the delete failed
+    assert link.poll(2.0)[1:3] == ([], [])  # not read again: it was consumed
+    link.flush()  # the poll resubmitted the delete
+    assert store.committed_payloads() == []
+  finally:
+    link.close()
 
 
 def test_learner_link_delivers_and_prefetches_merged(tmp_path):
@@ -170,7 +226,8 @@ def test_syncer_recovers_the_last_durable_round_exactly(tmp_path):
     p = r % 2
     merged, _ = s.tick(float(r + 1), beats if r == 0 else (),
                        [_payload(r % 2, p, _params(10 + r), base=s.versions[p], step=r + 1)])
-    syncer_process._commit(store, s, merged, records, tape, keep=3)
+    syncer_process._commit(store, s, merged, records, tape)
+    store.collect_merged(p, keep=3)
   tape.close()
   # A round that closed but died before its commit marker: never durable.
   s.tick(6.0, (), [_payload(0, 0, _params(99), base=s.versions[0], step=9)])
