@@ -362,17 +362,29 @@ class Store:
     return sorted(out)
 
   def collect_merged(self, fragment: int, keep: int) -> None:
-    """Deletes all but the newest `keep` versions of a fragment (and uncommitted leftovers)."""
+    """Deletes all but the newest `keep` committed versions of a fragment.
+
+    Safe while the syncer writes the next version: nothing newer than the newest committed
+    version is touched (`collect_uncommitted_merged` removes a dead syncer's leftovers).
+    """
     versions = self.merged_versions(fragment)
-    newest = versions[-1] if versions else -1
-    for entry in (self.root / "merged").glob(f"f{fragment}_v*"):
-      stem = entry.name[:-len(".json")] if entry.name.endswith(".json") else entry.name
-      m = _MERGED_NAME.match(stem)
-      if m is None:
-        continue
-      v = int(m[2])
-      if v <= newest - keep or (v > newest and entry.is_dir()):
-        self.remove(f"merged/{entry.name}")
+    if not versions:
+      return
+    for v in versions[:-keep] if keep > 0 else versions:
+      name = merged_name(fragment, v)
+      self.remove(f"merged/{name}.json")  # marker first: never a marker without its data
+      self.remove(f"merged/{name}")
+
+  def collect_uncommitted_merged(self) -> int:
+    """Deletes merged entries without a commit marker (a syncer died while writing them);
+    call it only when no syncer is writing. Returns how many."""
+    removed = 0
+    for entry in (self.root / "merged").iterdir():
+      if (entry.is_dir() and _MERGED_NAME.match(entry.name)
+          and not (self.root / "merged" / f"{entry.name}.json").exists()):
+        entry.rmtree()
+        removed += 1
+    return removed
 
   # Heartbeats and incarnations.
   def put_heartbeat(self, learner: int, record: dict) -> None:

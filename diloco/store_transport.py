@@ -23,6 +23,9 @@ from diloco.store import GONE, Store, StoreError, parse_payload_name
 from diloco.transport import Heartbeat, Merged, Payload
 
 UP, RETIRED, DONE = "up", "retired", "done"
+# A merged version the index still names but that cannot be read this many polls in a row is
+# broken, not merely collected between the index read and the entry read.
+_MAX_READ_FAILURES = 20
 
 
 class LearnerStoreLink:
@@ -170,6 +173,7 @@ class LearnerStoreLink:
         self._write_beat_if_new()
 
   def _poll_loop(self) -> None:
+    failures: dict[tuple[int, int], int] = {}  # (fragment, version) -> failed reads in a row
     while not self._stop.is_set():
       try:
         index = self.store.merged_index()
@@ -181,7 +185,16 @@ class LearnerStoreLink:
           have = self._merged.get(p)
         if have is not None and have.version >= version:
           continue
-        merged, _ = self.store.read_merged(p, version)
+        try:
+          merged, _ = self.store.read_merged(p, version)
+        except Exception as e:  # collected under us (the syncer moved on): next poll's index
+          n = failures[(p, version)] = failures.get((p, version), 0) + 1
+          if n >= _MAX_READ_FAILURES:
+            raise
+          logging.info("learner %d: merged f%d_v%d not read (%r); retrying", self.learner, p,
+                       version, e)
+          continue
+        failures.pop((p, version), None)
         self.wan_wait_s += self._down.transfer(merged.nbytes)
         self.bytes_down += merged.nbytes
         with self._cond:

@@ -53,6 +53,7 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
   Returns (recovered?, keys (fragment, learner, incarnation, step) of deliveries that
   committed rounds merged, the committed rounds' tape records).
   """
+  store.collect_uncommitted_merged()  # a dead syncer's half-written rounds
   if not store.merged_versions(0):
     return False, set(), []
   fragments, history, markers = {}, {}, []

@@ -13,7 +13,7 @@ from diloco import syncer as syncer_lib
 from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
 from diloco.store import Store, parse_payload_name, payload_name
 from diloco.store_transport import LearnerStoreLink, SyncerStoreLink
-from diloco.transport import Heartbeat, Payload
+from diloco.transport import Heartbeat, Merged, Payload
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
 PLAN = fragments.plan_fragments(SHAPES, num_fragments=2)
@@ -210,6 +210,41 @@ def test_learner_link_delivers_and_prefetches_merged(tmp_path):
     assert store.heartbeats()[3]["state"] == "retired"
   finally:
     link.close()
+
+
+def test_learner_link_outlives_a_version_collected_before_it_read_it(tmp_path):
+  """The index names a version that GC removed before the learner read it (a slow learner):
+  the poller waits for the next index instead of failing the learner."""
+  store = Store(tmp_path)
+  s = _syncer()
+  for m in s.initial(0.0):
+    store.put_merged(m, s.momentum, {"round": None, "state": s.export_state()})
+  store.write_json("merged/index.json", {"0": 7, "1": 0})  # f0_v7 is gone (never written)
+  link = LearnerStoreLink(store, 0, 0, poll_s=0.01)
+  try:
+    link.wait_for(1, 0, timeout=30)
+    assert link.latest_version(0) == -1 and link.latest_version(1) == 0  # still alive
+    s.versions[0] = 8
+    store.put_merged(Merged(0, 8, s.fragment_values(0), 1.0), s.momentum,
+                     {"round": 0, "state": s.export_state()})
+    assert link.wait_for(0, 8, timeout=30).version == 8
+  finally:
+    link.close()
+
+
+def test_collect_merged_spares_a_version_being_written(tmp_path):
+  store = Store(tmp_path)
+  s = _syncer()
+  for v in range(4):
+    s.versions[0] = v
+    store.put_merged(Merged(0, v, s.fragment_values(0), float(v)), s.momentum, {"round": v})
+  (tmp_path / "merged" / "f0_v4" / "params").mkdir(parents=True)  # the syncer is writing v4
+  store.collect_merged(0, keep=2)
+  assert store.merged_versions(0) == [2, 3]
+  assert sorted(os.listdir(tmp_path / "merged")) == [
+      "f0_v2", "f0_v2.json", "f0_v3", "f0_v3.json", "f0_v4", "index.json"]
+  assert store.collect_uncommitted_merged() == 1  # what a restarted syncer does first
+  assert not (tmp_path / "merged" / "f0_v4").exists()
 
 
 def test_syncer_recovers_the_last_durable_round_exactly(tmp_path):
