@@ -22,10 +22,15 @@ def get_config(preset: str = "tiny"):
   if preset in ("tiny", "cpu"):
     cfg.learners.count = 3
     cfg.sync.heartbeat_timeout_s = 6.0  # a killed or hung learner is skipped quickly
-    # A round trip through the store (write, poll, merge, commit, poll, read) takes a few
-    # tenths of a second on a local disk, several tiny steps: overlap that many steps.
-    cfg.sync.tau = 6
+    # A round trip through the store (write, poll, merge, commit, poll, read) takes 0.15-0.3 s
+    # on a local disk, a few tiny steps: overlap that many. The steps between a delivery and
+    # its receipt are overwritten by the merged fragment, so H is kept well above tau.
+    cfg.sync.tau = 4
+    cfg.sync.period = 24
     cfg.log.progress_every_s = 10.0
+    # Steps of at least 0.2 s (a tiny step is 0.05-0.3 s here, depending on load): the chaos
+    # schedule, in seconds, then hits learners at the same points of training on any host.
+    cfg.learners.min_step_s = 0.2
     cfg.launch.devices_per_learner = 2
     cfg.launch.chaos_faults = 10
     cfg.launch.chaos_start_s = 5.0

@@ -19,9 +19,11 @@ Definitions (times in seconds on the run's clock):
 - **Uptime** = 1 - stalled time / (horizon - start). With the distinct publish times
   t_1 < ... < t_n inside [start, horizon] and t_0 = start, t_{n+1} = horizon, every gap between
   consecutive times is allowed `stall_s` seconds of normal latency and the excess
-  `max(0, gap - stall_s)` counts as time in which the global model stood still. `stall_s` defaults to `stall_factor` (3) times the
-  median gap between distinct consecutive publish times (of any fragment; rounds published at
-  the same instant count once). Regular merges give exactly 1.
+  `max(0, gap - stall_s)` counts as time in which the global model stood still. `stall_s`
+  defaults to `stall_factor` (3) times the median gap between consecutive publish events (of
+  any fragment), where rounds published within a tenth of the mean gap of each other are one
+  event (a syncer tick that closes several rounds, milliseconds apart on the wall clock).
+  Regular merges give exactly 1.
 - **Merged tokens** = sum of the admitted deliveries' `tokens` / P (each delivery carries the
   tokens behind 1/P of the model); merged tokens/s divides by the horizon.
 - **Staleness** is the `staleness` the syncer recorded for each admitted delivery.
@@ -41,6 +43,7 @@ import collections
 import dataclasses
 import itertools
 import json
+import math
 import os
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -165,7 +168,9 @@ def uptime(tape: Sequence[Mapping], horizon: float, *, start: float = 0.0,
   if length <= 0.0 or not times:
     return 0.0
   if stall_s is None:
-    gaps = [b - a for a, b in itertools.pairwise(times)]
+    burst_s = 0.1 * length / len(times)
+    events = [t for t, prev in zip(times, [-math.inf, *times]) if t - prev > burst_s]
+    gaps = [b - a for a, b in itertools.pairwise(events)]
     stall_s = stall_factor * statistics.median(gaps) if gaps else 0.0
   points = [start, *times, horizon]
   stalled = sum(max(0.0, (b - a) - stall_s) for a, b in itertools.pairwise(points))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib.util
+import math
 import os
 from typing import Any
 
@@ -163,6 +164,9 @@ class LearnersConfig:
   # Step-time factor per learner group, e.g. "1,1,1.18,1.18" (empty: all 1).
   speeds: str = ""
   step_jitter: float = 0.0
+  # Real-clock runtimes: every step lasts at least this long (times its speed factor), so a
+  # small host paces like a bigger model and fault times in seconds mean the same anywhere.
+  min_step_s: float = 0.0
   # Virtual clock: step times come from `speeds`, interleaving is fixed by the seed.
   virtual_clock: bool = False
   virtual_step_s: float = 1.0
@@ -394,13 +398,16 @@ def _validate_diloco(cfg: Config) -> None:
   _check(0 <= o.momentum < 1, "outer.momentum", f"must be in [0, 1), got {o.momentum}")
   _check(o.weights in WEIGHT_SCHEMES, "outer.weights",
          f"must be one of {WEIGHT_SCHEMES}, got {o.weights!r}")
-  _check(o.merge in MERGE_METHODS, "outer.merge", f"must be one of {MERGE_METHODS}, got {o.merge!r}")
+  _check(o.merge in MERGE_METHODS, "outer.merge",
+         f"must be one of {MERGE_METHODS}, got {o.merge!r}")
   _check(o.anchor in ANCHORS, "outer.anchor", f"must be one of {ANCHORS}, got {o.anchor!r}")
   _check(o.quantize_bits in QUANTIZE_BITS, "outer.quantize_bits",
          f"must be one of {QUANTIZE_BITS} (0 = float32 values), got {o.quantize_bits}")
   _check(o.quantize_block >= 1, "outer.quantize_block", "must be >= 1")
   _check(lc.count >= 0, "learners.count", f"must be >= 0 (0 = data-parallel), got {lc.count}")
   _check(lc.step_jitter >= 0 and lc.step_jitter < 1, "learners.step_jitter", "must be in [0, 1)")
+  _check(lc.min_step_s >= 0 and math.isfinite(lc.min_step_s), "learners.min_step_s",
+         "must be a finite number of seconds >= 0")
   _check(lc.virtual_step_s > 0 and lc.virtual_sync_s >= 0, "learners.virtual_step_s/sync_s",
          "must be > 0 and >= 0")
   devices = [int(x) for x in parse_floats(lc.devices, "learners.devices")]

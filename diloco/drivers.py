@@ -18,7 +18,7 @@ from typing import Any
 from absl import logging
 
 from diloco import faults as faults_lib
-from diloco.runtime import Runtime, Slot
+from diloco.runtime import Runtime, Slot, pacing_wait
 from diloco.transport import Heartbeat
 
 
@@ -202,7 +202,8 @@ class ThreadedDriver:
     while not stop.is_set() and learner.local_step < steps and not self._done.is_set():
       learner.step(self.now(), step_time)
       measured = self.now() - previous
-      extra = (self.rt.step_duration(slot) - 1.0) * measured
+      extra = pacing_wait(measured, self.rt.step_duration(slot),
+                          self.cfg.learners.min_step_s)
       if extra > 0 and stop.wait(extra):
         break
       end = self.now()

@@ -128,11 +128,11 @@ def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring) -> str:
   rng = np.random.default_rng([cfg.seed, learner.id, learner.incarnation])
   every = cfg.checkpoint.every_steps
   step_time, previous = 0.0, clock()
-  written = saved = None
+  written, saved = None, ckpt.latest_step()  # a resumed learner's step is saved already
   while learner.local_step < cfg.train.steps and not retiring.is_set():
     learner.step(clock(), step_time)
     factor = speed * (1.0 + jitter * rng.uniform(-1.0, 1.0)) if jitter else speed
-    extra = (factor - 1.0) * (clock() - previous)
+    extra = runtime_lib.pacing_wait(clock() - previous, factor, cfg.learners.min_step_s)
     if extra > 0:
       retiring.wait(extra)
     end = clock()

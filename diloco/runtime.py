@@ -84,6 +84,14 @@ class Recorder:
     self._activity_file.close()
 
 
+def pacing_wait(measured_s: float, factor: float, min_step_s: float) -> float:
+  """Seconds to wait after a step that took `measured_s` on the wall clock, so that it lasts
+  `factor * max(measured_s, min_step_s)`: a learner `factor` times slower than its hardware,
+  on steps at least `min_step_s` long (`learners.min_step_s` paces a small host like a big
+  model, so fault schedules in seconds mean the same on fast and slow machines)."""
+  return max(factor * max(measured_s, min_step_s) - measured_s, 0.0)
+
+
 def group_sizes(cfg: Config, num_devices: int) -> list[int]:
   sizes = [int(x) for x in parse_floats(cfg.learners.devices, "learners.devices")]
   if not sizes:

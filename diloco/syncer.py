@@ -60,6 +60,7 @@ class Syncer:
     self._pending: dict[int, dict[int, _Pending]] = collections.defaultdict(dict)
     self._opened_at: dict[int, float] = {}
     self._rejected: dict[int, list[dict]] = collections.defaultdict(list)
+    self._departed: dict[int, int] = {}  # learner -> incarnation that left with deliveries
     self.rejections: collections.Counter = collections.Counter()
     self._keep_history = outer_cfg.anchor == "base" or outer_cfg.quantize_bits > 0
     self._history: dict[int, dict[int, dict[str, np.ndarray]]] = {
@@ -106,12 +107,15 @@ class Syncer:
     logging.info("syncer: rejected fragment %d from learner %d: %s", fragment, learner, reason)
 
   def forget(self, learner: int, incarnation: int) -> None:
-    """A learner incarnation left for good (retired or finished): rounds stop counting it."""
+    """A learner incarnation left for good (retired or finished): rounds stop counting it.
+
+    Deliveries it made before leaving stay in their rounds and are merged when those close
+    (a clean exit flushes its last progress); they no longer count toward the quorum.
+    """
     known = self.registry.get(learner)
     if known is not None and known.incarnation <= incarnation:
       del self.registry[learner]
-      for entries in self._pending.values():
-        entries.pop(learner, None)
+      self._departed[learner] = known.incarnation
 
   def pending_keys(self) -> set[tuple[int, int, int, int]]:
     """(fragment, learner, incarnation, local_step) of deliveries waiting for a round."""
@@ -173,15 +177,18 @@ class Syncer:
     alive = set(self.alive(now))
     published, deadlines = [], []
     for p in sorted(self._pending):
-      # Deliveries of learners that died meanwhile leave the round.
-      entries = {m: e for m, e in self._pending[p].items() if m in alive
-                 and self.registry[m].incarnation == e.payload.incarnation}
+      # Deliveries of learners that died meanwhile leave the round; those of learners that
+      # left cleanly stay, but only alive learners count toward the quorum.
+      entries = {m: e for m, e in self._pending[p].items() if (
+          m in alive and self.registry[m].incarnation == e.payload.incarnation)
+          or self._departed.get(m) == e.payload.incarnation}
       self._pending[p] = entries
       if not entries:
         continue
+      counted = [e.arrived_at for m, e in entries.items() if m in alive]
       step_time = policy.slowest_step_time(self.registry[m].step_time for m in alive)
       decision = policy.decide_round(
-          [e.arrived_at for e in entries.values()], num_alive=len(alive),
+          counted if alive else [e.arrived_at for e in entries.values()], num_alive=len(alive),
           opened_at=self._opened_at[p], now=now, config=self.policy, step_time=step_time,
           quorum_time=self._quorum_ema.get(), sync_time=self._sync_ema.get())
       if decision.close:
@@ -190,6 +197,8 @@ class Syncer:
         deadlines.append(decision.deadline)
     for p in [p for p, e in self._pending.items() if not e]:
       del self._pending[p]
+    waiting = {m for entries in self._pending.values() for m in entries}
+    self._departed = {m: i for m, i in self._departed.items() if m in waiting}
     return published, (min(deadlines) if deadlines else None)
 
   def _outer_gradient(self, payload: Payload, anchor_now: dict[str, np.ndarray]) -> dict:

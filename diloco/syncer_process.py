@@ -20,6 +20,7 @@ import time
 
 import jax
 import numpy as np
+from absl import logging
 
 from diloco import data as data_lib
 from diloco import fragments as fragments_lib
@@ -200,22 +201,35 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   return dict(summary, **{"eval/loss": final})
 
 
+# A loop pass slower than this is logged with its parts (a stalled store, a starved host).
+_SLOW_PASS_S = 2.0
+
+
 def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list[dict], tape,
               keep: int, now: float) -> tuple[list, float | None]:
   """One pass of the syncer loop: poll the store, tick the syncer, make the closed rounds
   durable, then let go of the entries they consumed (deleted in the background, with all but
   the newest `keep` versions of each merged fragment). Returns the new heartbeats and when
   the next round must close (None: no deadline)."""
+  t0 = time.perf_counter()
   beats, payloads, rejected, left = link.poll(now)
+  t1 = time.perf_counter()
   for r in rejected:
     syncer.reject(r.fragment, r.learner, r.incarnation, r.reason, r.nbytes, now)
+  merged, deadline = syncer.tick(now, beats, payloads)
+  # After the tick: the deliveries a learner flushed before leaving are merged, not rejected.
   for learner, incarnation in left:
     syncer.forget(learner, incarnation)
-  merged, deadline = syncer.tick(now, beats, payloads)
+  t2 = time.perf_counter()
   _commit(store, syncer, merged, records, tape)
   for m in merged:
     link.collect_merged(m.fragment, keep)
   link.release(syncer.pending_keys())
+  t3 = time.perf_counter()
+  if t3 - t0 > _SLOW_PASS_S:
+    logging.warning("syncer: slow pass %.1f s (poll %.1f s for %d payloads, tick %.1f s, "
+                    "commit %.1f s for %d rounds)", t3 - t0, t1 - t0, len(payloads), t2 - t1,
+                    t3 - t2, len(merged))
   return beats, deadline
 
 

@@ -118,6 +118,12 @@ def test_uptime_regular_merges_and_a_long_gap():
   # Several rounds published at the same instant (virtual clock) do not shrink the allowance.
   bursts = [round_(p, float(t), []) for t in range(2, 101, 2) for p in range(4)]
   assert accounting.uptime(bursts, horizon=100.0) == pytest.approx(1.0)
+  # The same on the wall clock: one syncer tick publishes 4 rounds a millisecond apart.
+  ticks = [round_(p, t + 0.001 * p, []) for t in range(2, 101, 2) for p in range(4)]
+  assert accounting.uptime(ticks, horizon=100.0) == pytest.approx(1.0)
+  # Ticks every 2 s, none in (40, 80): 6 s allowed, so 34 s stalled.
+  ticks_gap = [r for r in ticks if not 40 < r["published_at"] < 80]
+  assert accounting.uptime(ticks_gap, horizon=100.0) == pytest.approx(1.0 - 34.0 / 100.0)
   # No merges for t in (40, 80): median gap 1 s, so 3 s allowed, 37 s stalled.
   gap = [r for r in regular if not 40 < r["published_at"] < 80]
   assert accounting.uptime(gap, horizon=100.0) == pytest.approx(1.0 - 37.0 / 100.0)

@@ -39,6 +39,7 @@ def _with(preset="tiny", **dotted):
     ({"model__attention_pattern": "LX"}, r"model.attention_pattern: must be a string of L and G"),
     ({"model__dtype": "float8"}, r"model.dtype: must be one of \('float32', 'bfloat16'\)"),
     ({"model__num_experts": 4, "model__expert_mlp_dim": 0}, r"model.expert_mlp_dim: must be >= 1"),
+    ({"learners__min_step_s": -0.5}, r"learners.min_step_s: must be a finite number of seconds"),
 ])
 def test_invalid_values_name_the_field(dotted, message):
   with pytest.raises(ConfigError, match=message):

@@ -9,6 +9,7 @@ import pytest
 
 from diloco import config_lib, decoupled, fragments, optim, train, train_state, train_step
 from diloco import data as data_lib
+from diloco import runtime as runtime_lib
 from diloco.sharding import batch_sharding
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -163,3 +164,14 @@ def test_threaded_wall_clock_run_with_faults(tmp_path):
   assert len(versions) == rt.syncer.rounds
   assert (tmp_path / "timeline.png").stat().st_size > 10_000
   assert (tmp_path / "loss.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("measured, factor, min_step, wait", [
+    (0.1, 1.0, 0.0, 0.0),    # no pacing
+    (0.1, 1.5, 0.0, 0.05),   # a learner 1.5x slower than its hardware
+    (0.1, 1.0, 0.25, 0.15),  # paced to 0.25 s steps
+    (0.1, 2.0, 0.25, 0.4),   # both: 2 x 0.25 s
+    (0.4, 1.0, 0.25, 0.0),   # already slower than the pace
+])
+def test_pacing_wait_closed_form(measured, factor, min_step, wait):
+  assert runtime_lib.pacing_wait(measured, factor, min_step) == pytest.approx(wait)

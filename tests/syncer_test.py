@@ -154,3 +154,38 @@ def test_base_anchor_equals_syncer_anchor_when_up_to_date():
     results.append(s.params)
   for k in SHAPES:
     np.testing.assert_array_equal(results[0][k], results[1][k])
+
+
+def test_deliveries_of_a_learner_that_left_are_merged_without_counting_to_quorum():
+  # K = 2 of 3: learner 0 delivers, then retires before the round closes.
+  s = _syncer()
+  g0 = s.global_params()
+  thetas = [_params(1), _params(2)]
+  assert s.tick(1.0, _beats(1.0, 0, 1, 2), [_payload(0, thetas[0], tokens=400)])[0] == []
+  s.forget(0, 0)
+  # Its delivery stays, but only alive learners count: learner 1 alone is not a quorum of 2.
+  assert s.tick(2.0, _beats(2.0, 1, 2), [])[0] == []
+  merged, _ = s.tick(3.0, _beats(3.0, 1, 2), [_payload(1, thetas[1], tokens=200, steps=2)])
+  assert merged == []  # learners 1 and 2 are alive: quorum 2, one counted delivery
+  merged, _ = s.tick(4.0, _beats(4.0, 1, 2), [_payload(2, thetas[0], tokens=400)])
+  assert len(merged) == 1
+  expected = _oracle(g0, [thetas[0], thetas[1], thetas[0]], [400, 200, 400], [4, 2, 4])
+  for k in SHAPES:
+    np.testing.assert_allclose(merged[0].tensors[k], expected[k], rtol=2e-5, atol=2e-6)
+
+
+def test_last_learner_leaving_flushes_its_delivery_into_a_round():
+  s = _syncer(quorum=1, gamma=1.0)
+  g0 = s.global_params()
+  beats = [Heartbeat(0, 0, 1, 5.0, 1.0), Heartbeat(1, 0, 1, 5.0, 1.0)]
+  theta = _params(3)
+  merged, deadline = s.tick(1.0, beats, [_payload(0, theta)])
+  assert merged == [] and deadline is not None  # K = 1 reached; the grace window is open
+  s.forget(0, 0)
+  s.forget(1, 0)  # nobody is left to wait for: the round closes with the flushed delivery
+  merged, _ = s.tick(1.1, (), [])
+  assert len(merged) == 1
+  expected = _oracle(g0, [theta], [400], [4])
+  for k in SHAPES:
+    np.testing.assert_allclose(merged[0].tensors[k], expected[k], rtol=2e-5, atol=2e-6)
+  assert s.pending_keys() == set() and s.alive(1.1) == []

@@ -1,8 +1,4 @@
-"""NOT IN CI YET (fails: learner processes exit with code 1 under CI load and the launched run
-hits launch.timeout_s; under investigation). Run by hand: python -m pytest -q -p no:cacheprovider
-experiments/multiprocess_chaos_check.py --rootdir=. -c pyproject.toml
-
-The multi-process runtime end to end: real processes, real signals, one seeded chaos run.
+"""The multi-process runtime end to end: real processes, real signals, one seeded chaos run.
 
 One launched run (3 learner processes + a syncer, tiny model) carries every fault the
 runtime must survive: a SIGKILLed learner, a SIGSTOPped one, a SIGKILLed syncer, a
@@ -22,7 +18,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Named faults first; the seeded random ones come after the retirement (chaos window below).
-CHAOS = "kill:0@4;add@6;stop:1@12+8;kill_syncer@24;retire:3@60"
+CHAOS = "add@2;kill:0@5;stop:1@12+8;kill_syncer@24;retire:3@55"
+HEARTBEAT_TIMEOUT_S = 6.0  # configs/multiprocess.py:tiny
+MAX_STALENESS = 8
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +30,10 @@ def run_dir(tmp_path_factory):
   proc = subprocess.run(
       [sys.executable, "-m", "diloco.main", "--config=configs/multiprocess.py:tiny",
        f"--workdir={workdir}", "--role=launch", f"--config.launch.chaos={CHAOS}",
-       "--config.launch.chaos_faults=7", "--config.launch.chaos_start_s=62",
-       "--config.launch.chaos_end_s=90", "--config.launch.timeout_s=1200",
-       "--config.train.steps=200"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
+       "--config.launch.chaos_faults=6", "--config.launch.chaos_start_s=57",
+       "--config.launch.chaos_end_s=75", "--config.launch.timeout_s=900",
+       "--config.train.steps=300", "--config.learners.min_step_s=0.25", f"--config.sync.max_staleness={MAX_STALENESS}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=1000, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return workdir, proc.stdout
 
@@ -83,16 +81,16 @@ def test_syncer_restart_keeps_versions_and_tape_exact(run_dir):
 
 def test_killed_learner_restarts_rejoins_and_contributes(run_dir):
   workdir, _ = run_dir
-  kill = next(e for e in _events(workdir) if e["event"] == "kill:0@4")
+  kill = next(e for e in _events(workdir) if e["event"] == "kill:0@5")
   assert kill["applied"]
   tape = _tape(workdir)
-  others = [r for r in tape if r["closed_at"] > kill["at"] and
-            all(a["learner"] != 0 for a in r["admitted"])]
-  assert others, "merges stopped while learner 0 was dead"
-  later = [a for r in tape for a in r["admitted"] if a["learner"] == 0 and a["incarnation"] >= 1]
-  assert later, "learner 0's new incarnation never contributed"
-  assert "resumed its checkpoint" in open(os.path.join(workdir, "logs", "learner0.log")).read() \
-      or "incarnation 1: joined" in open(os.path.join(workdir, "logs", "learner0.log")).read()
+  revived = min(a["arrived_at"] for r in tape for a in r["admitted"]
+                if a["learner"] == 0 and a["incarnation"] >= 1)  # ValueError: never came back
+  others = [r for r in tape if kill["at"] < r["closed_at"] < revived]
+  assert others and all(a["learner"] != 0 for r in others for a in r["admitted"]), \
+      "merges stopped (or admitted the dead learner) while learner 0 was down"
+  log = open(os.path.join(workdir, "logs", "learner0.log")).read()
+  assert "learner 0 incarnation 1: joined" in log
 
 
 def test_stopped_learner_is_skipped_then_returns(run_dir):
@@ -100,24 +98,28 @@ def test_stopped_learner_is_skipped_then_returns(run_dir):
   stop = next(e for e in _events(workdir) if e["event"] == "stop:1@12+8")
   assert stop["applied"]
   tape = _tape(workdir)
-  # After the heartbeat timeout (6 s) and before SIGCONT (8 s), rounds go on without it.
-  window = [r for r in tape if stop["at"] + 6.5 < r["closed_at"] < stop["at"] + 8]
-  assert all(a["learner"] != 1 for r in window for a in r["admitted"])
-  back = [(r["closed_at"], a) for r in tape for a in r["admitted"]
-          if a["learner"] == 1 and r["closed_at"] > stop["at"] + 8]
+  during = [r for r in tape if stop["at"] + 1 < r["closed_at"] < stop["at"] + 8]
+  assert during, "no round closed while learner 1 was stopped"
+  # Once its heartbeat timed out, and until SIGCONT, rounds go on without it.
+  late = [r for r in during if r["closed_at"] > stop["at"] + HEARTBEAT_TIMEOUT_S + 0.5]
+  assert all(a["learner"] != 1 for r in late for a in r["admitted"])
+  back = [a for r in tape if r["closed_at"] > stop["at"] + 8 for a in r["admitted"]
+          if a["learner"] == 1]
   assert back, "learner 1 never contributed again after SIGCONT"
-  # Its late deliveries were judged by the staleness rule: admitted within the bound or
-  # rejected as stale, never merged beyond it.
-  assert all(a["staleness"] <= 8 for _, a in back)
+  # Its late deliveries were judged by the staleness rule: admitted within the bound (or
+  # rejected as stale), never merged beyond it.
+  assert all(a["staleness"] <= MAX_STALENESS for a in back)
 
 
 def test_added_learner_joins_from_global_and_retired_one_leaves(run_dir):
   workdir, _ = run_dir
   tape = _tape(workdir)
-  assert any(a["learner"] == 3 for r in tape for a in r["admitted"])
-  log = open(os.path.join(workdir, "logs", "learner3.log")).read()
-  assert "retired at local step" in log or "retire:3@60" in json.dumps(_events(workdir))
-  retire = next(e for e in _events(workdir) if e["event"] == "retire:3@60")
+  retire = next(e for e in _events(workdir) if e["event"] == "retire:3@55")
   assert retire["applied"]
+  assert any(a["learner"] == 3 for r in tape if r["closed_at"] < retire["at"]
+             for a in r["admitted"]), "the added learner never contributed before retiring"
+  log = open(os.path.join(workdir, "logs", "learner3.log")).read()
+  assert "learner 3 incarnation 0: joined at local step 0" in log
+  assert "learner 3 incarnation 0: retired at local step" in log
   assert all(a["learner"] != 3 for r in tape if r["closed_at"] > retire["at"] + 10
              for a in r["admitted"])
