@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,11 @@ REJECT_NON_FINITE = "non_finite"
 class _Pending:
   payload: Payload
   arrived_at: float
+
+
+def _norm(tensors) -> float:
+  """L2 norm over tensors, for the tape: float32 dot products (BLAS), no temporaries."""
+  return math.sqrt(sum(float(np.dot(t.ravel(), t.ravel())) for t in tensors))
 
 
 class Syncer:
@@ -61,6 +67,7 @@ class Syncer:
     self._opened_at: dict[int, float] = {}
     self._rejected: dict[int, list[dict]] = collections.defaultdict(list)
     self._departed: dict[int, int] = {}  # learner -> incarnation that left with deliveries
+    self._delta_pool: dict[tuple, np.ndarray] = {}
     self.rejections: collections.Counter = collections.Counter()
     self._keep_history = outer_cfg.anchor == "base" or outer_cfg.quantize_bits > 0
     self._history: dict[int, dict[int, dict[str, np.ndarray]]] = {
@@ -201,7 +208,8 @@ class Syncer:
     self._departed = {m: i for m, i in self._departed.items() if m in waiting}
     return published, (min(deadlines) if deadlines else None)
 
-  def _outer_gradient(self, payload: Payload, anchor_now: dict[str, np.ndarray]) -> dict:
+  def _outer_gradient(self, payload: Payload, anchor_now: dict[str, np.ndarray],
+                      slot: int) -> dict:
     p, base = payload.fragment, payload.base_version
     if payload.kind == "delta":
       delta = {k: outer.dequantize(q) for k, q in payload.tensors.items()}
@@ -209,14 +217,33 @@ class Syncer:
         return delta
       return outer.rebase_delta(delta, self._history[p][base], anchor_now)
     anchor = self._history[p][base] if self.outer_cfg.anchor == "base" else anchor_now
-    return outer.outer_gradient(anchor, payload.tensors)
+    out = self._delta_buffers(slot, list(payload.tensors))
+    return {k: np.subtract(anchor[k], x, out=out[k]) for k, x in payload.tensors.items()}
+
+  def _delta_buffers(self, slot: int, paths: list[str]) -> dict[str, np.ndarray]:
+    """Scratch for the `slot`-th outer gradient of a round, reused across rounds.
+
+    A fresh 64 MB array per delivery and round costs more in page faults than the subtraction
+    itself. Buffers are keyed by shape (and rank among equal shapes in the fragment), not by
+    path, so the pool holds about max M x one fragment, not M x the model.
+    """
+    rank: collections.Counter = collections.Counter()
+    out = {}
+    for k in paths:
+      shape = self.params[k].shape
+      key = (slot, shape, rank[shape])
+      rank[shape] += 1
+      if key not in self._delta_pool:
+        self._delta_pool[key] = np.empty(shape, np.float32)
+      out[k] = self._delta_pool[key]
+    return out
 
   def _close(self, p: int, decision: policy.RoundDecision, now: float, alive: list[int]) -> Merged:
     started = time.perf_counter()
     entries = sorted(self._pending.pop(p).items())
     paths = self.plan.fragments[p]
     anchor_now = {k: self.params[k] for k in paths}
-    deltas = [self._outer_gradient(e.payload, anchor_now) for _, e in entries]
+    deltas = [self._outer_gradient(e.payload, anchor_now, i) for i, (_, e) in enumerate(entries)]
     weights = outer.token_weights([e.payload.tokens for _, e in entries],
                                   [e.payload.steps for _, e in entries], self.outer_cfg.weights)
     mask = {k: self.plan.is_embedding(k) for k in paths}
@@ -251,8 +278,7 @@ class Syncer:
             "local_step": e.payload.local_step, "steps": e.payload.steps,
             "tokens": e.payload.tokens, "base_version": e.payload.base_version,
             "staleness": old_version - e.payload.base_version, "weight": float(w),
-            "delta_norm": float(np.sqrt(sum(np.sum(np.square(d[k], dtype=np.float64))
-                                            for k in paths))),
+            "delta_norm": _norm(d.values()),
             "payload_bytes": e.payload.nbytes, "arrived_at": e.arrived_at,
         } for (m, e), w, d in zip(entries, weights, deltas)],
         "rejected": self._rejected.pop(p, []),

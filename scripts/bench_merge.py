@@ -9,7 +9,9 @@ overrides it). Throughput is payload bytes (M x fragment bytes) per second; the 
 round time; copies and rounds are timed alternately so that both see the same load on a shared
 host, and `ratio_median` is the median of the per-repetition ratios. `ratio_unfused` times the
 unfused pair (`merge_fragment`, then `nesterov_step(inplace=True)`, same threads) the same way,
-for comparison. RDA must read every payload twice (norms, then the weighted sum); the goal is
+for comparison, and `ratio_syncer` the whole round inside `Syncer.tick` (M value payloads, K = M:
+outer gradients, the tape's per-delivery norms, the fused merge, the published copy). RDA must
+read every payload twice (norms, then the weighted sum); the goal is
 >= 0.3.
 
   PYTHONPATH=. .venv/bin/python scripts/bench_merge.py  # prints one JSON line last
@@ -25,7 +27,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from diloco import outer
+from diloco import fragments, outer
+from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.syncer import Syncer
+from diloco.transport import Heartbeat, Payload
 
 
 def _interleaved_times(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
@@ -75,23 +80,43 @@ def main(argv: list[str]) -> None:
     g = outer.merge_fragment(deltas, w, None, method="rda")
     outer.nesterov_step(params, momentum, g, lr=0.7, mu=0.9, inplace=True)
 
+  # The whole syncer round as `Syncer.tick` runs it on M value payloads (K = M): outer
+  # gradients, per-delivery norms for the tape, the fused merge, the published copy.
+  shapes = {f"layers/{i}/w": (per_tensor,) for i in range(args.tensors)}
+  plan = fragments.plan_fragments(shapes, num_fragments=1)
+  syncer = Syncer({f"layers/{i}/w": params[n] for i, n in enumerate(names)}, plan,
+                  SyncConfig(num_fragments=1, quorum=args.learners, gamma=0.0,
+                             heartbeat_timeout_s=1e9), OuterConfig(), sync_delay_s=0.0)
+  syncer.tick(0.0, [Heartbeat(m, 0, 1, 0.1, 0.0) for m in range(args.learners)], [])
+  thetas = [{f"layers/{i}/w": params[n] - d[n] for i, n in enumerate(names)} for d in deltas]
+
+  def syncer_round():
+    base = syncer.versions[0]
+    merged, _ = syncer.tick(1.0, [], [
+        Payload(m, 0, 0, base + 1, 8, int(tokens[m]), base, "values", thetas[m], 0.0)
+        for m in range(args.learners)])
+    assert len(merged) == 1, "the syncer round did not close"
+
   src = np.ones(payload_bytes // 4, np.float32)
   dst = np.zeros_like(src)
   times = _interleaved_times(
-      {"copy": lambda: np.copyto(dst, src), "merge": merge_round, "unfused": unfused_round},
-      args.reps)
-  copy_s, merge_s, unfused_s = (min(times[k]) for k in ("copy", "merge", "unfused"))
+      {"copy": lambda: np.copyto(dst, src), "merge": merge_round, "unfused": unfused_round,
+       "syncer": syncer_round}, args.reps)
+  copy_s, merge_s, unfused_s, syncer_s = (min(times[k]) for k in ("copy", "merge", "unfused",
+                                                                    "syncer"))
   result = {
       "bench": "merge",
       "ratio": round(copy_s / merge_s, 4),
       "ratio_median": round(statistics.median(
           c / m for c, m in zip(times["copy"], times["merge"])), 4),
       "ratio_unfused": round(copy_s / unfused_s, 4),
+      "ratio_syncer": round(copy_s / syncer_s, 4),
       "merge_bytes_per_s": round(payload_bytes / merge_s),
       "copy_bytes_per_s": round(payload_bytes / copy_s),
       "merge_s": round(merge_s, 5),
       "copy_s": round(copy_s, 5),
       "unfused_s": round(unfused_s, 5),
+      "syncer_s": round(syncer_s, 5),
       "payload_bytes": payload_bytes,
       "learners": args.learners,
       "fragment_bytes": payload_bytes // args.learners,
