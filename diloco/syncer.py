@@ -192,7 +192,8 @@ class Syncer:
       self._pending[p] = entries
       if not entries:
         continue
-      counted = [e.arrived_at for m, e in entries.items() if m in alive]
+      counted = [e.arrived_at for m, e in entries.items()
+                 if m in alive and self.registry[m].incarnation == e.payload.incarnation]
       step_time = policy.slowest_step_time(self.registry[m].step_time for m in alive)
       decision = policy.decide_round(
           counted if alive else [e.arrived_at for e in entries.values()], num_alive=len(alive),
