@@ -41,6 +41,13 @@ def _norm(tensors) -> float:
   return math.sqrt(sum(float(np.dot(t.ravel(), t.ravel())) for t in tensors))
 
 
+def _all_finite(x: np.ndarray) -> bool:
+  """`np.isfinite(x).all()` without its full-size temporary in the common case: a sum of squares
+  is finite unless x holds a NaN/Inf (or overflows, when the exact check decides)."""
+  flat = x.ravel()
+  return math.isfinite(float(np.dot(flat, flat))) or bool(np.isfinite(flat).all())
+
+
 class Syncer:
   """Global parameters G, Nesterov momentum, versions, registry and open rounds."""
 
@@ -143,7 +150,7 @@ class Syncer:
         return REJECT_WRONG_SHAPE
       if values.dtype != np.float32:
         return REJECT_WRONG_DTYPE
-      if not np.isfinite(values).all():
+      if not _all_finite(values):
         return REJECT_NON_FINITE
     return None
 

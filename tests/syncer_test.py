@@ -189,3 +189,13 @@ def test_last_learner_leaving_flushes_its_delivery_into_a_round():
   for k in SHAPES:
     np.testing.assert_allclose(merged[0].tensors[k], expected[k], rtol=2e-5, atol=2e-6)
   assert s.pending_keys() == set() and s.alive(1.1) == []
+
+
+@pytest.mark.parametrize("value, finite", [
+    (1.0, True), (3e38, True),  # the sum of squares overflows: the exact check decides
+    (np.nan, False), (np.inf, False), (-np.inf, False)])
+def test_all_finite_matches_numpy(value, finite):
+  x = np.ones((64, 33), np.float32)
+  x[17, 5] = value
+  assert syncer_lib._all_finite(x) is finite
+  assert finite == bool(np.isfinite(x).all())
