@@ -45,7 +45,9 @@ def _all_finite(x: np.ndarray) -> bool:
   """`np.isfinite(x).all()` without its full-size temporary in the common case: a sum of squares
   is finite unless x holds a NaN/Inf (or overflows, when the exact check decides)."""
   flat = x.ravel()
-  return math.isfinite(float(np.dot(flat, flat))) or bool(np.isfinite(flat).all())
+  with np.errstate(over="ignore", invalid="ignore"):
+    sum_sq = float(np.dot(flat, flat))
+  return math.isfinite(sum_sq) or bool(np.isfinite(flat).all())
 
 
 class Syncer:
