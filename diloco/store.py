@@ -121,6 +121,19 @@ def _tree_handler(durable: bool) -> ocp.PyTreeCheckpointHandler:
                                      type_handler_registry=registry)
 
 
+# TensorStore reads and writes the chunks of one array in parallel (one file or object each):
+# on a local disk 1 MiB chunks made a 64 MiB payload's write+read ~1.6x faster than one chunk
+# per array (scripts/bench_store.py); in an object store, where every object is a request,
+# chunks are 64 MiB.
+_LOCAL_CHUNK_BYTES = 1 << 20
+_OBJECT_CHUNK_BYTES = 1 << 26
+
+
+def _save_args(tree: dict, chunk_bytes: int) -> dict:
+  return {k: _save_args(v, chunk_bytes) if isinstance(v, dict) else
+          ocp.SaveArgs(chunk_byte_size=chunk_bytes) for k, v in tree.items()}
+
+
 def _host_tree(tree: dict) -> dict:
   """Nested dicts of host arrays (the handler is registered for NumPy arrays only)."""
   return {k: _host_tree(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}
@@ -186,12 +199,14 @@ class Store:
     handler = self._durable if durable else self._unsynced
     if not self.local:
       path.mkdir(parents=True)
-      handler.save(path, args=ocp.args.PyTreeSave(tree))
+      handler.save(path, args=ocp.args.PyTreeSave(
+          tree, save_args=_save_args(tree, _OBJECT_CHUNK_BYTES)))
       return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir(parents=True)
     try:
-      handler.save(tmp, args=ocp.args.PyTreeSave(tree))
+      handler.save(tmp, args=ocp.args.PyTreeSave(
+          tree, save_args=_save_args(tree, _LOCAL_CHUNK_BYTES)))
       os.replace(tmp, path)
     except BaseException:
       tmp.rmtree(missing_ok=True)
