@@ -18,7 +18,7 @@ import re
 
 import numpy as np
 
-from diloco.config_lib import ConfigError
+from diloco.config_lib import ConfigError, parse_events
 
 ANY = -1
 _TARGET = r"(\d+|\*)"
@@ -54,25 +54,15 @@ def _target(text: str) -> int:
 def parse(text: str) -> list[Event]:
   """Events sorted by time; ConfigError naming `launch.chaos` on a malformed one."""
   events = []
-  for raw in text.split(";"):
-    item = raw.strip().replace(" ", "")
-    if not item:
-      continue
-    for kind, pattern in _PATTERNS.items():
-      m = pattern.match(item)
-      if m is None:
-        continue
-      if kind in ("kill", "retire"):
-        events.append(Event(float(m[2]), kind, _target(m[1])))
-      elif kind == "stop":
-        events.append(Event(float(m[2]), kind, _target(m[1]), float(m[3])))
-      else:
-        events.append(Event(float(m[1]), kind))
-      break
+  for kind, m in parse_events(text, _PATTERNS, "launch.chaos",
+                              "kill:M@T, stop:M@T+D, kill_syncer@T, add@T or retire:M@T "
+                              "(M a learner id or '*'), separated by ';'"):
+    if kind in ("kill", "retire"):
+      events.append(Event(float(m[2]), kind, _target(m[1])))
+    elif kind == "stop":
+      events.append(Event(float(m[2]), kind, _target(m[1]), float(m[3])))
     else:
-      raise ConfigError(f"launch.chaos: cannot parse {item!r}; expected kill:M@T, stop:M@T+D, "
-                        "kill_syncer@T, add@T or retire:M@T (M a learner id or '*'), "
-                        "separated by ';'")
+      events.append(Event(float(m[1]), kind))
   return sorted(events)
 
 

@@ -383,6 +383,24 @@ def parse_floats(text: str, field: str) -> list[float]:
     raise ConfigError(f"{field}: expected comma-separated numbers, got {text!r}") from None
 
 
+def parse_events(text: str, patterns: dict, field: str, expected: str) -> list[tuple[str, Any]]:
+  """(kind, regex match) of each ';'-separated event of a schedule string (spaces ignored);
+  ConfigError naming `field` and the `expected` grammar on an event no pattern matches."""
+  events = []
+  for raw in text.split(";"):
+    item = raw.strip().replace(" ", "")
+    if not item:
+      continue
+    for kind, pattern in patterns.items():
+      m = pattern.match(item)
+      if m is not None:
+        events.append((kind, m))
+        break
+    else:
+      raise ConfigError(f"{field}: cannot parse {item!r}; expected {expected}")
+  return events
+
+
 def _validate_diloco(cfg: Config) -> None:
   s, o, lc = cfg.sync, cfg.outer, cfg.learners
   for field in ("num_fragments", "period", "quorum"):

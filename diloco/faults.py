@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from diloco.config_lib import ConfigError
+from diloco.config_lib import parse_events
 
 _PATTERNS = {
     "down": re.compile(r"^down:(\d+)@([0-9.]+)\+([0-9.]+)$"),
@@ -32,21 +32,12 @@ class Fault:
 def parse(text: str) -> list[Fault]:
   """Faults sorted by time; ConfigError naming `learners.faults` on any malformed event."""
   faults = []
-  for raw in text.split(";"):
-    item = raw.strip().replace(" ", "")
-    if not item:
-      continue
-    for kind, pattern in _PATTERNS.items():
-      m = pattern.match(item)
-      if m:
-        if kind == "down":
-          faults.append(Fault(float(m[2]), kind, int(m[1]), float(m[3])))
-        elif kind == "add":
-          faults.append(Fault(float(m[1]), kind))
-        else:
-          faults.append(Fault(float(m[2]), kind, int(m[1])))
-        break
+  for kind, m in parse_events(text, _PATTERNS, "learners.faults",
+                              "down:M@T+D, add@T or remove:M@T separated by ';'"):
+    if kind == "down":
+      faults.append(Fault(float(m[2]), kind, int(m[1]), float(m[3])))
+    elif kind == "add":
+      faults.append(Fault(float(m[1]), kind))
     else:
-      raise ConfigError(f"learners.faults: cannot parse {item!r}; expected down:M@T+D, add@T "
-                        "or remove:M@T separated by ';'")
+      faults.append(Fault(float(m[2]), kind, int(m[1])))
   return sorted(faults)

@@ -100,3 +100,15 @@ def test_load_config_file_by_path():
   assert loaded.to_dict() == dp.get_config("tiny").to_dict()
   with pytest.raises(ConfigError, match="config file 'nope.py' does not exist"):
     config_lib.load("nope.py:tiny")
+
+
+def test_fault_schedules_parse_and_bad_events_name_the_field():
+  from diloco import chaos, faults
+  assert [(f.at, f.kind, f.learner, f.duration) for f in faults.parse(
+      " add@40; down:1@30+20;remove:2@60 ")] == [
+          (30.0, "down", 1, 20.0), (40.0, "add", -1, 0.0), (60.0, "remove", 2, 0.0)]
+  with pytest.raises(ConfigError, match=r"learners.faults: cannot parse 'down:1@30'; expected"):
+    faults.parse("add@4;down:1@30")
+  assert [str(e) for e in chaos.parse("stop:*@3+2;kill:0@1")] == ["kill:0@1", "stop:*@3+2"]
+  with pytest.raises(ConfigError, match=r"launch.chaos: cannot parse 'explode@3'; expected"):
+    chaos.parse("kill:0@1;explode@3")
