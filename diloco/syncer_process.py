@@ -185,6 +185,9 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
                                                versions=syncer.versions,
                                                alive=syncer.alive(now)))
       if store.exists("stop.json") or _all_left(store):
+        # One more pass: rounds holding what the last learners flushed before leaving close
+        # now that nobody is left to wait for.
+        sync_once(store, syncer, link, pending_records, tape, keep, clock())
         break
       wait = cfg.store.poll_s if deadline is None else min(cfg.store.poll_s,
                                                            max(deadline - clock(), 0.0))
