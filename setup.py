@@ -19,7 +19,6 @@ setup(
         "flax>=0.12.8,<0.13",
         "optax>=0.2.8,<0.3",
         "orbax-checkpoint>=0.12.8,<1.0",
-        "tensorstore>=0.1.70",  # the store sets a TensorStore context for payload writes
         "grain>=0.2.18,<0.3",
         "array-record>=0.8",
         "ml-collections>=1.1,<2",

@@ -16,10 +16,11 @@ and fixed words, never from what an entry contains):
   registry.json, stop.json          syncer registry (for people and tools); end of run
   run.json                          the run's start time (the clock origin of all records)
 
-An entry is trusted only once its commit marker exists: on a local disk Orbax writes the
-data under a temporary name that is then renamed, and the marker is written after that, so a
-reader never sees a half-written entry as complete (`is_orbax_checkpoint` would not
-tell). JSON records are written to a temporary name and renamed on a local disk;
+An Orbax entry is a directory with Orbax's `_METADATA` and one `.npy` file per tensor
+(`npy_handler`). It is trusted only once its commit marker exists: on a local disk the entry
+is written under a temporary name that is then renamed, and the marker is written after
+that, so a reader never sees a half-written entry as complete (`is_orbax_checkpoint` would
+not tell). JSON records are written to a temporary name and renamed on a local disk;
 object-store writes of a single object are atomic by themselves.
 """
 
@@ -35,10 +36,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore as ts
 from etils import epath
 
-from diloco import outer
+from diloco import npy_handler, outer
 from diloco.transport import Merged, Payload
 
 _PAYLOAD_NAME = re.compile(r"^f(\d{1,6})_l(\d{1,6})_i(\d{1,9})_s(\d{1,12})$")
@@ -86,52 +86,15 @@ def _tensor_key(i: int) -> str:
   return f"t{i:04d}"
 
 
-class _UnsyncedNumpyHandler(ocp.type_handlers.NumpyHandler):
-  """Orbax's NumPy handler with TensorStore's fsync turned off, for fragment payloads.
-
-  A payload is consumed within seconds and deleted; if the machine crashed before the page
-  cache reached the disk, the deliveries on it are lost like an unsent message (and a torn
-  entry fails the checked read). Skipping the sync halves the write time and makes the later
-  delete ~10x cheaper on a local disk. Orbax offers no public option for the TensorStore
-  context of a write, so this overrides the one method that opens the array for writing
-  (`tests/store_test.py` checks that the hook still exists in the installed Orbax).
+def _tree_handler(sync: bool) -> ocp.PyTreeCheckpointHandler:
+  """Orbax's PyTree handler with one `.npy` file per tensor (`npy_handler`), called directly:
+  the store does its own tmp-then-rename and commit marker, so the Checkpointer's temporary
+  directory, metadata and barriers would only add fixed cost to every entry (see
+  `scripts/bench_store.py`). `sync` flushes each file to a local disk before returning.
   """
-
-  _CONTEXT = ts.Context({"file_io_concurrency": {"limit": 128}, "file_io_sync": False})
-
-  async def _open_and_write(self, value, tspec, ts_context):
-    del ts_context
-    return await super()._open_and_write(value, tspec, self._CONTEXT)
-
-
-def _tree_handler(durable: bool) -> ocp.PyTreeCheckpointHandler:
-  """Orbax's PyTree handler, called directly: the store does its own tmp-then-rename and commit
-  marker, so the Checkpointer's temporary directory, metadata and barriers would only add
-  fixed cost to every entry (see `scripts/bench_store.py`).
-
-  Uncompressed zarr3 without OCDBT: payloads are noise-like floats that do not compress, and
-  one TensorStore array per tensor is what readers fetch. Host arrays are written as they are:
-  saves are synchronous and nothing mutates an array while it is written, so Orbax's defensive
-  deep copy of every array is dropped. `durable=False` skips fsync (payloads only).
-  """
-  handler_type = ocp.type_handlers.NumpyHandler if durable else _UnsyncedNumpyHandler
   registry = ocp.type_handlers.create_type_handler_registry(
-      (np.ndarray, handler_type(deepcopy_host_arrays=False)))
-  return ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True, use_compression=False,
-                                     type_handler_registry=registry)
-
-
-# TensorStore reads and writes the chunks of one array in parallel (one file or object each):
-# on a local disk 1 MiB chunks made a 64 MiB payload's write+read ~1.6x faster than one chunk
-# per array (scripts/bench_store.py); in an object store, where every object is a request,
-# chunks are 64 MiB.
-_LOCAL_CHUNK_BYTES = 1 << 20
-_OBJECT_CHUNK_BYTES = 1 << 26
-
-
-def _save_args(tree: dict, chunk_bytes: int) -> dict:
-  return {k: _save_args(v, chunk_bytes) if isinstance(v, dict) else
-          ocp.SaveArgs(chunk_byte_size=chunk_bytes) for k, v in tree.items()}
+      (np.ndarray, npy_handler.NpyHandler(sync=sync)))
+  return ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=registry)
 
 
 def _host_tree(tree: dict) -> dict:
@@ -147,8 +110,8 @@ class Store:
     self.local = "://" not in str(root)
     for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners"):
       (self.root / sub).mkdir(parents=True, exist_ok=True)
-    self._durable = _tree_handler(durable=True)
-    self._unsynced = _tree_handler(durable=False)
+    self._durable = _tree_handler(sync=self.local)  # object-store writes are durable on close
+    self._unsynced = _tree_handler(sync=False)
 
   # JSON control records.
   def write_json(self, rel: str, record: Any) -> None:
@@ -199,14 +162,12 @@ class Store:
     handler = self._durable if durable else self._unsynced
     if not self.local:
       path.mkdir(parents=True)
-      handler.save(path, args=ocp.args.PyTreeSave(
-          tree, save_args=_save_args(tree, _OBJECT_CHUNK_BYTES)))
+      handler.save(path, args=ocp.args.PyTreeSave(tree))
       return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir(parents=True)
     try:
-      handler.save(tmp, args=ocp.args.PyTreeSave(
-          tree, save_args=_save_args(tree, _LOCAL_CHUNK_BYTES)))
+      handler.save(tmp, args=ocp.args.PyTreeSave(tree))
       os.replace(tmp, path)
     except BaseException:
       tmp.rmtree(missing_ok=True)
@@ -300,7 +261,7 @@ class Store:
       raise StoreError(UNREADABLE, f"payload {name}: unknown kind {kind!r}")
     try:
       tree = self._load_tree(f"payloads/{name}")
-    except Exception as e:  # Orbax/tensorstore raise many types on damaged data
+    except Exception as e:  # Orbax and NumPy raise many types on damaged data
       raise StoreError(UNREADABLE, f"payload {name}: cannot read ({type(e).__name__}: "
                        f"{str(e)[:200]})") from None
     if not isinstance(tree, dict) or set(tree) != {_tensor_key(i) for i in range(len(paths))}:

@@ -10,7 +10,7 @@
    (`Store.remove_payload` vs `os.remove`) is timed apart (`ratio_with_remove`): the syncer
    deletes on a background thread, off its loop. The default fragment is 64 MiB, the
    fragment size of `bench_merge.py` (a 1B-parameter model in P = 16 fragments is ~250 MB
-   each); at a few MiB, Orbax's fixed cost per entry (~15-25 ms) dominates.
+   each); at a few MiB, Orbax's fixed cost per entry (~5-10 ms) dominates.
 2. Latency. M learner threads, each with a `LearnerStoreLink` on its own `Store`, and a
    syncer thread that loops like `syncer_process.run` (poll `SyncerStoreLink`, `tick`,
    durable `_commit`, `release`) over P fragments of a small fake parameter set. In round r
@@ -312,7 +312,6 @@ def main(argv: list[str]) -> None:
       "reps": args.reps,
       "rounds": args.rounds,
       "orbax": importlib.metadata.version("orbax-checkpoint"),
-      "tensorstore": importlib.metadata.version("tensorstore"),
       "numpy": np.__version__,
       "machine": platform.machine(),
   }

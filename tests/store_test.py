@@ -4,11 +4,9 @@ import json
 import os
 
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from diloco import chaos, fragments, outer, syncer_process, wan
-from diloco import store as store_lib
 from diloco import syncer as syncer_lib
 from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
 from diloco.store import Store, parse_payload_name, payload_name
@@ -109,27 +107,25 @@ def _plant(store, tmp_path):
           "unknown_learner": 1, "wrong_incarnation": 1, "stale": 1}
 
 
-def test_payload_writes_skip_fsync_through_the_orbax_hook(tmp_path, monkeypatch):
-  """Payload entries are written with the unsynced TensorStore context, merged ones are not:
-  if Orbax renames the method the store overrides, this fails instead of silently syncing."""
-  contexts = []
-  original = ocp.type_handlers.NumpyHandler._open_and_write
+def test_merged_rounds_are_synced_to_disk_and_payloads_are_not(tmp_path, monkeypatch):
+  """Merged rounds are the syncer's durable state: each of their files is fsynced before the
+  round is committed; payloads are consumed within seconds and skip the sync."""
+  synced = []
+  real_fsync = os.fsync
 
-  async def spy(self, value, tspec, ts_context):
-    contexts.append(ts_context)
-    return await original(self, value, tspec, ts_context)
+  def spy(fd):
+    synced.append(os.fstat(fd).st_size)
+    real_fsync(fd)
 
-  monkeypatch.setattr(ocp.type_handlers.NumpyHandler, "_open_and_write", spy)
+  monkeypatch.setattr(os, "fsync", spy)
   store = Store(tmp_path)
   store.put_payload(_payload(0, 0, _params(1)))
-  n_payload = len(contexts)
-  assert n_payload == len(PLAN.fragments[0])  # one TensorStore write per tensor
-  assert all(c is store_lib._UnsyncedNumpyHandler._CONTEXT for c in contexts)
+  assert synced == []
   s = _syncer()
   store.put_merged(s.initial(0.0)[0], s.momentum, {"round": None})
-  assert len(contexts) == n_payload + 2 * len(PLAN.fragments[0])  # params and momentum
-  assert all(c is not store_lib._UnsyncedNumpyHandler._CONTEXT for c in contexts[n_payload:])
-  assert contexts[n_payload].spec.to_json().get("file_io_sync") is not False
+  n = len(PLAN.fragments[0])
+  assert len(synced) == 2 * n and min(synced) > 0  # every tensor file of params and momentum
+  assert store.read_merged(0, 0)[0].version == 0
 
 
 def test_every_bad_entry_kind_is_rejected_with_its_reason(tmp_path):
