@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from diloco import data as data_lib
 from diloco import fragments as fragments_lib
@@ -71,6 +72,11 @@ class Learner:
     self._residual: dict[str, np.ndarray] = {}
     self._sharding = batch_sharding(spec.mesh)
     self._flat_shardings = fragments_lib.flatten_tree(spec.shardings["params"])
+    # Over several hosts (one `jax.distributed` world), a delivery's copy is gathered onto every
+    # device (the copy is collective, so every host makes it) and host 0 alone sends it.
+    self._copy = (_copy_leaves if jax.process_count() == 1 else
+                  jax.jit(_copies, out_shardings=NamedSharding(spec.mesh, PartitionSpec())))
+    self._sends = jax.process_index() == 0
     self._io = concurrent.futures.ThreadPoolExecutor(1) if background_io else None
     self._inflight: list[concurrent.futures.Future] = []
     self._last_metrics: Any = None
@@ -157,11 +163,13 @@ class Learner:
   def _deliver(self, p: int, now: float) -> None:
     paths = self.plan.fragments[p]
     flat = fragments_lib.flatten_tree(self.state["params"])
-    copies = _copy_leaves([flat[k] for k in paths])  # survives the next step's donation
-    for c in copies:
-      c.copy_to_host_async()
+    copies = self._copy([flat[k] for k in paths])  # survives the next step's donation
     self._awaiting[p] = _Awaiting(self.local_step + self.cfg.sync.tau,
                                   self.transport.latest_version(p))
+    if not self._sends:
+      return
+    for c in copies:
+      c.copy_to_host_async()
     args = (p, paths, copies, self.local_step, int(self.steps[p]), int(self.tokens[p]),
             self.base[p], now)
     if self._io is None:
@@ -202,10 +210,12 @@ class Learner:
             fragments_lib.flatten_tree(jax.device_get(self.state["params"])).items()}
 
 
-@jax.jit
-def _copy_leaves(leaves):
-  """Fresh device buffers (one jit for all learners; the next step donates the originals)."""
+def _copies(leaves):
   return [jnp.copy(x) for x in leaves]
+
+
+# Fresh device buffers (one jit for all learners; the next step donates the originals).
+_copy_leaves = jax.jit(_copies)
 
 
 def _zero_moments(opt_state, paths: set[str]):

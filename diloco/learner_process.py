@@ -7,6 +7,11 @@ optionally a healthy peer's AdamW state, then loads the latest published global
 fragments and trains. It checkpoints every `checkpoint.every_steps` steps (asynchronously),
 and on SIGTERM flushes, checkpoints and leaves cleanly ("retired"). A SIGKILL loses only
 the steps since its last checkpoint; the launcher (or Kubernetes) restarts it.
+
+A learner over several hosts runs this on every host (`--jax_distributed`); host 0 alone
+writes to the store, and every decision that depends on timing (merged versions to apply,
+retiring, giving up on a late round) is host 0's, shared through `diloco.hosts`. Hosts
+other than 0 keep their activity and metric records under `workdir/hosts/h{index}`.
 """
 
 from __future__ import annotations
@@ -22,14 +27,14 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco import chaos, wan
+from diloco import chaos, hosts as hosts_lib, wan
 from diloco import checkpoint as checkpoint_lib
 from diloco import metrics as metrics_lib
 from diloco import runtime as runtime_lib
 from diloco.config_lib import Config, ConfigError, parse_floats
 from diloco.learner import Learner, Resume
 from diloco.store import Store
-from diloco.store_transport import DONE, RETIRED, LearnerStoreLink
+from diloco.store_transport import DONE, RETIRED
 from diloco.transport import Heartbeat
 
 
@@ -74,14 +79,15 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   signal.signal(signal.SIGTERM, lambda *_: retiring.set())
 
   store = Store(store_root)
-  incarnation = store.next_incarnation(learner_id)
+  hosts = hosts_lib.HostGroup()
+  incarnation = hosts.share("incarnation", lambda: store.next_incarnation(learner_id))
   devices = jax.devices()
   spec, init_fn, step_fn = runtime_lib.build_learner(cfg, devices, learner_id)
   plan = runtime_lib.fragment_plan(cfg, spec)
   up, down = wan.learner_links(cfg.store.wan_mbps, cfg.store.wan_latency_ms, learner_id)
-  link = LearnerStoreLink(store, learner_id, incarnation, poll_s=cfg.store.poll_s, up=up,
-                          down=down, heartbeat_every_s=cfg.store.heartbeat_every_s)
-  link.wait_initial(plan.num_fragments, cfg.store.join_timeout_s)
+  link = hosts_lib.AgreedLink(store, learner_id, incarnation, hosts, poll_s=cfg.store.poll_s,
+                              up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s)
+  link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s)
   origin = store.run_start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   joined_at = clock()
@@ -90,19 +96,21 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   learner = Learner(learner_id=learner_id, incarnation=incarnation, num_groups=shards, cfg=cfg,
                     spec=spec, init_fn=init_fn, step_fn=step_fn, plan=plan, transport=link,
                     resume=Resume(), background_io=True)
-  latest = ckpt.latest_step()
+  mine = ckpt.latest_step()
+  latest = hosts.share("resume_step", lambda: mine)
   if latest is not None:
     learner.state, meta = ckpt.restore(latest, spec.abstract, learner.data_iter,
                                        expect_meta=_identity(cfg))
     learner.local_step = int(meta["local_step"])
     logging.info("learner %d: resumed its checkpoint at local step %d", learner_id, latest)
   elif cfg.store.peer_optimizer:
-    _adopt_peer_optimizer(cfg, store, learner, spec)
+    _adopt_peer_optimizer(cfg, store, learner, spec, hosts)
   learner.load_global()  # the published fragments replace whatever parameters it had
   link.heartbeat(Heartbeat(learner_id, incarnation, learner.local_step, 0.0, clock()))
-  activity = _Activity(workdir, learner_id, incarnation, len(devices), _speed(cfg, learner_id))
+  records = workdir if hosts.leader else os.path.join(workdir, "hosts", f"h{hosts.index}")
+  activity = _Activity(records, learner_id, incarnation, len(devices), _speed(cfg, learner_id))
   activity.span("load", joined_at, clock(), local_step=learner.local_step)
-  writer = metrics_lib.MetricWriter(workdir, role="learner", learner=learner_id)
+  writer = metrics_lib.MetricWriter(records, role="learner", learner=learner_id)
   print(f"learner {learner_id} incarnation {incarnation}: joined at local step "
         f"{learner.local_step} on {len(devices)} {jax.default_backend()} devices", flush=True)
   try:
@@ -120,7 +128,8 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
         f"{learner.local_step}", flush=True)
   return {"learner": learner_id, "incarnation": incarnation, "state": state,
           "local_step": learner.local_step, "bytes_up": link.bytes_up,
-          "bytes_down": link.bytes_down, "wan_wait_s": round(link.wan_wait_s, 3)}
+          "bytes_down": link.bytes_down, "wan_wait_s": round(link.wan_wait_s, 3),
+          "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}
 
 
 def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring) -> str:
@@ -129,7 +138,8 @@ def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring) -> str:
   every = cfg.checkpoint.every_steps
   step_time, previous = 0.0, clock()
   written, saved = None, ckpt.latest_step()  # a resumed learner's step is saved already
-  while learner.local_step < cfg.train.steps and not retiring.is_set():
+  retired = False  # agreed by all hosts: a SIGTERM counts once host 0 has seen it
+  while learner.local_step < cfg.train.steps and not retired:
     learner.step(clock(), step_time)
     factor = speed * (1.0 + jitter * rng.uniform(-1.0, 1.0)) if jitter else speed
     extra = runtime_lib.pacing_wait(clock() - previous, factor, cfg.learners.min_step_s)
@@ -143,17 +153,21 @@ def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring) -> str:
     if last is not None and last[0] != written:
       written = last[0]
       writer.write(last[0], dict(last[1], incarnation=learner.incarnation, time=end))
+    retired = link.agree(retire=retiring.is_set()).retire
     blocked = learner.sync_point()
     waited_from = clock()
-    while blocked and not retiring.is_set():
-      if clock() - waited_from > cfg.sync.heartbeat_timeout_s:
-        logging.warning("learner %d gave up waiting for fragments %s", learner.id, blocked)
-        learner.give_up_waiting(blocked)
-        break
+    while blocked and not retired:
       link.heartbeat(Heartbeat(learner.id, learner.incarnation, learner.local_step, step_time,
                                clock()))
       p = blocked[0]
       link.wait_for(p, link.latest_version(p) + 1, 0.2)
+      decision = link.agree(retire=retiring.is_set(),
+                            give_up=clock() - waited_from > cfg.sync.heartbeat_timeout_s)
+      retired = decision.retire
+      if decision.give_up:
+        logging.warning("learner %d gave up waiting for fragments %s", learner.id, blocked)
+        learner.give_up_waiting(blocked)
+        break
       blocked = learner.sync_point()
     if clock() - waited_from > 1e-3:
       activity.span("wait", waited_from, clock(), local_step=learner.local_step)
@@ -162,7 +176,7 @@ def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring) -> str:
       saved = learner.local_step
     previous = clock()
   learner.read_metrics()
-  return (RETIRED if retiring.is_set() else DONE), saved
+  return (RETIRED if retired else DONE), saved
 
 
 def _save(cfg: Config, ckpt: checkpoint_lib.Checkpointer, learner: Learner) -> None:
@@ -170,29 +184,46 @@ def _save(cfg: Config, ckpt: checkpoint_lib.Checkpointer, learner: Learner) -> N
             dict(_identity(cfg), local_step=learner.local_step, incarnation=learner.incarnation))
 
 
-def _adopt_peer_optimizer(cfg: Config, store: Store, learner: Learner, spec) -> None:
-  """Starts from the AdamW state of the peer with the newest checkpoint, if any."""
+def _newest_peer_checkpoint(cfg: Config, store: Store, learner_id: int) -> list[int] | None:
+  """[peer, step] of the peer learner with the newest checkpoint, or None."""
   best = None
   for m in range(chaos.max_learners(cfg)):
-    if m == learner.id:
+    if m == learner_id:
       continue
     peer = checkpoint_lib.Checkpointer(str(store.learner_dir(m)), cfg.checkpoint)
     step = peer.latest_step()
+    peer.close()
     if step is not None and (best is None or step > best[1]):
-      best = (peer, step, m)
-    elif step is None:
-      peer.close()
+      best = [m, step]
+  return best
+
+
+def _adopt_peer_optimizer(cfg: Config, store: Store, learner: Learner, spec,
+                          hosts: hosts_lib.HostGroup) -> None:
+  """Starts from the AdamW state of the peer with the newest checkpoint, if any (host 0
+  picks it; every host restores it, and keeps it only if host 0 could)."""
+  # Every host opens the peers' checkpoint directories (Orbax may synchronise the hosts when it
+  # opens one); host 0's pick counts.
+  mine = _newest_peer_checkpoint(cfg, store, learner.id)
+  best = hosts.share("peer", lambda: mine)
   if best is None:
     logging.info("learner %d: no peer checkpoint; fresh AdamW state", learner.id)
     return
-  peer, step, m = best
+  m, step = best
+  peer = checkpoint_lib.Checkpointer(str(store.learner_dir(m)), cfg.checkpoint)
+  state, error = None, None
   try:
     state = peer.restore_state(step, spec.abstract)
-    learner.state = dict(learner.state, opt_state=state["opt_state"])
-    print(f"learner {learner.id}: adopted learner {m}'s AdamW state (its step {step})",
-          flush=True)
   except Exception as e:  # the peer may have collected that step meanwhile
-    logging.warning("learner %d: could not read learner %d's checkpoint %d (%r); fresh AdamW "
-                    "state", learner.id, m, step, e)
+    error = e
   finally:
     peer.close()
+  if not hosts.share("peer_restored", lambda: error is None):
+    logging.warning("learner %d: could not read learner %d's checkpoint %d (%r); fresh AdamW "
+                    "state", learner.id, m, step, error)
+    return
+  if error is not None:
+    raise RuntimeError(f"learner {learner.id}: host {hosts.index} could not read learner "
+                       f"{m}'s checkpoint {step} that host 0 read: {error!r}") from error
+  learner.state = dict(learner.state, opt_state=state["opt_state"])
+  print(f"learner {learner.id}: adopted learner {m}'s AdamW state (its step {step})", flush=True)

@@ -32,7 +32,14 @@ _STORE = flags.DEFINE_string("store", None, "Store root of a multi-process run: 
                              "gs://bucket/run (default: store.root, else WORKDIR/store).")
 _JAX_DISTRIBUTED = flags.DEFINE_bool(
     "jax_distributed", False, "Call jax.distributed.initialize() first (a learner that spans "
-    "several hosts of one TPU slice).")
+    "several hosts, e.g. of one TPU slice; there JAX finds its hosts by itself).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "With --jax_distributed where JAX cannot find the hosts by "
+    "itself (plain VMs, one machine): host:port of the learner's host 0.")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "With --coordinator_address: the learner's number of hosts.")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "With --coordinator_address: this host's index (0 talks to the store).")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -78,7 +85,14 @@ def main(argv: list[str]) -> None:
   logging.get_absl_logger().addFilter(
       lambda record: "Skipping merge of OCDBT" not in record.getMessage())
   if _JAX_DISTRIBUTED.value:
-    jax.distributed.initialize()
+    # CPU hosts need a collectives library for computations that span processes.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
+  elif _COORDINATOR.value or _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None:
+    raise app.UsageError("--coordinator_address, --num_processes and --process_id need "
+                         "--jax_distributed")
   try:
     cfg = _load_config()
   except config_lib.ConfigError as e:

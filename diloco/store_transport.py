@@ -15,6 +15,7 @@ import dataclasses
 import queue
 import threading
 import time
+from typing import Callable
 
 from absl import logging
 
@@ -33,8 +34,11 @@ class LearnerStoreLink:
 
   def __init__(self, store: Store, learner: int, incarnation: int, *, poll_s: float,
                up: wan.Link | None = None, down: wan.Link | None = None,
-               heartbeat_every_s: float = 0.2):
+               heartbeat_every_s: float = 0.2,
+               on_fetch: Callable[[Merged], None] | None = None):
+    """`on_fetch` sees every merged version the poller downloads (on its thread)."""
     self.store, self.learner, self.incarnation = store, learner, incarnation
+    self._on_fetch = on_fetch
     self._up, self._down = up or wan.Link(), down or wan.Link()
     self._poll_s, self._beat_every = poll_s, heartbeat_every_s
     self._cond = threading.Condition()
@@ -197,6 +201,8 @@ class LearnerStoreLink:
         failures.pop((p, version), None)
         self.wan_wait_s += self._down.transfer(merged.nbytes)
         self.bytes_down += merged.nbytes
+        if self._on_fetch is not None:
+          self._on_fetch(merged)
         with self._cond:
           self._merged[p] = merged
           self._cond.notify_all()
