@@ -191,6 +191,10 @@ class StoreConfig:
   peer_optimizer: bool = False
   # How long a starting learner waits for the syncer's first published fragments.
   join_timeout_s: float = 300.0
+  # What a learner does on SIGTERM. "retire": flush, checkpoint, tell the syncer it left for
+  # good, exit 0. "restart" (preemption, node drains under Kubernetes): flush, checkpoint,
+  # exit 143 so that its supervisor starts it again; the syncer times it out meanwhile.
+  on_sigterm: str = "retire"
 
 
 @_frozen
@@ -444,6 +448,8 @@ def _validate_diloco(cfg: Config) -> None:
   _check(st.heartbeat_every_s < s.heartbeat_timeout_s, "store.heartbeat_every_s",
          f"must be below sync.heartbeat_timeout_s={s.heartbeat_timeout_s}")
   _check(st.join_timeout_s > 0, "store.join_timeout_s", "must be > 0")
+  _check(st.on_sigterm in ("retire", "restart"), "store.on_sigterm",
+         f"must be 'retire' or 'restart', got {st.on_sigterm!r}")
   for field in ("wan_mbps", "wan_latency_ms"):
     _check(all(v >= 0 for v in parse_floats(getattr(st, field), f"store.{field}")),
            f"store.{field}", "values must be >= 0")

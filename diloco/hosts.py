@@ -196,6 +196,9 @@ class AgreedLink:
     self.inner.count_download(nbytes)
 
   # Process life cycle.
+  def flush(self) -> None:
+    self.inner.flush()
+
   def leave(self, state: str) -> None:
     if self.hosts.leader:
       self.inner.leave(state)

@@ -55,6 +55,9 @@ class Launcher:
         cfg.launch.chaos, cfg.launch.chaos_faults, seed=cfg.seed,
         start=cfg.launch.chaos_start_s, end=cfg.launch.chaos_end_s,
         count=cfg.learners.count, max_learners=self.max_learners)
+    if cfg.store.on_sigterm != "retire" and any(e.kind == "retire" for e in self.events):
+      raise ConfigError("launch.chaos: retire events send SIGTERM, which means restart with "
+                        f"store.on_sigterm={cfg.store.on_sigterm!r}; use 'retire' there")
     self.rng = np.random.default_rng([cfg.seed, 104729])
     sizes = [int(x) for x in parse_floats(cfg.learners.devices, "learners.devices")]
     self.procs = {-1: Proc("syncer", -1, 1)}

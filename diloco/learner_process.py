@@ -4,8 +4,10 @@ It builds its mesh over every device this process sees (on a TPU pod: its slice,
 `jax.distributed` inside the slice), takes a fresh incarnation number from the store,
 resumes its own checkpoint (params, AdamW state, data position) if it has one, or
 optionally a healthy peer's AdamW state, then loads the latest published global
-fragments and trains. It checkpoints every `checkpoint.every_steps` steps (asynchronously),
-and on SIGTERM flushes, checkpoints and leaves cleanly ("retired"). A SIGKILL loses only
+fragments and trains. It checkpoints every `checkpoint.every_steps` steps (asynchronously).
+On SIGTERM it flushes its deliveries, checkpoints and either leaves cleanly ("retired",
+exit 0) or, with `store.on_sigterm=restart`, exits 143 to be started again ("preempted": the
+syncer times it out; the next incarnation resumes from that checkpoint). A SIGKILL loses only
 the steps since its last checkpoint; the launcher (or Kubernetes) restarts it.
 
 A learner over several hosts runs this on every host (`--jax_distributed`); host 0 alone
@@ -36,6 +38,10 @@ from diloco.learner import Learner, Resume
 from diloco.store import Store
 from diloco.store_transport import DONE, RETIRED
 from diloco.transport import Heartbeat
+
+
+PREEMPTED = "preempted"
+_PREEMPTED_EXIT = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
 
 
 def _identity(cfg: Config) -> dict:
@@ -118,15 +124,21 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   finally:
     writer.close()
     activity.close()
-  if cfg.checkpoint.every_steps and saved != learner.local_step:
+  preempted = state == RETIRED and cfg.store.on_sigterm == "restart"
+  if (cfg.checkpoint.every_steps or preempted) and saved != learner.local_step:
     _save(cfg, ckpt, learner)  # where a restart of this learner id picks up
   ckpt.close()
   learner.close()
-  link.leave(state)
+  if preempted:
+    state = PREEMPTED
+    link.flush()  # no goodbye: the syncer times this incarnation out, the next one rejoins
+  else:
+    link.leave(state)
   link.close()
   print(f"learner {learner_id} incarnation {incarnation}: {state} at local step "
         f"{learner.local_step}", flush=True)
   return {"learner": learner_id, "incarnation": incarnation, "state": state,
+          "exit_code": _PREEMPTED_EXIT if preempted else 0,
           "local_step": learner.local_step, "bytes_up": link.bytes_up,
           "bytes_down": link.bytes_down, "wan_wait_s": round(link.wan_wait_s, 3),
           "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}

@@ -106,6 +106,8 @@ def main(argv: list[str]) -> None:
   except config_lib.ConfigError as e:
     sys.exit(f"config error: {e}")
   print(f"done: {result}", flush=True)
+  if isinstance(result, dict) and result.get("exit_code"):
+    sys.exit(result["exit_code"])  # e.g. a preempted learner asks its supervisor for a restart
 
 
 def run_cli() -> None:

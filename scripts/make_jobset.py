@@ -19,8 +19,10 @@ Without --output (or with --dry_run) the YAML goes to stdout and nothing else is
 - The syncer holds no accelerator; after a restart it resumes from what it committed to the
   store.
 - Every process gets the same `--config.learners.count=M` and config overrides: a GCS-friendly
-  heartbeat period (DEFAULT_OVERRIDES) and each `--override KEY=VALUE`, checked against the
-  config here so that a typo fails now rather than in M pods.
+  heartbeat period and `store.on_sigterm=restart` (DEFAULT_OVERRIDES: Kubernetes stops a
+  preempted or drained pod with SIGTERM, and the learner should come back, not retire), and
+  each `--override KEY=VALUE`, checked against the config here so that a typo fails now rather
+  than in M pods.
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ _MULTI_HOST_CHIPS = 4
 _MAX_SINGLE_HOST_CHIPS = 8
 # GCS allows about one update per second to one object, and every learner rewrites its
 # heartbeat object: keep heartbeats well under that (--override replaces it).
-DEFAULT_OVERRIDES = {"store.heartbeat_every_s": "2.0"}
+# Kubernetes stops a pod it preempts or drains with SIGTERM: the learner checkpoints and exits
+# 143, so its job is restarted (a learner that exited 0 would be gone for the rest of the run).
+DEFAULT_OVERRIDES = {"store.heartbeat_every_s": "2.0", "store.on_sigterm": "restart"}
 
 
 class FlagError(ValueError):

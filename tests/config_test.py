@@ -40,6 +40,7 @@ def _with(preset="tiny", **dotted):
     ({"model__dtype": "float8"}, r"model.dtype: must be one of \('float32', 'bfloat16'\)"),
     ({"model__num_experts": 4, "model__expert_mlp_dim": 0}, r"model.expert_mlp_dim: must be >= 1"),
     ({"learners__min_step_s": -0.5}, r"learners.min_step_s: must be a finite number of seconds"),
+    ({"store__on_sigterm": "ignore"}, r"store.on_sigterm: must be 'retire' or 'restart'"),
 ])
 def test_invalid_values_name_the_field(dotted, message):
   with pytest.raises(ConfigError, match=message):
@@ -112,3 +113,16 @@ def test_fault_schedules_parse_and_bad_events_name_the_field():
   assert [str(e) for e in chaos.parse("stop:*@3+2;kill:0@1")] == ["kill:0@1", "stop:*@3+2"]
   with pytest.raises(ConfigError, match=r"launch.chaos: cannot parse 'explode@3'; expected"):
     chaos.parse("kill:0@1;explode@3")
+
+
+def test_launcher_refuses_retire_events_when_sigterm_means_restart(tmp_path):
+  from configs import multiprocess  # pylint: disable=import-outside-toplevel
+  from diloco import launcher  # pylint: disable=import-outside-toplevel
+  cfg = multiprocess.get_config("tiny")
+  cfg.launch.chaos, cfg.launch.chaos_faults = "retire:1@5", 0
+  cfg.store.on_sigterm = "restart"
+  with pytest.raises(ConfigError, match=r"launch.chaos: retire events .*store.on_sigterm"):
+    launcher.Launcher(config_lib.from_config_dict(cfg), str(tmp_path), "unused.json")
+  cfg.store.on_sigterm = "retire"
+  events = launcher.Launcher(config_lib.from_config_dict(cfg), str(tmp_path), "unused.json").events
+  assert [e.kind for e in events] == ["retire"]

@@ -1,12 +1,17 @@
 """A learner over two hosts: real processes in one `jax.distributed` world, beside a one-host
-learner and a syncer process, all on one store (every wait bounded)."""
+learner and a syncer process, all on one store (every wait bounded). Midway, host 0 alone gets
+a SIGTERM with `store.on_sigterm=restart` (a preempted pod): both hosts checkpoint and exit 143
+at the same step, and the learner started again on both hosts resumes from there."""
 
 import ast
 import json
 import os
+import re
 import socket
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,7 +32,8 @@ def _start(workdir, log, devices, *args):
              JAX_PLATFORMS="cpu")
   cmd = [sys.executable, "-m", "diloco.main", "--config=configs/multiprocess.py:tiny",
          "--config.learners.count=2", "--config.launch.chaos_faults=0",
-         f"--config.train.steps={STEPS}", "--config.learners.min_step_s=0",
+         f"--config.train.steps={STEPS}", "--config.learners.min_step_s=0.1",
+         "--config.store.on_sigterm=restart",
          f"--workdir={workdir}", f"--store={workdir / 'store'}", *args]
   out = open(workdir / log, "w", encoding="utf-8")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,64 +46,94 @@ def _result(workdir, log) -> dict:
   return ast.literal_eval(lines[-1][len("done: "):])
 
 
+def _steps(path) -> dict[int, int]:
+  """Step spans per incarnation in an activity file."""
+  out: dict[int, int] = {}
+  for line in path.read_text().splitlines() if path.exists() else []:
+    record = json.loads(line)
+    if record["kind"] == "step":
+      out[record["incarnation"]] = out.get(record["incarnation"], 0) + 1
+  return out
+
+
+def _start_hosts(workdir, suffix):
+  port = _free_port()
+  return [_start(workdir, f"l0h{host}{suffix}.log", 2, "--role=learner", "--learner_id=0",
+                 "--jax_distributed", f"--coordinator_address=127.0.0.1:{port}",
+                 "--num_processes=2", f"--process_id={host}") for host in (0, 1)]
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("multihost")
-  port = _free_port()
-  procs = [_start(workdir, "syncer.log", 1, "--role=syncer")]
-  for host in (0, 1):
-    procs.append(_start(workdir, f"l0h{host}.log", 2, "--role=learner", "--learner_id=0",
-                        "--jax_distributed", f"--coordinator_address=127.0.0.1:{port}",
-                        "--num_processes=2", f"--process_id={host}"))
-  procs.append(_start(workdir, "l1.log", 2, "--role=learner", "--learner_id=1"))
+  procs = {"syncer.log": _start(workdir, "syncer.log", 1, "--role=syncer")}
+  procs.update(zip(("l0h0.log", "l0h1.log"), _start_hosts(workdir, "")))
+  procs["l1.log"] = _start(workdir, "l1.log", 2, "--role=learner", "--learner_id=1")
   try:
-    for proc, _ in procs[1:]:
-      proc.wait(timeout=_TIMEOUT_S)
+    deadline = time.monotonic() + _TIMEOUT_S
+    while _steps(workdir / "activity" / "l0.jsonl").get(0, 0) < 16:
+      assert time.monotonic() < deadline, "learner 0 did not reach step 16"
+      assert procs["l0h0.log"][0].poll() is None, (workdir / "l0h0.log").read_text()[-3000:]
+      time.sleep(0.05)
+    procs["l0h0.log"][0].send_signal(signal.SIGTERM)  # host 0 only
+    for log in ("l0h0.log", "l0h1.log"):
+      procs[log][0].wait(timeout=120)
+    procs.update(zip(("l0h0b.log", "l0h1b.log"), _start_hosts(workdir, "b")))
+    for log in ("l0h0b.log", "l0h1b.log", "l1.log"):
+      procs[log][0].wait(timeout=_TIMEOUT_S)
     (workdir / "store" / "stop.json").write_text(json.dumps({"time": 0}))
-    procs[0][0].wait(timeout=120)
+    procs["syncer.log"][0].wait(timeout=120)
   finally:
-    for proc, out in procs:
+    for proc, out in procs.values():
       if proc.poll() is None:
         proc.kill()
         proc.wait()
       out.close()
-  codes = {log: proc.returncode for (proc, _), log in
-           zip(procs, ("syncer.log", "l0h0.log", "l0h1.log", "l1.log"))}
-  return workdir, codes
+  return workdir, {log: proc.returncode for log, (proc, _) in procs.items()}
 
 
 def test_every_process_finishes(run):
   workdir, codes = run
-  assert codes == dict.fromkeys(codes, 0), {
-      log: (workdir / log).read_text()[-2000:] for log, code in codes.items() if code}
+  want = dict.fromkeys(codes, 0) | {"l0h0.log": 143, "l0h1.log": 143}  # the preempted pair
+  assert codes == want, {log: (workdir / log).read_text()[-2000:]
+                         for log, code in codes.items() if code != want[log]}
+
+
+def test_a_sigterm_to_host_0_stops_both_hosts_at_one_checkpointed_step(run):
+  workdir, _ = run
+  stopped = [re.findall(r"learner 0 incarnation 0: preempted at local step (\d+)",
+                        (workdir / log).read_text()) for log in ("l0h0.log", "l0h1.log")]
+  assert stopped[0] and stopped[0] == stopped[1]
+  step = int(stopped[0][0])
+  assert 16 <= step < STEPS
+  for log in ("l0h0b.log", "l0h1b.log"):  # only its checkpoint can give it that step back
+    assert f"learner 0 incarnation 1: joined at local step {step} " in (workdir / log).read_text()
+  for path in (workdir / "activity" / "l0.jsonl",
+               workdir / "hosts" / "h1" / "activity" / "l0.jsonl"):
+    assert _steps(path) == {0: step, 1: STEPS - step}  # nothing lost, nothing done twice
 
 
 def test_the_hosts_took_the_same_decisions_and_only_host_0_wrote(run):
   workdir, _ = run
-  leader, follower = _result(workdir, "l0h0.log"), _result(workdir, "l0h1.log")
+  leader, follower = _result(workdir, "l0h0b.log"), _result(workdir, "l0h1b.log")
   assert (leader["host"], follower["host"], leader["hosts"]) == (0, 1, 2)
-  assert leader["incarnation"] == follower["incarnation"] == 0
+  assert leader["incarnation"] == follower["incarnation"] == 1
   assert leader["local_step"] == follower["local_step"] == STEPS
   assert leader["agreements"] == follower["agreements"]  # same count, same digest
-  assert leader["agreements"]["count"] > STEPS  # one per step, plus the join
+  assert leader["agreements"]["count"] > 1
   assert leader["bytes_up"] > 0 and follower["bytes_up"] == 0
   assert follower["bytes_down"] > 0  # each host downloads merged fragments itself
   assert json.loads((workdir / "store" / "incarnations" / "l0.json").read_text()) == {
-      "incarnation": 0}  # one incarnation for the learner, not one per host
+      "incarnation": 1}  # one incarnation per start of the learner, not one per host
 
 
 def test_the_two_host_learner_contributes_once_per_delivery(run):
   workdir, _ = run
   tape = [json.loads(ln) for ln in (workdir / "tape.jsonl").read_text().splitlines()]
-  admitted = [(a["fragment"], a["local_step"]) for r in tape
-              for a in [dict(x, fragment=r["fragment"]) for x in r["admitted"]]
-              if a["learner"] == 0]
-  assert len(admitted) >= 8
+  admitted = [(r["fragment"], a["incarnation"], a["local_step"]) for r in tape
+              for a in r["admitted"] if a["learner"] == 0]
   assert len(admitted) == len(set(admitted))
-  steps = lambda path: sum(1 for ln in path.read_text().splitlines()  # noqa: E731
-                           if json.loads(ln)["kind"] == "step")
-  assert steps(workdir / "activity" / "l0.jsonl") == STEPS  # host 0's records only
-  assert steps(workdir / "hosts" / "h1" / "activity" / "l0.jsonl") == STEPS
+  assert {i for _, i, _ in admitted} == {0, 1}  # before and after the restart
 
 
 def test_the_global_model_learns(run):
