@@ -144,7 +144,9 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
           "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}
 
 
-def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring) -> str:
+def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring
+           ) -> tuple[str, int | None]:
+  """Steps until the end or an agreed retirement; returns (state, last saved step)."""
   speed, jitter = _speed(cfg, learner.id), cfg.learners.step_jitter
   rng = np.random.default_rng([cfg.seed, learner.id, learner.incarnation])
   every = cfg.checkpoint.every_steps
