@@ -26,10 +26,15 @@ class Checkpointer:
     # A local path or an object-store URL (gs://...): Orbax handles both.
     directory = str(directory)
     self.directory = directory if "://" in directory else os.path.abspath(directory)
+    # Step directories are created before `save` returns, not on a background thread: that
+    # path registers a process-wide Orbax "contract" of signals that every other Orbax save of
+    # the process then waits for, and the multi-process store's own saves (another thread)
+    # waited out Orbax's 5-minute timeout on it in a multi-host learner.
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=cfg.max_to_keep, enable_async_checkpointing=cfg.async_save,
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             create=True))
 
   def latest_step(self) -> int | None:

@@ -202,6 +202,10 @@ class LaunchConfig:
   """The local launcher (`--role=launch`): processes, restarts and the real chaos schedule."""
   # Emulated CPU devices of each learner process (learners.devices overrides per learner).
   devices_per_learner: int = 2
+  # Processes per learner: >1 rehearses a multi-host learner (one `jax.distributed` world of
+  # that many processes, each with its share of the learner's devices; host 0 talks to the
+  # store). When one of them dies, the launcher stops the others and restarts them together.
+  hosts_per_learner: int = 1
   # Learners that may ever exist (data shards); 0: learners.count plus the schedule's adds.
   max_learners: int = 0
   restart_backoff_s: float = 1.0
@@ -454,6 +458,10 @@ def _validate_diloco(cfg: Config) -> None:
     _check(all(v >= 0 for v in parse_floats(getattr(st, field), f"store.{field}")),
            f"store.{field}", "values must be >= 0")
   _check(la.devices_per_learner >= 1, "launch.devices_per_learner", "must be >= 1")
+  _check(la.hosts_per_learner >= 1, "launch.hosts_per_learner", "must be >= 1")
+  for size in devices + [la.devices_per_learner]:
+    _check(size % la.hosts_per_learner == 0, "launch.hosts_per_learner",
+           f"must divide every learner's device count, got {la.hosts_per_learner} for {size}")
   _check(la.max_learners >= 0, "launch.max_learners", "must be >= 0")
   _check(0 < la.restart_backoff_s <= la.max_backoff_s, "launch.restart_backoff_s",
          "must be > 0 and <= launch.max_backoff_s")

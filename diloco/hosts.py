@@ -28,8 +28,6 @@ from diloco.store import Store
 from diloco.store_transport import LearnerStoreLink
 from diloco.transport import Heartbeat, Merged, Payload
 
-_KEEP_DECISIONS = 64  # decisions older than this many agreements are deleted by the leader
-
 
 def _coordination_client():
   # JAX's coordination-service client; JAX has no public accessor for it (Orbax reads it the
@@ -108,7 +106,7 @@ class AgreedLink:
     self._view: dict[int, Merged] = {}
     self._agreements = 0
     self._log = hashlib.sha256()  # every decision taken, in order: equal on all hosts
-    self._posted: dict | None = None
+    self._kept_from = 0  # the leader deletes decisions every host has read
     self.inner = LearnerStoreLink(store, learner, incarnation, on_fetch=self._fetched,
                                   **link_kwargs)
 
@@ -121,17 +119,19 @@ class AgreedLink:
     """One shared decision; every host calls it at the same point of its loop."""
     with self._lock:
       holdings = {str(p): sorted(vs) for p, vs in self._held.items()}
-    if not self.hosts.leader and holdings != self._posted:
-      self.hosts.post("held", holdings)
-      self._posted = holdings
     n = self._agreements
     self._agreements += 1
+    if not self.hosts.leader:  # what it holds, and that it has read every decision before n
+      self.hosts.post("held", {"next": n, "held": holdings})
+    read_by_all = n
 
     def decide() -> dict:
+      nonlocal read_by_all
       common = {p: set(vs) for p, vs in holdings.items()}
       for host in range(1, self.hosts.count):
-        theirs = self.hosts.peek("held", host) or {}
-        common = {p: vs & set(theirs.get(p, ())) for p, vs in common.items()}
+        theirs = self.hosts.peek("held", host) or {"next": 0, "held": {}}
+        read_by_all = min(read_by_all, theirs["next"])
+        common = {p: vs & set(theirs["held"].get(p, ())) for p, vs in common.items()}
       view = {}
       for p, versions in common.items():
         current = self._view.get(int(p))
@@ -142,8 +142,10 @@ class AgreedLink:
 
     decision = self.hosts.share(f"agree/{n}", decide)
     self._log.update(json.dumps(decision, sort_keys=True).encode())
-    if n >= _KEEP_DECISIONS:
-      self.hosts.forget(f"agree/{n - _KEEP_DECISIONS}")
+    if self.hosts.leader:
+      for old in range(self._kept_from, read_by_all):
+        self.hosts.forget(f"agree/{old}")
+      self._kept_from = max(self._kept_from, read_by_all)
     with self._lock:
       for p, version in decision["view"].items():
         if version < 0:

@@ -2,9 +2,12 @@
 
 It starts every process with its own emulated device count, supervises them, restarts a
 process that died with an exponential backoff (a run aborts if one keeps dying fast),
-and applies the seeded chaos schedule (`diloco.chaos`) with real signals. When every
-learner has finished or retired it stops the syncer, gathers the activity logs, and
-writes accounting.json, loss.png and timeline.png like the single-controller runtime.
+and applies the seeded chaos schedule (`diloco.chaos`) with real signals. With
+`launch.hosts_per_learner` > 1 a learner is that many processes in one `jax.distributed`
+world, like the hosts of a TPU slice: a kill hits one of them, and the launcher then stops
+the others and restarts the learner whole (JAX would take its heartbeat timeout to notice).
+When every learner has finished or retired it stops the syncer, gathers the activity logs,
+and writes accounting.json, loss.png and timeline.png like the single-controller runtime.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,18 +35,28 @@ LAUNCHER_ACTIVITY = "launcher.jsonl"
 
 @dataclasses.dataclass
 class Proc:
-  """One supervised process (the syncer is learner -1)."""
+  """One supervised learner, as one process per host, or the syncer (learner -1)."""
   name: str
   learner: int
-  devices: int
-  popen: subprocess.Popen | None = None
+  devices: int  # per process
+  hosts: int = 1
+  popens: list[subprocess.Popen] = dataclasses.field(default_factory=list)
   state: str = "idle"  # idle | running | stopped | waiting (to restart) | done | retired
   restarts: int = 0
   fast_failures: int = 0
   started_at: float = 0.0
   restart_at: float = 0.0
   down_since: float | None = None
-  log: object = None
+  logs: list = dataclasses.field(default_factory=list)
+
+  def exit_code(self) -> int | None:
+    """None while it runs; else the first failed exit code of its processes, or 0 once all of
+    them exited cleanly (hosts of one learner finish together)."""
+    codes = [p.poll() for p in self.popens]
+    failed = [c for c in codes if c not in (None, 0)]
+    if failed:
+      return failed[0]
+    return None if not codes or None in codes else 0
 
 
 class Launcher:
@@ -61,9 +75,10 @@ class Launcher:
     self.rng = np.random.default_rng([cfg.seed, 104729])
     sizes = [int(x) for x in parse_floats(cfg.learners.devices, "learners.devices")]
     self.procs = {-1: Proc("syncer", -1, 1)}
+    hosts = cfg.launch.hosts_per_learner
     for m in range(self.max_learners):
       devices = sizes[m] if m < len(sizes) else cfg.launch.devices_per_learner
-      self.procs[m] = Proc(f"learner{m}", m, devices)
+      self.procs[m] = Proc(f"learner{m}", m, devices // hosts, hosts)
     os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
     os.makedirs(os.path.join(self.workdir, "activity"), exist_ok=True)
     self._activity = open(os.path.join(self.workdir, "activity", LAUNCHER_ACTIVITY), "a",
@@ -75,12 +90,16 @@ class Launcher:
     return time.time() - self.origin
 
   # Processes.
-  def _command(self, proc: Proc) -> list[str]:
+  def _command(self, proc: Proc, host: int, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "diloco.main", f"--config_json={self.config_json}",
            f"--workdir={self.workdir}", f"--store={self.store_root}"]
     if proc.learner < 0:
       return cmd + ["--role=syncer"]
-    return cmd + ["--role=learner", f"--learner_id={proc.learner}"]
+    cmd += ["--role=learner", f"--learner_id={proc.learner}"]
+    if proc.hosts > 1:
+      cmd += ["--jax_distributed", f"--coordinator_address=127.0.0.1:{port}",
+              f"--num_processes={proc.hosts}", f"--process_id={host}"]
+    return cmd
 
   def start(self, proc: Proc) -> None:
     env = dict(os.environ)
@@ -89,28 +108,44 @@ class Launcher:
     env["XLA_FLAGS"] = " ".join(flags + [
         f"--xla_force_host_platform_device_count={proc.devices}"])
     env.setdefault("JAX_PLATFORMS", "cpu")
-    if proc.log is None:
-      proc.log = open(os.path.join(self.workdir, "logs", f"{proc.name}.log"), "ab")
-    proc.log.write(f"==== start at t={self.now():.2f}s ====\n".encode())
-    proc.log.flush()
-    proc.popen = subprocess.Popen(self._command(proc), stdout=proc.log, stderr=subprocess.STDOUT,
-                                  env=env, start_new_session=True)
+    if not proc.logs:
+      names = [proc.name] + [f"{proc.name}_h{h}" for h in range(1, proc.hosts)]
+      proc.logs = [open(os.path.join(self.workdir, "logs", f"{n}.log"), "ab") for n in names]
+    port = _free_port() if proc.hosts > 1 else 0  # a fresh coordinator for every start
+    proc.popens = []
+    for host, log in enumerate(proc.logs):
+      log.write(f"==== start at t={self.now():.2f}s ====\n".encode())
+      log.flush()
+      proc.popens.append(subprocess.Popen(self._command(proc, host, port), stdout=log,
+                                          stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
     proc.state, proc.started_at = "running", self.now()
     if proc.down_since is not None and proc.learner >= 0:
       self._span(proc, "down", proc.down_since, self.now())
     proc.down_since = None
-    logging.info("launcher: started %s (pid %d)", proc.name, proc.popen.pid)
+    logging.info("launcher: started %s (pids %s)", proc.name, [p.pid for p in proc.popens])
 
   def _span(self, proc: Proc, kind: str, start: float, end: float) -> None:
     self._activity.write(json.dumps(span_record(proc.learner, -1, kind, start, end,
                                                 devices=proc.devices)) + "\n")
     self._activity.flush()
 
-  def _signal(self, proc: Proc, sig: int) -> bool:
-    if proc.popen is None or proc.popen.poll() is not None:
-      return False
-    os.kill(proc.popen.pid, sig)
-    return True
+  def _signal(self, proc: Proc, sig: int, host: int | None = None) -> bool:
+    """Sends `sig` to one host's process, or to all of them; False if none was running."""
+    targets = proc.popens if host is None else proc.popens[host:host + 1]
+    sent = False
+    for popen in targets:
+      if popen.poll() is None:
+        os.kill(popen.pid, sig)
+        sent = True
+    return sent
+
+  def _stop_all(self, proc: Proc) -> None:
+    """Kills what is left of a learner whose host died: the others cannot go on without it."""
+    self._signal(proc, signal.SIGCONT)
+    self._signal(proc, signal.SIGKILL)
+    for popen in proc.popens:
+      popen.wait(timeout=30)
 
   def _learners(self, *states: str) -> list[Proc]:
     return [p for m, p in sorted(self.procs.items()) if m >= 0 and p.state in states]
@@ -119,9 +154,10 @@ class Launcher:
     """Notices exits: learners that finished, and deaths that need a restart."""
     la = self.cfg.launch
     for proc in self.procs.values():
-      if proc.state not in ("running", "stopped", "retiring") or proc.popen.poll() is None:
+      code = proc.exit_code() if proc.state in ("running", "stopped", "retiring") else None
+      if code is None:
         continue
-      code = proc.popen.returncode
+      self._stop_all(proc)
       if proc.state == "retiring" or (code == 0 and proc.learner >= 0):
         proc.state = "retired" if proc.state == "retiring" else "done"
         continue
@@ -160,8 +196,8 @@ class Launcher:
     else:
       proc = self._pick(event)
       ok = proc is not None
-      if ok and event.kind == "kill":
-        ok = self._signal(proc, signal.SIGKILL)
+      if ok and event.kind == "kill":  # one host of a learner dies (a process, a machine)
+        ok = self._signal(proc, signal.SIGKILL, host=int(self.rng.integers(proc.hosts)))
       elif ok and event.kind == "stop":
         ok = self._signal(proc, signal.SIGSTOP)
         if ok:
@@ -170,7 +206,7 @@ class Launcher:
           self._span(proc, "down", self.now(), self.now() + event.duration)
       elif ok and event.kind == "retire":
         # Retiring the last learner would end training: retire only with others running.
-        ok = len(self._learners("running")) > 1 and self._signal(proc, signal.SIGTERM)
+        ok = len(self._learners("running")) > 1 and self._signal(proc, signal.SIGTERM, host=0)
         if ok:
           proc.state = "retiring"
     if event.kind == "retire" and not ok and event.learner != chaos.ANY:
@@ -258,13 +294,10 @@ class Launcher:
 
   def shutdown(self) -> None:
     for proc in self.procs.values():
-      if proc.popen is not None and proc.popen.poll() is None:
-        self._signal(proc, signal.SIGCONT)
-        self._signal(proc, signal.SIGKILL)
-        proc.popen.wait(timeout=30)
-      if proc.log is not None:
-        proc.log.close()
-        proc.log = None
+      self._stop_all(proc)
+      for log in proc.logs:
+        log.close()
+      proc.logs = []
     self._activity.close()
 
   def finish(self) -> dict:
@@ -310,6 +343,12 @@ def _param_shapes(cfg: Config) -> dict:
   import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
   _, state = train_state.abstract_params(cfg.model)
   return {k: v.shape for k, v in fragments_lib.flatten_tree(nnx.to_pure_dict(state)).items()}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def _tail(path: str, lines: int = 30) -> str:

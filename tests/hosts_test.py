@@ -84,6 +84,20 @@ def test_host_0_decides_retiring_and_giving_up(pair):
   assert pair[0].agreements == pair[1].agreements and pair[0].agreements["count"] == 3
 
 
+def test_decisions_are_deleted_only_once_every_host_has_read_them(pair):
+  leader, follower = pair
+  kv = leader.hosts._kv
+  for _ in range(5):  # host 1 starts late: host 0 must keep every decision for it
+    leader.agree()
+  assert [f"agree/{n}" in kv for n in range(5)] == [True] * 5
+  for _ in range(5):
+    follower.agree()  # reads decisions 0..4, posting its progress
+  leader.agree()  # decision 5: host 1 said it has read everything before 4
+  assert [f"agree/{n}" in kv for n in range(6)] == [False] * 4 + [True] * 2
+  follower.agree()
+  assert leader.agreements == follower.agreements
+
+
 def test_only_host_0_writes_to_the_store(pair, tmp_path):
   from diloco.transport import Heartbeat, Payload
   leader, follower = pair

@@ -1,7 +1,8 @@
 """A learner over two hosts: real processes in one `jax.distributed` world, beside a one-host
 learner and a syncer process, all on one store (every wait bounded). Midway, host 0 alone gets
 a SIGTERM with `store.on_sigterm=restart` (a preempted pod): both hosts checkpoint and exit 143
-at the same step, and the learner started again on both hosts resumes from there."""
+at the same step, and the learner started again on both hosts resumes from there. Last, the
+local launcher runs a two-process learner and restarts it whole when the chaos kills one."""
 
 import ast
 import json
@@ -141,3 +142,44 @@ def test_the_global_model_learns(run):
   evals = [json.loads(ln) for ln in (workdir / "metrics.jsonl").read_text().splitlines()]
   losses = [r["eval/loss"] for r in evals if r.get("role") == "syncer" and "eval/loss" in r]
   assert len(losses) >= 2 and losses[-1] < losses[0] - 1.0
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+  """`--role=launch` with one learner of two processes, one of which the chaos kills."""
+  workdir = tmp_path_factory.mktemp("launch_hosts")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, "-m", "diloco.main", "--config=configs/multiprocess.py:tiny",
+         "--role=launch", f"--workdir={workdir}", "--config.learners.count=1",
+         "--config.launch.hosts_per_learner=2", "--config.launch.devices_per_learner=2",
+         "--config.launch.chaos=kill:0@3", "--config.launch.chaos_faults=0",
+         f"--config.train.steps={STEPS}", "--config.learners.min_step_s=0.1",
+         "--config.launch.timeout_s=400"]
+  out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=_TIMEOUT_S,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  return workdir, out
+
+
+def test_the_launcher_restarts_a_two_host_learner_whole_when_one_host_dies(launched):
+  workdir, out = launched
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  chaos = json.loads((workdir / "chaos.json").read_text())
+  assert [(c["event"], c["applied"], c["target"]) for c in chaos] == [("kill:0@3", True,
+                                                                       "learner0")]
+  starts = [[float(t) for t in re.findall(r"==== start at t=([0-9.]+)s",
+                                         (workdir / "logs" / name).read_text())]
+            for name in ("learner0.log", "learner0_h1.log")]
+  assert len(starts[0]) == len(starts[1]) == 2  # both hosts started again, together
+  # The survivor was stopped by the launcher, not left to JAX's 100 s heartbeat timeout.
+  assert starts[0][1] - chaos[0]["at"] < 100
+  assert json.loads((workdir / "store" / "incarnations" / "l0.json").read_text()) == {
+      "incarnation": 1}
+  spans = [json.loads(ln) for ln in (workdir / "activity" / "l0.jsonl").read_text().splitlines()]
+  last = max(s["local_step"] for s in spans if s["kind"] == "step" and s["incarnation"] == 1)
+  assert last == STEPS
+  tape = [json.loads(ln) for ln in (workdir / "tape.jsonl").read_text().splitlines()]
+  assert {a["incarnation"] for r in tape for a in r["admitted"]} == {0, 1}
+  for name in ("learner0.log", "learner0_h1.log"):
+    assert "gave up waiting" not in (workdir / "logs" / name).read_text()
+  summary = json.loads((workdir / "accounting.json").read_text())
+  assert summary["eval/loss"] < summary["eval/initial_loss"] - 1.0
