@@ -127,7 +127,7 @@ class Launcher:
 
   def _span(self, proc: Proc, kind: str, start: float, end: float) -> None:
     self._activity.write(json.dumps(span_record(proc.learner, -1, kind, start, end,
-                                                devices=proc.devices)) + "\n")
+                                                devices=proc.devices * proc.hosts)) + "\n")
     self._activity.flush()
 
   def _signal(self, proc: Proc, sig: int, host: int | None = None) -> bool:

@@ -177,6 +177,9 @@ def test_the_launcher_restarts_a_two_host_learner_whole_when_one_host_dies(launc
   spans = [json.loads(ln) for ln in (workdir / "activity" / "l0.jsonl").read_text().splitlines()]
   last = max(s["local_step"] for s in spans if s["kind"] == "step" and s["incarnation"] == 1)
   assert last == STEPS
+  down = [json.loads(ln) for ln in
+          (workdir / "activity" / "launcher.jsonl").read_text().splitlines()]
+  assert [(d["kind"], d["devices"]) for d in down] == [("down", 2)]  # both processes' devices
   tape = [json.loads(ln) for ln in (workdir / "tape.jsonl").read_text().splitlines()]
   assert {a["incarnation"] for r in tape for a in r["admitted"]} == {0, 1}
   for name in ("learner0.log", "learner0_h1.log"):
