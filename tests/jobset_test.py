@@ -141,6 +141,7 @@ def test_config_overrides_reach_every_process():
     assert "--config.checkpoint.every_steps=500" in cmd
     assert "--config.store.heartbeat_every_s=2.0" in cmd  # GCS: ~1 update/s per object
     assert "--config.store.on_sigterm=restart" in cmd  # a preempted pod comes back
+    assert "--config.store.poll_s=1.0" in cmd  # every host of every learner polls the index
   argv = _argv() + ["--override=store.heartbeat_every_s=5"]
   cmd = _container(_jobs(yaml.safe_load(make_jobset.render(make_jobset.parse_args(argv))))[
       "syncer"])["command"]
