@@ -51,6 +51,7 @@ from collections.abc import Iterable, Mapping, Sequence
 TAPE_FILE = "tape.jsonl"
 ACTIVITY_FILE = "activity.jsonl"
 KINDS = ("step", "wait", "down", "load")
+CLOSE_REASONS = ("quorum_reached", "grace_expired", "all_delivered")
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -202,9 +203,13 @@ def round_stats(tape: Sequence[Mapping]) -> dict:
 
   Returns:
     A dict with `rounds`, `mean_quorum`, `last_quorum` (the `quorum` a round required),
-    `mean_learners` (admitted deliveries per round), `max_learners`, `mean_grace_s`,
-    `mean_sync_s`, `rejected` (total), `rejected_by_reason` and `close_reasons` (rounds per
-    `reason`).
+    `mean_learners` (admitted deliveries per round), `median_learners`, `max_learners`,
+    `learners_hist` (rounds per number of admitted deliveries), `mean_grace_s` and
+    `median_grace_s` (the window the policy computed), `mean_grace_used_s` (time a round
+    stayed open after its quorum), `admitted_in_grace` (deliveries that arrived after their
+    round's quorum), `mean_sync_s`, `rejected` (total), `rejected_by_reason` and
+    `close_reasons` (rounds per `reason`: "quorum_reached" closed at quorum with no grace,
+    "grace_expired" at the end of the window, "all_delivered" when every alive learner had).
   """
   n = len(tape)
   ordered = sorted(tape, key=lambda r: (r["published_at"], r["round"]))
@@ -218,14 +223,40 @@ def round_stats(tape: Sequence[Mapping]) -> dict:
       "mean_quorum": mean([r["quorum"] for r in tape]),
       "last_quorum": ordered[-1]["quorum"] if n else 0,
       "mean_learners": mean([len(r["admitted"]) for r in tape]),
+      "median_learners": statistics.median([len(r["admitted"]) for r in tape]) if n else 0,
       "max_learners": max((len(r["admitted"]) for r in tape), default=0),
+      "learners_hist": dict(sorted(collections.Counter(len(r["admitted"]) for r in tape).items())),
       "mean_grace_s": mean([r["grace_s"] for r in tape]),
+      "median_grace_s": statistics.median([r["grace_s"] for r in tape]) if n else 0.0,
+      "mean_grace_used_s": mean([r.get("grace_used_s", 0.0) for r in tape]),
+      "admitted_in_grace": sum(r.get("admitted_in_grace", 0) for r in tape),
       "mean_sync_s": mean([r["sync_s"] for r in tape]),
       "rejected": sum(rejected.values()),
       "rejected_by_reason": dict(sorted(rejected.items())),
       "close_reasons": dict(sorted(collections.Counter(r["reason"] for r in tape).items())),
   }
 
+
+
+def fidelity_line(tape: Sequence[Mapping]) -> str:
+  """One line saying whether rounds merge like the paper's algorithm: learners per round
+  (mean and histogram), grace window and time used, staleness of admitted deliveries, and
+  how rounds closed. Printed live by the syncer status and at the end of every run."""
+  stats = round_stats(tape)
+  n = stats["rounds"]
+  if not n:
+    return "fidelity: no round merged yet"
+  hist = staleness_histogram(tape)
+  admitted = sum(hist.values())
+  closed = ", ".join(f"{k} {100 * stats['close_reasons'].get(k, 0) / n:.0f}%"
+                     for k in CLOSE_REASONS)
+  learners = " ".join(f"{k}:{v}" for k, v in stats["learners_hist"].items())
+  stale = " ".join(f"{k}:{v}" for k, v in hist.items())
+  return (f"fidelity: {n} rounds, learners/round mean {stats['mean_learners']:.2f} "
+          f"[{learners}], grace median {stats['median_grace_s']:.3f}s used "
+          f"{stats['mean_grace_used_s']:.3f}s ({stats['admitted_in_grace']} admitted in grace), "
+          f"staleness mean {sum(k * v for k, v in hist.items()) / admitted:.2f} [{stale}], "
+          f"closed by {closed}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -382,7 +413,10 @@ def summary(workdir: str, num_fragments: int, num_params: int, *,
       "merged_tokens_per_s": merged_tokens_per_s(tape, num_fragments, horizon),
       "rounds": stats["rounds"], "mean_quorum": stats["mean_quorum"],
       "last_quorum": stats["last_quorum"], "mean_learners_per_round": stats["mean_learners"],
-      "mean_grace_s": stats["mean_grace_s"], "mean_sync_s": stats["mean_sync_s"],
+      "median_learners_per_round": stats["median_learners"],
+      "mean_grace_s": stats["mean_grace_s"], "median_grace_s": stats["median_grace_s"],
+      "mean_grace_used_s": stats["mean_grace_used_s"],
+      "admitted_in_grace": stats["admitted_in_grace"], "mean_sync_s": stats["mean_sync_s"],
       "rejected": stats["rejected"],
       "staleness_mean": sum(k * v for k, v in hist.items()) / admitted if admitted else 0.0,
       "staleness_max": max(hist, default=0),
@@ -397,6 +431,15 @@ def summary(workdir: str, num_fragments: int, num_params: int, *,
     out[f"{kind}_fraction"] = kinds[kind] / allocated if allocated > 0.0 else 0.0
   for reason, count in stats["rejected_by_reason"].items():
     out[f"rejected/{reason}"] = count
+  # The fidelity report (issue 11): how rounds closed, how many learners they merged, and how
+  # stale the admitted deliveries were.
+  for reason in CLOSE_REASONS:
+    out[f"closed_by/{reason}"] = (stats["close_reasons"].get(reason, 0) / stats["rounds"]
+                                  if stats["rounds"] else 0.0)
+  for learners, count in stats["learners_hist"].items():
+    out[f"learners_per_round/{learners}"] = count
+  for age, count in hist.items():
+    out[f"staleness/{age}"] = count
   if ledger.compression_ratio is not None:
     out["compression_ratio"] = ledger.compression_ratio
   if ledger.dp_ratio is not None:

@@ -148,6 +148,11 @@ class OuterConfig:
   weights: str = "tokens2_per_step"
   merge: str = "rda"
   anchor: str = "syncer"
+  # What a stale delivery (base older than the fragment's current version) counts for. Both
+  # count it toward the quorum with its token weight. "paper": its outer gradient is anchored
+  # at the current G (DESIGN 2.4). "rebase": it is the learner's own progress G_base - theta,
+  # scaled by 1 / (1 + staleness), so it no longer undoes the rounds it missed.
+  stale: str = "paper"
   # 0 sends float32 values; 16 / 8 / 4 send a quantised delta from the base version.
   quantize_bits: int = 0
   quantize_block: int = 128
@@ -172,8 +177,12 @@ class LearnersConfig:
   virtual_step_s: float = 1.0
   virtual_sync_s: float = 0.1
   # Cooperative faults, ';'-separated: "down:1@30+20" (learner 1 down at t=30 s for 20 s),
-  # "add@40" (next spare device group joins), "remove:2@60" (learner 2 retires).
+  # "add@40" (next spare device group joins), "remove:2@60" (learner 2 retires),
+  # "nan:0@10" (learner 0's parameters turn NaN, so it fails and rejoins).
   faults: str = ""
+  # A learner whose metrics turn NaN/Inf fails alone and rejoins from the global fragments;
+  # after this many such failures it is retired instead.
+  nonfinite_retries: int = 3
 
 
 @_frozen
@@ -380,6 +389,7 @@ FRAGMENT_SCHEMES = ("balanced", "layer", "tensor")
 WEIGHT_SCHEMES = ("tokens2_per_step", "uniform", "tokens")
 MERGE_METHODS = ("rda", "mean")
 ANCHORS = ("syncer", "base")
+STALE_RULES = ("paper", "rebase")
 QUANTIZE_BITS = (0, 16, 8, 4)
 
 
@@ -414,6 +424,10 @@ def _validate_diloco(cfg: Config) -> None:
   for field in ("num_fragments", "period", "quorum"):
     _check(getattr(s, field) >= 1, f"sync.{field}", f"must be >= 1, got {getattr(s, field)}")
   _check(s.tau >= 0, "sync.tau", f"must be >= 0, got {s.tau}")
+  # A learner applies the result of a delivery tau steps later; with H <= tau its next delivery
+  # of the same fragment would come first and it could never apply a merged version.
+  _check(s.period > s.tau, "sync.period",
+         f"must be greater than sync.tau={s.tau} (DESIGN 2.3), got {s.period}")
   _check(s.scheme in FRAGMENT_SCHEMES, "sync.scheme",
          f"must be one of {FRAGMENT_SCHEMES}, got {s.scheme!r}")
   _check(s.gamma >= 0, "sync.gamma", f"must be >= 0 (0 disables grace), got {s.gamma}")
@@ -427,10 +441,13 @@ def _validate_diloco(cfg: Config) -> None:
   _check(o.merge in MERGE_METHODS, "outer.merge",
          f"must be one of {MERGE_METHODS}, got {o.merge!r}")
   _check(o.anchor in ANCHORS, "outer.anchor", f"must be one of {ANCHORS}, got {o.anchor!r}")
+  _check(o.stale in STALE_RULES, "outer.stale",
+         f"must be one of {STALE_RULES}, got {o.stale!r}")
   _check(o.quantize_bits in QUANTIZE_BITS, "outer.quantize_bits",
          f"must be one of {QUANTIZE_BITS} (0 = float32 values), got {o.quantize_bits}")
   _check(o.quantize_block >= 1, "outer.quantize_block", "must be >= 1")
   _check(lc.count >= 0, "learners.count", f"must be >= 0 (0 = data-parallel), got {lc.count}")
+  _check(lc.nonfinite_retries >= 0, "learners.nonfinite_retries", "must be >= 0")
   _check(lc.step_jitter >= 0 and lc.step_jitter < 1, "learners.step_jitter", "must be in [0, 1)")
   _check(lc.min_step_s >= 0 and math.isfinite(lc.min_step_s), "learners.min_step_s",
          "must be a finite number of seconds >= 0")

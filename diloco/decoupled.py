@@ -47,11 +47,13 @@ class Status:
       self._tokens[slot.index] = (now, step)
       parts.append(f"L{slot.index} {slot.status} s{step} {rate:,.0f}tok/s")
     s = self.rt.syncer
-    goodput = accounting.goodput(list(self.rt.recorder.tape), list(self.rt.recorder.activity),
+    tape = list(self.rt.recorder.tape)
+    goodput = accounting.goodput(tape, list(self.rt.recorder.activity),
                                  self.rt.plan.num_fragments)
-    return (" | ".join(parts) + f" || syncer: rounds {s.rounds}, quorum {s.last_quorum}, "
-            f"grace {s.last_grace:.2f}s, rejected {sum(s.rejections.values())}, "
-            f"goodput {goodput:.2f}")
+    stats = accounting.round_stats(tape)
+    return (" | ".join(parts) + f" || syncer: rounds {s.rounds}, learners/round "
+            f"{stats['mean_learners']:.2f} (last {s.last_quorum}), grace {s.last_grace:.2f}s, "
+            f"rejected {sum(s.rejections.values())}, goodput {goodput:.2f}")
 
   def maybe_print(self, force: bool = False) -> None:
     now = time.monotonic()
@@ -119,6 +121,7 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
     for w in learner_writers.values():
       w.close()
   status.maybe_print(force=True)
+  print(accounting.fidelity_line(rt.recorder.tape), flush=True)
   summary = accounting.summary(workdir, num_fragments=rt.plan.num_fragments,
                                num_params=rt.num_params)
   summary.update({"eval/loss": final, "eval/initial_loss": initial,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import queue
 import threading
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from absl import logging
 
 from diloco import faults as faults_lib
+from diloco.learner import NonFiniteMetrics
 from diloco.runtime import Runtime, Slot, pacing_wait
 from diloco.transport import Heartbeat
 
@@ -46,8 +48,7 @@ class VirtualDriver:
       slot = self.rt.slots[g]
       self.rt.transport.heartbeat(Heartbeat(g, slot.incarnation, slot.learner.local_step, 0.0,
                                             self.now))
-    beats, payloads = self.rt.transport.take()
-    merged, deadline = self.rt.syncer.tick(self.now, beats, payloads)
+    merged, deadline = self.rt.syncer.tick(self.now, *self.rt.transport.take())
     for m in merged:
       self._push(m.published_at, "publish", m)
     if deadline is not None and (self._tick_at is None or deadline < self._tick_at
@@ -68,7 +69,7 @@ class VirtualDriver:
       self._schedule_step(slot, self.now)
 
   def _join(self, slot: Slot) -> None:
-    self.rt.start_learner(slot, background_io=False, now=self.now)
+    self.rt.start_learner(slot, background_io=False, now=self.now, clock=lambda: self.now)
     load = self.cfg.learners.virtual_step_s
     self.rt.recorder.span(slot, "load", self.now, self.now + load)
     self._schedule_step(slot, self.now + load)
@@ -93,7 +94,14 @@ class VirtualDriver:
         slot = self.rt.slots[g]
         if slot.status != "up" or slot.incarnation != incarnation:
           continue  # the learner failed during this step: its work is lost
-        slot.learner.step(self.now, self.now - start)
+        try:
+          slot.learner.step(self.now, self.now - start)
+        except NonFiniteMetrics as e:
+          if self.rt.learner_failed(slot, e):
+            down_since[slot.index] = self.now
+            self._push(self.now, "down_end", slot.index)
+          self._tick()
+          continue
         self.rt.recorder.span(slot, "step", start, self.now, local_step=slot.learner.local_step,
                               tokens=slot.learner.tokens_per_step)
         self.on_step(slot)
@@ -149,9 +157,13 @@ class VirtualDriver:
     if slot.status != "up":
       logging.warning("fault %s: learner %d is %s; ignored", fault.kind, slot.index, slot.status)
       return
-    self._waiting.pop(slot.index, None)
+    if fault.kind != "nan":
+      self._waiting.pop(slot.index, None)
     if fault.kind == "remove":
       self.rt.stop_learner(slot, "retired")
+      return
+    if fault.kind == "nan":
+      self.rt.poison(slot)
       return
     self.rt.stop_learner(slot, "down")
     down_since[slot.index] = self.now
@@ -169,6 +181,7 @@ class ThreadedDriver:
     self._errors: list[BaseException] = []
     self._stops: dict[int, threading.Event] = {}
     self._threads: dict[int, threading.Thread] = {}
+    self._failed: queue.SimpleQueue = queue.SimpleQueue()  # (slot, since) to restart
 
   def now(self) -> float:
     return time.monotonic() - self._t0
@@ -186,15 +199,23 @@ class ThreadedDriver:
     while not self._done.is_set():
       wait = 0.05 if deadline is None else min(0.05, max(deadline - self.now(), 0.0))
       self.rt.transport.wait_for_messages(wait)
-      beats, payloads = self.rt.transport.take()
+      messages = self.rt.transport.take()
       with self.rt.lock:
-        merged, deadline = self.rt.syncer.tick(self.now(), beats, payloads)
+        merged, deadline = self.rt.syncer.tick(self.now(), *messages)
       for m in merged:
         self.rt.transport.publish(m)
 
   def _learner_loop(self, slot: Slot, stop: threading.Event) -> None:
+    try:
+      self._train(slot, stop)
+    except NonFiniteMetrics as e:  # this learner failed; the others go on
+      since = self.now()
+      if self.rt.learner_failed(slot, e):
+        self._failed.put((slot, since))
+
+  def _train(self, slot: Slot, stop: threading.Event) -> None:
     start = self.now()
-    learner = self.rt.start_learner(slot, background_io=True, now=start)
+    learner = self.rt.start_learner(slot, background_io=True, now=start, clock=time.monotonic)
     self.rt.recorder.span(slot, "load", start, self.now())
     previous = self.now()
     step_time = 0.0
@@ -261,6 +282,10 @@ class ThreadedDriver:
       now = self.now()
       while pending and pending[0].at <= now:
         self._fault(pending.pop(0), returns)
+      while not self._failed.empty():  # rejoin at once from the global fragments
+        slot, since = self._failed.get()
+        self._threads[slot.index].join()
+        returns.append((now, slot, since))
       for item in [r for r in returns if r[0] <= now]:
         returns.remove(item)
         _, slot, since = item
@@ -271,7 +296,8 @@ class ThreadedDriver:
       if next_eval and progress >= next_eval:
         self.on_eval(self.now())  # copies G under the lock, evaluates without it
         next_eval += cfg.train.eval_every
-      if all(s.status in ("idle", "retired", "done") for s in self.rt.slots) and not returns:
+      if all(s.status in ("idle", "retired", "done") for s in self.rt.slots) and not returns \
+          and self._failed.empty():
         break
       time.sleep(0.05)
     self._done.set()
@@ -280,8 +306,7 @@ class ThreadedDriver:
       thread.join()
     if self._errors:
       raise self._errors[0]
-    beats, payloads = self.rt.transport.take()
-    self.rt.syncer.tick(self.now(), beats, payloads)
+    self.rt.syncer.tick(self.now(), *self.rt.transport.take())
 
   def _fault(self, fault: faults_lib.Fault, returns) -> None:
     if fault.kind == "add":
@@ -297,6 +322,9 @@ class ThreadedDriver:
       return
     if fault.kind == "remove":
       self._stop(slot, "retired")
+      return
+    if fault.kind == "nan":
+      self.rt.poison(slot)
       return
     self._stop(slot, "down")
     returns.append((self.now() + fault.duration, slot, self.now()))

@@ -289,7 +289,8 @@ class Launcher:
     except Exception:  # a status line never fails the run
       reg = {}
     return (" | ".join(parts) + f" || syncer {self.procs[-1].state} r{self.procs[-1].restarts}: "
-            f"rounds {reg.get('rounds', 0)}, quorum {reg.get('last_quorum', 0)}, "
+            f"rounds {reg.get('rounds', 0)}, learners/round "
+            f"{reg.get('learners_per_round', 0.0):.2f} (last {reg.get('last_quorum', 0)}), "
             f"rejected {sum(reg.get('rejected', {}).values())}")
 
   def shutdown(self) -> None:
@@ -331,6 +332,7 @@ class Launcher:
     metrics_lib.plot_loss(records, os.path.join(self.workdir, "loss.png"),
                           title=f"Decoupled DiLoCo, {cfg.learners.count} learner processes")
     tape = accounting.read_jsonl(os.path.join(self.workdir, accounting.TAPE_FILE))
+    print(accounting.fidelity_line(tape), flush=True)
     timeline.plot_timeline(tape, activity, os.path.join(self.workdir, "timeline.png"),
                            title=f"multi-process, M={cfg.learners.count}, "
                                  f"K={cfg.sync.quorum}, chaos {len(self.applied)} events")

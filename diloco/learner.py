@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,6 +29,10 @@ from diloco import outer, train_state
 from diloco.config_lib import Config
 from diloco.sharding import batch_sharding
 from diloco.transport import Heartbeat, InMemoryTransport, Merged, Payload
+
+
+class NonFiniteMetrics(FloatingPointError):
+  """A learner's step produced NaN/Inf metrics: that learner failed (not the run)."""
 
 
 @dataclasses.dataclass
@@ -48,9 +54,12 @@ class Learner:
   def __init__(self, *, learner_id: int, incarnation: int, num_groups: int, cfg: Config,
                spec: train_state.StateSpec, init_fn, step_fn,
                plan: fragments_lib.FragmentPlan,
-               transport: InMemoryTransport, resume: Resume, background_io: bool):
+               transport: InMemoryTransport, resume: Resume, background_io: bool,
+               clock: Callable[[], float] = time.monotonic):
+    """`clock` times a delivery's transit (the run's virtual clock makes it 0 there)."""
     self.id, self.incarnation, self.cfg = learner_id, incarnation, cfg
     self.spec, self._step_fn, self.plan, self.transport = spec, step_fn, plan, transport
+    self._clock = clock
     key = jax.random.fold_in(jax.random.key(cfg.seed), learner_id)
     self.state = init_fn(key)  # replaced fragment by fragment by `load_global`
     self.local_step = resume.local_step
@@ -80,6 +89,7 @@ class Learner:
     self._io = concurrent.futures.ThreadPoolExecutor(1) if background_io else None
     self._inflight: list[concurrent.futures.Future] = []
     self._last_metrics: Any = None
+    self._poisoned = False
     self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     self.last_values: tuple[int, dict[str, float]] | None = None  # (local step, metrics)
 
@@ -92,11 +102,11 @@ class Learner:
     for p in range(self.plan.num_fragments):
       merged = self.transport.latest(p)
       if merged is not None:
-        self._apply(merged)
+        self._apply(merged, mix=False)  # a joining learner's own values are only its init
 
-  def _apply(self, merged: Merged) -> None:
+  def _apply(self, merged: Merged, mix: bool = True) -> None:
     flat = fragments_lib.flatten_tree(self.state["params"])
-    alpha = self.cfg.sync.mixing_alpha
+    alpha = self.cfg.sync.mixing_alpha if mix else 0.0
     for path, value in merged.tensors.items():
       new = jax.device_put(value, self._flat_shardings[path])
       flat[path] = new if alpha == 0 else alpha * flat[path] + (1.0 - alpha) * new
@@ -132,8 +142,20 @@ class Learner:
       self._awaiting.pop(p, None)
 
   # Stepping.
+  def poison(self) -> None:
+    """Fault injection (`nan:M@T`): the next step starts from NaN parameters, as after a
+    numerical blow-up. Safe to call from another thread: the learner's own thread applies it."""
+    self._poisoned = True
+
   def step(self, now: float, step_time: float) -> None:
-    """One inner step; then the deliveries that are due and a heartbeat."""
+    """One inner step; then the deliveries that are due and a heartbeat.
+
+    Raises `NonFiniteMetrics` when the previous step's metrics were NaN/Inf.
+    """
+    if self._poisoned:
+      self._poisoned = False
+      self.state = dict(self.state, params=jax.tree.map(lambda x: x * jnp.nan,
+                                                        self.state["params"]))
     batch = jax.device_put(next(self.data_iter), self._sharding)
     self.state, metrics = self._step_fn(self.state, batch)
     self.read_metrics()  # the previous step's: done by now, read while this one runs
@@ -143,7 +165,7 @@ class Learner:
     self.tokens += self.tokens_per_step
     cfg = self.cfg.sync
     for p in fragments_lib.due_fragments(self.local_step, cfg.period, self.plan.num_fragments):
-      self._deliver(p, now)
+      self._deliver(p)
     self.transport.heartbeat(Heartbeat(self.id, self.incarnation, self.local_step, step_time,
                                        now))
 
@@ -155,12 +177,12 @@ class Learner:
     values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     bad = {k: v for k, v in values.items() if not np.isfinite(v)}
     if bad:
-      raise FloatingPointError(f"learner {self.id}: non-finite metrics at local step {step}: "
+      raise NonFiniteMetrics(f"learner {self.id}: non-finite metrics at local step {step}: "
                                f"{bad}")
     self.last_values = (step, values)
     return step, values
 
-  def _deliver(self, p: int, now: float) -> None:
+  def _deliver(self, p: int) -> None:
     paths = self.plan.fragments[p]
     flat = fragments_lib.flatten_tree(self.state["params"])
     copies = self._copy([flat[k] for k in paths])  # survives the next step's donation
@@ -170,29 +192,32 @@ class Learner:
       return
     for c in copies:
       c.copy_to_host_async()
+    # The base version and its values are captured together: a receipt that lands before the
+    # I/O thread quantises must not relabel this delta with the newer base.
     args = (p, paths, copies, self.local_step, int(self.steps[p]), int(self.tokens[p]),
-            self.base[p], now)
+            self.base[p], self._base_values.get(p))
     if self._io is None:
       self._send(*args)
     else:
       self._inflight = [f for f in self._inflight if not f.done()]
       self._inflight.append(self._io.submit(self._send, *args))
 
-  def _send(self, p, paths, copies, local_step, steps, tokens, base, now) -> None:
+  def _send(self, p, paths, copies, local_step, steps, tokens, base, base_values) -> None:
     values = {k: np.asarray(c, np.float32) for k, c in zip(paths, copies)}
+    on_host = self._clock()  # the step is done and its values are here: transit starts
     bits = self.cfg.outer.quantize_bits
     kind, tensors = "values", values
-    if bits and base >= 0 and p in self._base_values:
+    if bits and base >= 0 and base_values is not None:
       kind, tensors = "delta", {}
       for k, v in values.items():
-        delta = self._base_values[p][k] - v
+        delta = base_values[k] - v
         if self.cfg.outer.error_feedback:
           tensors[k], self._residual[k] = outer.quantize_with_feedback(
               delta, self._residual.get(k), bits, self.cfg.outer.quantize_block)
         else:
           tensors[k] = outer.quantize(delta, bits, self.cfg.outer.quantize_block)
     self.transport.deliver(Payload(self.id, self.incarnation, p, local_step, steps, tokens, base,
-                                   kind, tensors, now))
+                                   kind, tensors, max(self._clock() - on_host, 0.0)))
 
   def flush(self) -> None:
     """Waits for in-flight deliveries (end of run or before a planned stop)."""

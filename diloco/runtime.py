@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 
 from diloco import faults as faults_lib
 from diloco import fragments as fragments_lib
@@ -46,6 +47,8 @@ class Slot:
   incarnation: int = -1
   learner: Learner | None = None
   resume: Resume = dataclasses.field(default_factory=Resume)
+  nonfinite_failures: int = 0
+  poison_on_start: bool = False  # a `nan:M@T` fault that found no running learner yet
 
 
 def span_record(learner: int, incarnation: int, kind: str, start: float, end: float, *,
@@ -165,6 +168,7 @@ class Runtime:
                          on_round=self.recorder.round)
     self.transport = InMemoryTransport()
     self.lock = threading.Lock()  # guards the syncer against concurrent readers
+    self._poison_lock = threading.Lock()
     self.faults = faults_lib.parse(cfg.learners.faults)
     for f in self.faults:
       if f.kind != "add" and not 0 <= f.learner < len(self.slots):
@@ -173,15 +177,22 @@ class Runtime:
     self.eval_fn = train_step.make_eval_step(self.slots[0].spec)
     self.num_params = sum(v.size for v in global_params.values())
 
-  def start_learner(self, slot: Slot, background_io: bool, now: float) -> Learner:
-    """A new incarnation on `slot`: loads the published fragments and announces itself."""
+  def start_learner(self, slot: Slot, background_io: bool, now: float, clock) -> Learner:
+    """A new incarnation on `slot`: loads the published fragments and announces itself.
+
+    `clock` is the run's clock (wall or virtual): deliveries time their transit on it.
+    """
     slot.incarnation += 1
     slot.learner = Learner(
         learner_id=slot.index, incarnation=slot.incarnation, num_groups=len(self.slots),
         cfg=self.cfg, spec=slot.spec, init_fn=slot.init_fn, step_fn=slot.step_fn,
-        plan=self.plan,
-        transport=self.transport, resume=slot.resume, background_io=background_io)
+        plan=self.plan, transport=self.transport, resume=slot.resume,
+        background_io=background_io, clock=clock)
     slot.learner.load_global()
+    with self._poison_lock:
+      if slot.poison_on_start:
+        slot.poison_on_start = False
+        slot.learner.poison()
     # Registered before its first delivery, so K = M rounds wait for it from the start.
     self.transport.heartbeat(Heartbeat(slot.index, slot.incarnation, slot.learner.local_step,
                                        0.0, now))
@@ -189,11 +200,40 @@ class Runtime:
     return slot.learner
 
   def stop_learner(self, slot: Slot, status: str) -> None:
+    """Ends the slot's incarnation. A learner that retires or finishes flushes its deliveries
+    and tells the syncer it left, so quorums stop counting it at once (a failed one is only
+    timed out, as a crashed island would be)."""
     if slot.learner is not None:
       slot.resume = slot.learner.resume_point()
       slot.learner.close()
+      if status in ("retired", "done"):
+        self.transport.leave(slot.index, slot.incarnation)
     slot.learner = None
     slot.status = status
+
+  def poison(self, slot: Slot) -> None:
+    """Fault `nan:M@T`: the learner's next step starts from NaN parameters (fault injection
+    for the non-finite failure path); a learner thread still starting gets it at its start."""
+    with self._poison_lock:
+      if slot.learner is None:
+        slot.poison_on_start = True
+      else:
+        slot.learner.poison()
+
+  def learner_failed(self, slot: Slot, error: Exception) -> bool:
+    """A learner's step went non-finite: that learner fails, the run goes on (DESIGN 2.5).
+
+    Returns True when it should rejoin from the global fragments (a new incarnation at its
+    resume point, fresh AdamW moments); after `learners.nonfinite_retries` such failures
+    it is retired instead, since it would only blow up again.
+    """
+    slot.nonfinite_failures += 1
+    retire = slot.nonfinite_failures > self.cfg.learners.nonfinite_retries
+    logging.warning("learner %d incarnation %d failed (%s); %s", slot.index, slot.incarnation,
+                    error, "retired: too many non-finite failures" if retire else
+                    "rejoining from the global fragments")
+    self.stop_learner(slot, "retired" if retire else "down")
+    return not retire
 
   def step_duration(self, slot: Slot) -> float:
     jitter = self.cfg.learners.step_jitter

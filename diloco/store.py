@@ -189,12 +189,14 @@ class Store:
                                 {"values": tensor.values, "scales": tensor.scales})
       else:
         tree[_tensor_key(i)] = np.asarray(tensor)
+    started = time.monotonic()
     self._save_tree(f"payloads/{name}", tree, durable=False)
+    transit_s = payload.transit_s + (time.monotonic() - started)  # the upload is transit too
     self.write_json(f"payloads/{name}.json", {
         "learner": payload.learner, "incarnation": payload.incarnation,
         "fragment": payload.fragment, "local_step": payload.local_step, "steps": payload.steps,
         "tokens": payload.tokens, "base_version": payload.base_version, "kind": payload.kind,
-        "paths": sorted(payload.tensors), "quantization": quant, "sent_at": payload.sent_at,
+        "paths": sorted(payload.tensors), "quantization": quant, "transit_s": transit_s,
         "nbytes": payload.nbytes})
     return payload.nbytes
 
@@ -249,7 +251,7 @@ class Store:
       fields = {k: int(meta[k]) for k in ("learner", "incarnation", "fragment", "local_step",
                                           "steps", "tokens", "base_version")}
       kind, paths, quant = str(meta["kind"]), list(meta["paths"]), meta["quantization"]
-      sent_at = float(meta["sent_at"])
+      transit_s = float(meta["transit_s"])
     except (TypeError, KeyError, ValueError) as e:
       raise StoreError(UNREADABLE, f"payload {name}: bad commit marker ({e!r})") from None
     if (fields["fragment"], fields["learner"], fields["incarnation"],
@@ -276,7 +278,7 @@ class Store:
         tensors[path] = _quantized(item, quant, shape, f"payload {name} {path}")
     return Payload(fields["learner"], fields["incarnation"], fragment, fields["local_step"],
                    fields["steps"], fields["tokens"], fields["base_version"], kind, tensors,
-                   sent_at)
+                   transit_s)
 
   def payload_bytes(self, name: str) -> int:
     """Bytes a delivery claims to hold (0 if its marker is unreadable): for the ledger."""

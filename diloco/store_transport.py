@@ -82,7 +82,7 @@ class LearnerStoreLink:
 
   def deliver(self, payload: Payload) -> None:
     self._check()
-    self._outbox.put(payload)
+    self._outbox.put((payload, time.monotonic()))
 
   def latest(self, fragment: int) -> Merged | None:
     self._check()
@@ -138,12 +138,15 @@ class LearnerStoreLink:
   def _send_loop(self) -> None:
     while not self._stop.is_set():
       try:
-        payload = self._outbox.get(timeout=0.1)
+        payload, queued_at = self._outbox.get(timeout=0.1)
       except queue.Empty:
         continue
       try:
         self._write_beat_if_new()  # the syncer must know this incarnation before its payload
         self.wan_wait_s += self._up.transfer(payload.nbytes)
+        # Queueing and the emulated link are transit (durations on this host's clock).
+        waited = time.monotonic() - queued_at
+        payload = dataclasses.replace(payload, transit_s=payload.transit_s + waited)
         self.bytes_up += self.store.put_payload(payload)
       finally:
         self._outbox.task_done()
@@ -337,7 +340,11 @@ class SyncerStoreLink:
         self._remove_payload(name)
         continue
       try:
-        payloads.append(self.store.read_payload(name, self.expected))
+        started = time.monotonic()
+        payload = self.store.read_payload(name, self.expected)
+        # The syncer's read ends the transit (measured on the syncer's own clock).
+        read_s = time.monotonic() - started
+        payloads.append(dataclasses.replace(payload, transit_s=payload.transit_s + read_s))
         self._held[name] = ids
       except StoreError as e:
         if e.reason == GONE:

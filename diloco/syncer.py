@@ -41,6 +41,11 @@ def _norm(tensors) -> float:
   return math.sqrt(sum(float(np.dot(t.ravel(), t.ravel())) for t in tensors))
 
 
+def _is_duration(x: float) -> bool:
+  """A usable time measurement: finite and not negative (others are ignored, DESIGN 2.4)."""
+  return isinstance(x, (int, float)) and math.isfinite(x) and x >= 0.0
+
+
 def _all_finite(x: np.ndarray) -> bool:
   """`np.isfinite(x).all()` without its full-size temporary in the common case: a sum of squares
   is finite unless x holds a NaN/Inf (or overflows, when the exact check decides)."""
@@ -78,13 +83,15 @@ class Syncer:
     self._departed: dict[int, int] = {}  # learner -> incarnation that left with deliveries
     self._delta_pool: dict[tuple, np.ndarray] = {}
     self.rejections: collections.Counter = collections.Counter()
-    self._keep_history = outer_cfg.anchor == "base" or outer_cfg.quantize_bits > 0
+    self._keep_history = (outer_cfg.anchor == "base" or outer_cfg.quantize_bits > 0
+                          or outer_cfg.stale == "rebase")
     self._history: dict[int, dict[int, dict[str, np.ndarray]]] = {
         p: {0: self.fragment_values(p)} for p in range(plan.num_fragments)
     } if self._keep_history else {}
     self._sync_delay = sync_delay_s
     self._on_round = on_round
     self.rounds = 0
+    self._closed_here = self._admitted_here = 0  # since this process started (status lines)
     self.last_quorum = 0
     self.last_grace = 0.0
 
@@ -102,7 +109,7 @@ class Syncer:
       return  # a late message of a dead incarnation
     if known is None or beat.incarnation > known.incarnation:
       self._step_ema[beat.learner] = policy.Ema(self.policy.ema_decay)
-    if beat.step_time > 0:
+    if _is_duration(beat.step_time) and beat.step_time > 0:
       self._step_ema[beat.learner] = self._step_ema[beat.learner].update(beat.step_time)
     self.registry[beat.learner] = policy.LearnerStatus(
         learner_id=beat.learner, incarnation=beat.incarnation, last_heartbeat=beat.time,
@@ -184,12 +191,18 @@ class Syncer:
     return [s.learner_id for s in policy.alive_learners(
         self.registry.values(), now, self.policy.heartbeat_timeout_s)]
 
-  def tick(self, now: float, beats=(), payloads=()) -> tuple[list[Merged], float | None]:
-    """Ingests messages, closes due rounds; returns (merged to publish, next deadline)."""
+  def tick(self, now: float, beats=(), payloads=(), left=()) -> tuple[list[Merged], float | None]:
+    """Ingests messages, closes due rounds; returns (merged to publish, next deadline).
+
+    `left` lists (learner, incarnation) that left for good; their earlier deliveries (in
+    `payloads` or pending) are still merged.
+    """
     for beat in beats:
       self._heartbeat(beat)
     for payload in payloads:
       self._payload(payload, now)
+    for learner, incarnation in left:
+      self.forget(learner, incarnation)
     alive = set(self.alive(now))
     published, deadlines = [], []
     for p in sorted(self._pending):
@@ -220,15 +233,29 @@ class Syncer:
 
   def _outer_gradient(self, payload: Payload, anchor_now: dict[str, np.ndarray],
                       slot: int) -> dict:
+    """The delivery's outer gradient `anchor - theta` (DESIGN 2.4 step 3).
+
+    A stale delivery (its base is older than the current version) is anchored at the
+    syncer's current G under `outer.stale="paper"`, so it also pulls G back toward the
+    learner's older lineage; under `"rebase"` it is its own progress `G_base - theta`, scaled
+    by `1 / (1 + staleness)` like a delayed gradient in staleness-aware asynchronous SGD.
+    """
     p, base = payload.fragment, payload.base_version
+    staleness = self.versions[p] - base
+    rebase = self.outer_cfg.stale == "rebase" and staleness > 0
+    from_base = self.outer_cfg.anchor == "base" or rebase
     if payload.kind == "delta":
-      delta = {k: outer.dequantize(q) for k, q in payload.tensors.items()}
-      if self.outer_cfg.anchor == "base":
-        return delta
-      return outer.rebase_delta(delta, self._history[p][base], anchor_now)
-    anchor = self._history[p][base] if self.outer_cfg.anchor == "base" else anchor_now
-    out = self._delta_buffers(slot, list(payload.tensors))
-    return {k: np.subtract(anchor[k], x, out=out[k]) for k, x in payload.tensors.items()}
+      grad = {k: outer.dequantize(q) for k, q in payload.tensors.items()}
+      if not from_base:
+        grad = outer.rebase_delta(grad, self._history[p][base], anchor_now)
+    else:
+      anchor = self._history[p][base] if from_base else anchor_now
+      out = self._delta_buffers(slot, list(payload.tensors))
+      grad = {k: np.subtract(anchor[k], x, out=out[k]) for k, x in payload.tensors.items()}
+    if rebase:
+      for g in grad.values():
+        g *= np.float32(1.0 / (1.0 + staleness))
+    return grad
 
   def _delta_buffers(self, slot: int, paths: list[str]) -> dict[str, np.ndarray]:
     """Scratch for the `slot`-th outer gradient of a round, reused across rounds.
@@ -271,18 +298,24 @@ class Syncer:
         del self._history[p][v]
     measured = time.perf_counter() - started
     sync_s = measured if self._sync_delay is None else self._sync_delay
-    if decision.quorum_wait is not None:
+    if decision.quorum_wait is not None and _is_duration(decision.quorum_wait):
       self._quorum_ema = self._quorum_ema.update(decision.quorum_wait)
-    # "Time to pull, merge and send": the pull is the slowest admitted payload's transit
-    # (on the wall clock it includes waiting for the learner's device-to-host copy).
-    pull_s = max(max(e.arrived_at - e.payload.sent_at, 0.0) for _, e in entries)
-    self._sync_ema = self._sync_ema.update(pull_s + sync_s)
+    # "Time to pull, merge and send": the pull is the slowest admitted payload's transit,
+    # from its values being on the learner's host to the syncer holding them (never the
+    # learner's compute, whatever its backend's dispatch does).
+    pulls = [e.payload.transit_s for _, e in entries if _is_duration(e.payload.transit_s)]
+    pull_s = max(pulls, default=0.0)
+    if _is_duration(sync_s):
+      self._sync_ema = self._sync_ema.update(pull_s + sync_s)
     merged = Merged(p, version, self.fragment_values(p), now + sync_s)
     record = {
         "round": self.rounds, "fragment": p, "version": version,
         "opened_at": self._opened_at.pop(p), "closed_at": now, "published_at": now + sync_s,
         "quorum": decision.quorum, "num_alive": len(alive), "grace_s": decision.grace,
-        "reason": decision.reason,
+        # How much of the window the round spent after its quorum, and whom that admitted.
+        "grace_used_s": max(now - decision.quorum_reached_at, 0.0),
+        "admitted_in_grace": sum(e.arrived_at > decision.quorum_reached_at for _, e in entries),
+        "pull_s": pull_s, "reason": decision.reason,
         "admitted": [{
             "learner": m, "incarnation": e.payload.incarnation,
             "local_step": e.payload.local_step, "steps": e.payload.steps,
@@ -296,6 +329,8 @@ class Syncer:
         "published_bytes": merged.nbytes, "receivers": alive,
     }
     self.rounds += 1
+    self._closed_here += 1
+    self._admitted_here += len(entries)
     self.last_quorum = len(entries)
     self.last_grace = decision.grace
     if self._on_round is not None:
@@ -344,4 +379,5 @@ class Syncer:
 
   def state_summary(self) -> dict[str, Any]:
     return {"rounds": self.rounds, "last_quorum": self.last_quorum,
+            "learners_per_round": self._admitted_here / max(self._closed_here, 1),
             "last_grace_s": self.last_grace, "rejected": dict(self.rejections)}

@@ -29,6 +29,10 @@ class Payload:
 
   `tensors` maps parameter paths to float32 values (`kind="values"`) or to quantised
   deltas `G_base - theta` (`kind="delta"`, `outer.QuantizedTensor`).
+  `transit_s` is how long the delivery has been on its way since its values were on the
+  learner's host (quantisation, queueing, upload, and the syncer's read): a sum of durations,
+  each measured on the clock of the machine that spent it, so it means the same when
+  learner and syncer clocks differ. It is the "pull" of the syncer's sync-time EMA.
   """
   learner: int
   incarnation: int
@@ -39,7 +43,7 @@ class Payload:
   base_version: int
   kind: str
   tensors: dict[str, Any]
-  sent_at: float
+  transit_s: float
 
   @property
   def nbytes(self) -> int:
@@ -66,6 +70,7 @@ class InMemoryTransport:
     self._lock = threading.Condition()
     self._heartbeats: list[Heartbeat] = []
     self._payloads: list[Payload] = []
+    self._left: list[tuple[int, int]] = []
     self._merged: dict[int, Merged] = {}
     self.bytes_up = 0
     self.bytes_down = 0
@@ -80,6 +85,12 @@ class InMemoryTransport:
     with self._lock:
       self._payloads.append(payload)
       self.bytes_up += payload.nbytes
+      self._lock.notify_all()
+
+  def leave(self, learner: int, incarnation: int) -> None:
+    """This incarnation left for good (retired or finished); sent after its last delivery."""
+    with self._lock:
+      self._left.append((learner, incarnation))
       self._lock.notify_all()
 
   def latest(self, fragment: int) -> Merged | None:
@@ -102,11 +113,12 @@ class InMemoryTransport:
       self.bytes_down += nbytes
 
   # Syncer side.
-  def take(self) -> tuple[list[Heartbeat], list[Payload]]:
+  def take(self) -> tuple[list[Heartbeat], list[Payload], list[tuple[int, int]]]:
+    """(heartbeats, payloads, (learner, incarnation) that left) since the last call."""
     with self._lock:
-      beats, payloads = self._heartbeats, self._payloads
-      self._heartbeats, self._payloads = [], []
-      return beats, payloads
+      taken = self._heartbeats, self._payloads, self._left
+      self._heartbeats, self._payloads, self._left = [], [], []
+      return taken
 
   def publish(self, merged: Merged) -> None:
     with self._lock:
@@ -119,4 +131,4 @@ class InMemoryTransport:
 
   def wait_for_messages(self, timeout: float) -> None:
     with self._lock:
-      self._lock.wait_for(lambda: bool(self._heartbeats or self._payloads), timeout)
+      self._lock.wait_for(lambda: bool(self._heartbeats or self._payloads or self._left), timeout)

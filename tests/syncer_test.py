@@ -97,7 +97,7 @@ def test_bad_payloads_are_rejected_and_never_enter_g(mutate, reason):
   s = _syncer(quorum=1)
   g0 = s.global_params()
   fields = dict(learner=0, incarnation=0, fragment=0, local_step=4, steps=4, tokens=400,
-                base_version=0, kind="values", tensors=_params(1), sent_at=0.0)
+                base_version=0, kind="values", tensors=_params(1), transit_s=0.0)
   merged, _ = s.tick(1.0, _beats(1.0, 0), [Payload(**mutate(fields))])
   assert merged == [] and s.rejections[reason] == 1
   for k in SHAPES:
