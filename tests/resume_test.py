@@ -241,3 +241,8 @@ def test_killed_main_command_resumes(tmp_path):
     summary = json.load(f)
   assert np.isfinite(summary["eval/loss"])
   assert summary["eval/loss"] < summary["eval/initial_loss"]
+
+
+def test_every_rounds_is_validated():
+  with pytest.raises(ConfigError, match="checkpoint.every_rounds"):
+    _config(checkpoint__every_rounds=-1)
