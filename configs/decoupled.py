@@ -22,7 +22,11 @@ def get_config(preset: str = "cpu"):
                      f"{['tiny', 'cpu', *_TPU]}")
   cfg = config_lib.base_config({"tiny": "tiny", "cpu": "small"}.get(preset, preset))
   cfg.learners.count = 4
-  cfg.checkpoint.every_steps = 0  # learners keep their resume point; the syncer holds G
+  # Learners need no train-state checkpoints here (a restarted learner keeps its resume point
+  # and loads G); the run checkpoints G, the syncer and those resume points every 32 rounds
+  # (about every 8 steps of 4 learners at P = H), and resumes from them when rerun.
+  cfg.checkpoint.every_steps = 0
+  cfg.checkpoint.every_rounds = 32
   if preset == "tiny":
     cfg.data.seq_len = 64
     cfg.train.batch_size = 8
@@ -49,4 +53,5 @@ def get_config(preset: str = "cpu"):
     cfg.optim.warmup_steps = 2000
     cfg.sync.heartbeat_timeout_s = 120.0
     cfg.log.progress_every_s = 30.0
+    cfg.checkpoint.every_rounds = 2000  # G and momentum are 2 x 4 bytes per parameter
   return cfg

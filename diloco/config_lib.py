@@ -109,8 +109,14 @@ class TrainConfig:
 
 @_frozen
 class CheckpointConfig:
-  # 0 disables checkpoints.
+  # Learner train-state checkpoints every this many steps (data-parallel runs, learner
+  # processes); 0 disables them.
   every_steps: int = 50
+  # Single-controller Decoupled DiLoCo: checkpoint the syncer (G, momentum, versions, registry)
+  # and the learners' resume points every this many merged rounds, and at the end, so that
+  # rerunning the command resumes (diloco/run_checkpoint.py); 0 disables them.
+  every_rounds: int = 0
+  # Both kinds keep the newest `max_to_keep` checkpoints.
   max_to_keep: int = 2
   async_save: bool = True
 
@@ -380,6 +386,7 @@ def validate(cfg: Config) -> None:
   _check(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = only at the end)")
   _check(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")
   _check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 = off)")
+  _check(cfg.checkpoint.every_rounds >= 0, "checkpoint.every_rounds", "must be >= 0 (0 = off)")
   _check(cfg.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
   _check(cfg.log.progress_every_s > 0, "log.progress_every_s", "must be > 0")
   _validate_diloco(cfg)

@@ -17,7 +17,7 @@ import time
 import jax
 from absl import logging
 
-from diloco import accounting, timeline
+from diloco import accounting, run_checkpoint, timeline
 from diloco import data as data_lib
 from diloco import metrics as metrics_lib
 from diloco.config_lib import Config
@@ -70,13 +70,38 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
 
 
 def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, float]]:
-  """`run`, also returning the runtime (syncer state, records) for tests and notebooks."""
+  """`run`, also returning the runtime (syncer state, records) for tests and notebooks.
+
+  Resumes from `workdir`'s newest committed run checkpoint if it has one (see
+  `diloco.run_checkpoint`); checkpoints every `checkpoint.every_rounds` rounds and at the end.
+  """
   os.makedirs(workdir, exist_ok=True)
+  ckpt = run_checkpoint.RunCheckpointer(workdir, cfg)
+  try:
+    return _run(cfg, workdir, ckpt)
+  finally:
+    ckpt.close()  # waits for the last save: a finished run's final checkpoint is committed
+
+
+def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
+         ) -> tuple[Runtime, dict[str, float]]:
+  snapshot = ckpt.load()
+  if snapshot is not None:
+    run_checkpoint.check_resumable(snapshot, cfg, workdir)
+    run_checkpoint.rewind_logs(workdir, snapshot)
+  elif os.path.exists(os.path.join(workdir, metrics_lib.METRICS_FILE)):
+    os.remove(os.path.join(workdir, metrics_lib.METRICS_FILE))  # a run that never checkpointed
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=2)
   from diloco import train  # pylint: disable=import-outside-toplevel
   train.check_vocab(cfg)
-  rt = Runtime(cfg, workdir)
+  rt = Runtime(cfg, workdir, resume=snapshot is not None)
+  if snapshot is not None:
+    rt.restart = run_checkpoint.restore(rt, snapshot)
+    print(f"resumed from {ckpt.directory}/{ckpt.latest_step()}: round {rt.syncer.rounds}, "
+          f"t={rt.clock_start:.1f}s, versions {rt.syncer.versions}, learners "
+          + ", ".join(f"L{s.index} s{s.resume.local_step}" for s in rt.slots
+                      if s.index in rt.restart), flush=True)
   logging.info("%d learner groups, %d fragments, %d parameters", len(rt.slots),
                rt.plan.num_fragments, rt.num_params)
   slot0 = rt.slots[0].spec
@@ -87,6 +112,10 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
                      for s in rt.slots}
   status = Status(rt, cfg.log.progress_every_s)
   written: dict[int, int] = {}
+  points, merged = run_checkpoint.ResumePoints(), run_checkpoint.MergedSteps()
+  every = cfg.checkpoint.every_rounds
+  virtual = cfg.learners.virtual_clock
+  driver_cls = VirtualDriver if virtual else ThreadedDriver
 
   def progress() -> int:
     return max(s.learner.local_step if s.learner else s.resume.local_step for s in rt.slots)
@@ -100,21 +129,45 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
     print(f"t={now:.1f}s step {progress()}: global eval/loss {loss:.4f}", flush=True)
     return loss
 
+  def snapshot_now(finished: bool = False) -> run_checkpoint.Snapshot:
+    now = driver.now if virtual else driver.now()
+    return run_checkpoint.take_snapshot(rt, points, merged, now, initial_loss=initial,
+                                        finished=finished)
+
+  last_saved = rt.syncer.rounds
+
   def on_step(slot: Slot) -> None:
+    nonlocal last_saved
     learner = slot.learner
     last = learner.last_values
     if last is not None and written.get(slot.index) != last[0]:
       written[slot.index] = last[0]
       learner_writers[slot.index].write(last[0], dict(last[1], incarnation=slot.incarnation))
+    if virtual and every and rt.syncer.rounds >= last_saved + every:
+      # Before this step's note: its deliveries are not ticked yet, so it is replayed.
+      last_saved = rt.syncer.rounds
+      ckpt.save(snapshot_now())
+    points.note(slot)  # this learner's thread, between its steps
     status.maybe_print()
 
-  driver_cls = VirtualDriver if cfg.learners.virtual_clock else ThreadedDriver
   driver = driver_cls(rt, on_eval, on_step)
   started = time.monotonic()
-  initial = on_eval(0.0)
+  initial = on_eval(rt.clock_start)
+  if snapshot is not None:
+    initial = snapshot.meta["initial_loss"]
+  periodic = None
+  if every and not virtual:
+    periodic = run_checkpoint.Periodic(snapshot_now, ckpt, lambda: rt.syncer.rounds, every)
+    periodic.start()
   try:
-    driver.run()
-    final = on_eval(getattr(driver, "now", 0.0) if cfg.learners.virtual_clock else driver.now())
+    try:
+      driver.run()
+    finally:
+      if periodic is not None:
+        periodic.stop()
+    final = on_eval(driver.now if virtual else driver.now())
+    if every:
+      ckpt.save(snapshot_now(finished=True))
   finally:
     rt.recorder.close()
     writer.close()

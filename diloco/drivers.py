@@ -30,7 +30,7 @@ class VirtualDriver:
   def __init__(self, runtime: Runtime, on_eval, on_step):
     self.rt, self.on_eval, self.on_step = runtime, on_eval, on_step
     self.cfg = runtime.cfg
-    self.now = 0.0
+    self.now = runtime.clock_start
     self._heap: list = []
     self._seq = itertools.count()
     self._waiting: dict[int, tuple[float, list[int]]] = {}
@@ -78,7 +78,7 @@ class VirtualDriver:
     cfg = self.cfg
     for m in self.rt.syncer.initial(0.0):
       self.rt.transport.publish(m)
-    for slot in self.rt.slots[:cfg.learners.count]:
+    for slot in self.rt.initial_slots():
       self._join(slot)
     for f in self.rt.faults:
       self._push(f.at, "fault", f)
@@ -176,7 +176,7 @@ class ThreadedDriver:
   def __init__(self, runtime: Runtime, on_eval, on_step):
     self.rt, self.on_eval, self.on_step = runtime, on_eval, on_step
     self.cfg = runtime.cfg
-    self._t0 = time.monotonic()
+    self._t0 = time.monotonic() - runtime.clock_start
     self._done = threading.Event()
     self._errors: list[BaseException] = []
     self._stops: dict[int, threading.Event] = {}
@@ -273,7 +273,7 @@ class ThreadedDriver:
     syncer = threading.Thread(target=self._guard, args=(self._syncer_loop,), name="syncer",
                               daemon=True)
     syncer.start()
-    for slot in self.rt.slots[:cfg.learners.count]:
+    for slot in self.rt.initial_slots():
       self._start(slot)
     pending = list(self.rt.faults)
     returns: list[tuple[float, Slot, float]] = []
@@ -306,7 +306,9 @@ class ThreadedDriver:
       thread.join()
     if self._errors:
       raise self._errors[0]
-    self.rt.syncer.tick(self.now(), *self.rt.transport.take())
+    messages = self.rt.transport.take()
+    with self.rt.lock:
+      self.rt.syncer.tick(self.now(), *messages)
 
   def _fault(self, fault: faults_lib.Fault, returns) -> None:
     if fault.kind == "add":

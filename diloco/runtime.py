@@ -60,14 +60,19 @@ def span_record(learner: int, incarnation: int, kind: str, start: float, end: fl
 
 
 class Recorder:
-  """Appends tape and activity records to JSONL files and keeps them for accounting."""
+  """Appends tape and activity records to JSONL files and keeps them for accounting.
 
-  def __init__(self, workdir: str):
-    self.tape: list[dict] = []
-    self.activity: list[dict] = []
+  `append=True` (a resumed run) continues files already cut back to its checkpoint.
+  """
+
+  def __init__(self, workdir: str, append: bool = False):
     self._lock = threading.Lock()
-    self._tape_file = open(os.path.join(workdir, "tape.jsonl"), "w", encoding="utf-8")
-    self._activity_file = open(os.path.join(workdir, "activity.jsonl"), "w", encoding="utf-8")
+    tape, activity = (os.path.join(workdir, name) for name in ("tape.jsonl", "activity.jsonl"))
+    self.tape: list[dict] = _read_jsonl(tape) if append else []
+    self.activity: list[dict] = _read_jsonl(activity) if append else []
+    mode = "a" if append else "w"
+    self._tape_file = open(tape, mode, encoding="utf-8")
+    self._activity_file = open(activity, mode, encoding="utf-8")
 
   def round(self, record: dict) -> None:
     with self._lock:
@@ -82,9 +87,22 @@ class Recorder:
       self.activity.append(record)
       self._activity_file.write(json.dumps(record) + "\n")
 
+  def mark(self) -> tuple[int, int]:
+    """Flushes both files; returns how many tape and activity records they hold (a checkpoint
+    covers exactly these)."""
+    with self._lock:
+      self._tape_file.flush()
+      self._activity_file.flush()
+      return len(self.tape), len(self.activity)
+
   def close(self) -> None:
     self._tape_file.close()
     self._activity_file.close()
+
+
+def _read_jsonl(path: str) -> list[dict]:
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
 
 
 def pacing_wait(measured_s: float, factor: float, min_step_s: float) -> float:
@@ -149,7 +167,8 @@ def initial_global(init_fn, seed: int) -> dict[str, np.ndarray]:
 class Runtime:
   """Builds the slots, the syncer and the transport; drivers move time."""
 
-  def __init__(self, cfg: Config, workdir: str, devices=None):
+  def __init__(self, cfg: Config, workdir: str, devices=None, resume: bool = False):
+    """`resume`: a run restored from a checkpoint (`diloco.run_checkpoint.restore` follows)."""
     self.cfg, self.workdir = cfg, workdir
     devices = list(devices if devices is not None else jax.devices())
     sizes = group_sizes(cfg, len(devices))
@@ -162,7 +181,7 @@ class Runtime:
                              np.random.default_rng([cfg.seed, g])))
     self.plan = fragment_plan(cfg, self.slots[0].spec)
     global_params = initial_global(self.slots[0].init_fn, cfg.seed)
-    self.recorder = Recorder(workdir)
+    self.recorder = Recorder(workdir, append=resume)
     delay = cfg.learners.virtual_sync_s if cfg.learners.virtual_clock else None
     self.syncer = Syncer(global_params, self.plan, cfg.sync, cfg.outer, sync_delay_s=delay,
                          on_round=self.recorder.round)
@@ -176,6 +195,14 @@ class Runtime:
                           f"(groups 0..{len(self.slots) - 1})")
     self.eval_fn = train_step.make_eval_step(self.slots[0].spec)
     self.num_params = sum(v.size for v in global_params.values())
+    # Where the drivers' clock starts and which slots they start (a resumed run changes both).
+    self.clock_start = 0.0
+    self.restart: list[int] | None = None
+
+  def initial_slots(self) -> list[Slot]:
+    if self.restart is not None:
+      return [self.slots[g] for g in self.restart]
+    return self.slots[:self.cfg.learners.count]
 
   def start_learner(self, slot: Slot, background_io: bool, now: float, clock) -> Learner:
     """A new incarnation on `slot`: loads the published fragments and announces itself.

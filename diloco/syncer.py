@@ -99,8 +99,10 @@ class Syncer:
     return {path: self.params[path].copy() for path in self.plan.fragments[p]}
 
   def initial(self, now: float) -> list[Merged]:
-    """Version 0 of every fragment, to publish before any learner starts."""
-    return [Merged(p, 0, self.fragment_values(p), now) for p in range(self.plan.num_fragments)]
+    """The current version of every fragment (0, or a restored one), to publish before any
+    learner starts."""
+    return [Merged(p, self.versions[p], self.fragment_values(p), now)
+            for p in range(self.plan.num_fragments)]
 
   # Ingestion.
   def _heartbeat(self, beat: Heartbeat) -> None:
