@@ -244,9 +244,13 @@ class ThreadedDriver:
         p = blocked[0]
         self.rt.transport.wait_for(p, self.rt.transport.latest_version(p) + 1, 0.2)
         blocked = learner.sync_point()
-      if self.now() - waited_from > 1e-3:
+      waited = self.now() - waited_from > 1e-3
+      if waited:
         self.rt.recorder.span(slot, "wait", waited_from, self.now())
-      previous = self.now()
+      # Paced steps keep their schedule: host work between steps (metrics, status) is absorbed
+      # by the next step's pacing, as an accelerator overlaps it with the step in flight, so
+      # equal learners do not drift apart by their host jitter. A wait restarts the schedule.
+      previous = self.now() if waited else end
     learner.read_metrics()
     learner.flush()
     finished = learner.local_step >= steps

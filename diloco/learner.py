@@ -195,14 +195,15 @@ class Learner:
     # The base version and its values are captured together: a receipt that lands before the
     # I/O thread quantises must not relabel this delta with the newer base.
     args = (p, paths, copies, self.local_step, int(self.steps[p]), int(self.tokens[p]),
-            self.base[p], self._base_values.get(p))
+            self.base[p], self._base_values.get(p), self._clock())
     if self._io is None:
       self._send(*args)
     else:
       self._inflight = [f for f in self._inflight if not f.done()]
       self._inflight.append(self._io.submit(self._send, *args))
 
-  def _send(self, p, paths, copies, local_step, steps, tokens, base, base_values) -> None:
+  def _send(self, p, paths, copies, local_step, steps, tokens, base, base_values,
+            delivered_at) -> None:
     values = {k: np.asarray(c, np.float32) for k, c in zip(paths, copies)}
     on_host = self._clock()  # the step is done and its values are here: transit starts
     bits = self.cfg.outer.quantize_bits
@@ -217,7 +218,8 @@ class Learner:
         else:
           tensors[k] = outer.quantize(delta, bits, self.cfg.outer.quantize_block)
     self.transport.deliver(Payload(self.id, self.incarnation, p, local_step, steps, tokens, base,
-                                   kind, tensors, max(self._clock() - on_host, 0.0)))
+                                   kind, tensors, max(self._clock() - on_host, 0.0),
+                                   max(on_host - delivered_at, 0.0)))
 
   def flush(self) -> None:
     """Waits for in-flight deliveries (end of run or before a planned stop)."""

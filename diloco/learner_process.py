@@ -113,6 +113,9 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
     _adopt_peer_optimizer(cfg, store, learner, spec, hosts)
   learner.load_global()  # the published fragments replace whatever parameters it had
   link.heartbeat(Heartbeat(learner_id, incarnation, learner.local_step, 0.0, clock()))
+  if learner_id < cfg.learners.count:
+    first = incarnation == 0 and latest is None
+    hosts.share("started_together", lambda: _start_together(cfg, store, learner_id, first))
   records = workdir if hosts.leader else os.path.join(workdir, "hosts", f"h{hosts.index}")
   activity = _Activity(records, learner_id, incarnation, len(devices), _speed(cfg, learner_id))
   activity.span("load", joined_at, clock(), local_step=learner.local_step)
@@ -142,6 +145,25 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
           "local_step": learner.local_step, "bytes_up": link.bytes_up,
           "bytes_down": link.bytes_down, "wan_wait_s": round(link.wan_wait_s, 3),
           "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}
+
+
+def _start_together(cfg: Config, store: Store, learner_id: int, wait: bool) -> bool:
+  """The first cohort's learners take their first step together (a gang start, up to
+  `store.join_timeout_s`). Each delivers fragment p at the same local steps; started seconds
+  apart (compile times differ), their deliveries of a slot would be steps apart, more than a
+  grace window (at most one step) can gather, and every round would merge one learner.
+  A restarted learner only says it is ready (a peer may still be waiting for it)."""
+  store.mark_ready(learner_id)
+  if not wait:
+    return False
+  deadline = time.monotonic() + cfg.store.join_timeout_s
+  while len(store.ready_learners() & set(range(cfg.learners.count))) < cfg.learners.count:
+    if time.monotonic() > deadline:
+      logging.warning("learner %d: not every initial learner was ready within %.0f s; starting",
+                      learner_id, cfg.store.join_timeout_s)
+      return False
+    time.sleep(cfg.store.poll_s)
+  return True
 
 
 def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring
@@ -183,12 +205,15 @@ def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring
         learner.give_up_waiting(blocked)
         break
       blocked = learner.sync_point()
-    if clock() - waited_from > 1e-3:
+    waited = clock() - waited_from > 1e-3
+    if waited:
       activity.span("wait", waited_from, clock(), local_step=learner.local_step)
     if every and learner.local_step % every == 0:
       _save(cfg, ckpt, learner)
       saved = learner.local_step
-    previous = clock()
+    # Paced steps keep their schedule (see drivers.ThreadedDriver): host work such as a
+    # checkpoint save is absorbed by the next step's pacing; a wait restarts the schedule.
+    previous = clock() if waited else end
   learner.read_metrics()
   return (RETIRED if retired else DONE), saved
 

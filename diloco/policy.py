@@ -15,7 +15,13 @@ A round of fragment `p`:
 2. The round opens at its first fresh eligible delivery. It needs
    `required_quorum(k, num_alive) = min(k, num_alive)` (at least 1) of them.
 3. Once quorum is reached it keeps admitting for `grace_window(...)`
-   `= clip(gamma * (tau * step_time - quorum_time - sync_time), 0, step_time)` seconds.
+   `= clip(gamma * (tau * step_time - lead_time - quorum_time - sync_time), 0, step_time)`
+   seconds. `lead_time` is how much of its tau steps a learner has already spent when the
+   values of its delivery reach its host: a learner that dispatches steps asynchronously
+   (reading metrics one step late) only has them once the step completes, about one step
+   after its delivery point. It is 0 on the virtual clock, which makes this DESIGN 2.4's
+   formula; without it the window would spend slack the learners do not have and they would
+   wait at t + tau.
 4. `decide_round` closes the round at the end of the grace window, or at once when every alive
    learner has delivered.
 
@@ -209,8 +215,8 @@ def required_quorum(k: int, num_alive: int) -> int:
 
 
 def grace_window(*, gamma: float, tau: int, step_time: float, quorum_time: float,
-                 sync_time: float) -> float:
-  """`clip(gamma * (tau * step_time - quorum_time - sync_time), 0, step_time)`, in seconds.
+                 sync_time: float, lead_time: float = 0.0) -> float:
+  """`clip(gamma * (tau * step_time - lead_time - quorum_time - sync_time), 0, step_time)`.
 
   Args:
     gamma: gain; 0 disables the window.
@@ -218,10 +224,12 @@ def grace_window(*, gamma: float, tau: int, step_time: float, quorum_time: float
     step_time: EMA step time of the slowest eligible learner.
     quorum_time: EMA of the time from a round's opening to its quorum.
     sync_time: EMA of the time to pull, merge and publish a fragment.
+    lead_time: EMA of the time from a delivery point to its values being on the learner's
+      host (module docstring).
   """
   if gamma <= 0.0 or step_time <= 0.0:
     return 0.0
-  raw = gamma * (tau * step_time - quorum_time - sync_time)
+  raw = gamma * (tau * step_time - lead_time - quorum_time - sync_time)
   return min(max(raw, 0.0), step_time)
 
 
@@ -233,7 +241,7 @@ def slowest_step_time(step_times: Iterable[float | None], default: float = 0.0) 
 
 def decide_round(arrival_times: Sequence[float], *, num_alive: int, opened_at: float, now: float,
                  config: PolicyConfig, step_time: float, quorum_time: float,
-                 sync_time: float) -> RoundDecision:
+                 sync_time: float, lead_time: float = 0.0) -> RoundDecision:
   """Decides whether the open round of a fragment closes now or when to decide again.
 
   Args:
@@ -246,6 +254,7 @@ def decide_round(arrival_times: Sequence[float], *, num_alive: int, opened_at: f
     step_time: EMA step time of the slowest eligible learner.
     quorum_time: EMA of the time to reach quorum.
     sync_time: EMA of the time to pull, merge and publish.
+    lead_time: EMA of the learners' lead (see `grace_window`).
 
   Returns:
     The decision; see `RoundDecision`.
@@ -258,7 +267,7 @@ def decide_round(arrival_times: Sequence[float], *, num_alive: int, opened_at: f
   reached = sorted(arrival_times)[quorum - 1]
   wait = reached - opened_at
   grace = grace_window(gamma=config.gamma, tau=config.tau, step_time=step_time,
-                       quorum_time=quorum_time, sync_time=sync_time)
+                       quorum_time=quorum_time, sync_time=sync_time, lead_time=lead_time)
   if n >= num_alive:
     return RoundDecision(close=True, deadline=None, quorum=quorum, quorum_reached_at=reached,
                          quorum_wait=wait, grace=grace, reason="all_delivered")

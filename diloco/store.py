@@ -108,7 +108,7 @@ class Store:
   def __init__(self, root: str | os.PathLike):
     self.root = epath.Path(root)
     self.local = "://" not in str(root)
-    for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners"):
+    for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners", "ready"):
       (self.root / sub).mkdir(parents=True, exist_ok=True)
     self._durable = _tree_handler(sync=self.local)  # object-store writes are durable on close
     self._unsynced = _tree_handler(sync=False)
@@ -196,7 +196,7 @@ class Store:
         "learner": payload.learner, "incarnation": payload.incarnation,
         "fragment": payload.fragment, "local_step": payload.local_step, "steps": payload.steps,
         "tokens": payload.tokens, "base_version": payload.base_version, "kind": payload.kind,
-        "paths": sorted(payload.tensors), "quantization": quant, "transit_s": transit_s,
+        "paths": sorted(payload.tensors), "quantization": quant, "transit_s": transit_s, "lead_s": payload.lead_s,
         "nbytes": payload.nbytes})
     return payload.nbytes
 
@@ -252,6 +252,7 @@ class Store:
                                           "steps", "tokens", "base_version")}
       kind, paths, quant = str(meta["kind"]), list(meta["paths"]), meta["quantization"]
       transit_s = float(meta["transit_s"])
+      lead_s = float(meta.get("lead_s", 0.0))
     except (TypeError, KeyError, ValueError) as e:
       raise StoreError(UNREADABLE, f"payload {name}: bad commit marker ({e!r})") from None
     if (fields["fragment"], fields["learner"], fields["incarnation"],
@@ -278,7 +279,7 @@ class Store:
         tensors[path] = _quantized(item, quant, shape, f"payload {name} {path}")
     return Payload(fields["learner"], fields["incarnation"], fragment, fields["local_step"],
                    fields["steps"], fields["tokens"], fields["base_version"], kind, tensors,
-                   transit_s)
+                   transit_s, lead_s)
 
   def payload_bytes(self, name: str) -> int:
     """Bytes a delivery claims to hold (0 if its marker is unreadable): for the ledger."""
@@ -398,6 +399,17 @@ class Store:
       record = {"start": time.time()}
       self.write_json("run.json", record)
     return None if record is None else float(record["start"])
+
+  def mark_ready(self, learner: int) -> None:
+    """Learner `learner` of the first cohort is compiled and holds the initial fragments."""
+    self.write_json(f"ready/l{_checked_int(learner, 'learner')}.json", {"time": time.time()})
+
+  def ready_learners(self) -> set[int]:
+    folder = self.root / "ready"
+    if not folder.exists():
+      return set()
+    return {int(m[1]) for path in folder.glob("l*.json")
+            if (m := re.match(r"^l(\d{1,6})\.json$", path.name)) is not None}
 
   def learner_dir(self, learner: int) -> epath.Path:
     return self.root / "learners" / f"l{_checked_int(learner, 'learner')}"

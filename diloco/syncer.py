@@ -77,6 +77,7 @@ class Syncer:
     self._step_ema: dict[int, policy.Ema] = {}
     self._quorum_ema = policy.Ema()
     self._sync_ema = policy.Ema()
+    self._lead_ema = policy.Ema()
     self._pending: dict[int, dict[int, _Pending]] = collections.defaultdict(dict)
     self._opened_at: dict[int, float] = {}
     self._rejected: dict[int, list[dict]] = collections.defaultdict(list)
@@ -222,7 +223,8 @@ class Syncer:
       decision = policy.decide_round(
           counted if alive else [e.arrived_at for e in entries.values()], num_alive=len(alive),
           opened_at=self._opened_at[p], now=now, config=self.policy, step_time=step_time,
-          quorum_time=self._quorum_ema.get(), sync_time=self._sync_ema.get())
+          quorum_time=self._quorum_ema.get(), sync_time=self._sync_ema.get(),
+          lead_time=self._lead_ema.get())
       if decision.close:
         published.append(self._close(p, decision, now, sorted(alive)))
       elif decision.deadline is not None:
@@ -309,6 +311,9 @@ class Syncer:
     pull_s = max(pulls, default=0.0)
     if _is_duration(sync_s):
       self._sync_ema = self._sync_ema.update(pull_s + sync_s)
+    leads = [e.payload.lead_s for _, e in entries if _is_duration(e.payload.lead_s)]
+    lead_s = max(leads, default=0.0)
+    self._lead_ema = self._lead_ema.update(lead_s)
     merged = Merged(p, version, self.fragment_values(p), now + sync_s)
     record = {
         "round": self.rounds, "fragment": p, "version": version,
@@ -317,7 +322,7 @@ class Syncer:
         # How much of the window the round spent after its quorum, and whom that admitted.
         "grace_used_s": max(now - decision.quorum_reached_at, 0.0),
         "admitted_in_grace": sum(e.arrived_at > decision.quorum_reached_at for _, e in entries),
-        "pull_s": pull_s, "reason": decision.reason,
+        "pull_s": pull_s, "lead_s": lead_s, "reason": decision.reason,
         "admitted": [{
             "learner": m, "incarnation": e.payload.incarnation,
             "local_step": e.payload.local_step, "steps": e.payload.steps,
@@ -346,6 +351,7 @@ class Syncer:
         "registry": [dataclasses.asdict(s) for s in self.registry.values()],
         "step_ema": {str(m): e.value for m, e in self._step_ema.items()},
         "quorum_ema": self._quorum_ema.value, "sync_ema": self._sync_ema.value,
+        "lead_ema": self._lead_ema.value,
         "rejections": dict(self.rejections), "last_quorum": self.last_quorum,
         "last_grace": self.last_grace,
     }
@@ -372,6 +378,7 @@ class Syncer:
     self._step_ema = {int(m): policy.Ema(decay, v) for m, v in state.get("step_ema", {}).items()}
     self._quorum_ema = policy.Ema(decay, state.get("quorum_ema"))
     self._sync_ema = policy.Ema(decay, state.get("sync_ema"))
+    self._lead_ema = policy.Ema(decay, state.get("lead_ema"))
     self.rejections = collections.Counter(state.get("rejections", {}))
     self.last_quorum = int(state.get("last_quorum", 0))
     self.last_grace = float(state.get("last_grace", 0.0))

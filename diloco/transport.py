@@ -33,6 +33,9 @@ class Payload:
   learner's host (quantisation, queueing, upload, and the syncer's read): a sum of durations,
   each measured on the clock of the machine that spent it, so it means the same when
   learner and syncer clocks differ. It is the "pull" of the syncer's sync-time EMA.
+  `lead_s` is the time from the delivery point (local step `local_step` dispatched) to its
+  values being on the learner's host: the part of its tau steps of overlap the learner had
+  already spent (about one step when steps are dispatched asynchronously).
   """
   learner: int
   incarnation: int
@@ -44,6 +47,7 @@ class Payload:
   kind: str
   tensors: dict[str, Any]
   transit_s: float
+  lead_s: float = 0.0
 
   @property
   def nbytes(self) -> int:
