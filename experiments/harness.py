@@ -191,9 +191,10 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
   README.md is regenerated whole: the config's docstring (command and expected outcome), the
   measured tables, the plot, when/where/how long, then `analysis.md` of the same folder (the
   authored reading of the numbers) if it exists."""
-  rows = [collect(run, os.path.join(outdir, run.name)) for run in runs]
+  done = [run for run in runs if finished(os.path.join(outdir, run.name))]
+  rows = [collect(run, os.path.join(outdir, run.name)) for run in done]
   results = write_results(name, rows, os.path.join(folder, "results.json"))
-  curves = {run.name: eval_curve(os.path.join(outdir, run.name)) for run in runs}
+  curves = {run.name: eval_curve(os.path.join(outdir, run.name)) for run in done}
   plot_curves(curves, os.path.join(folder, "eval.png"), f"{name}: global eval loss")
   analysis = os.path.join(folder, "analysis.md")
   parts = [
@@ -203,6 +204,8 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
       f"the runs took {wall_s / 60:.1f} min in this invocation (0 when every run was reused "
       "from an earlier one).", "",
       "## Runs", "", table(rows, columns), "",
+      *([f"Not run yet: {', '.join(r.name for r in runs if r not in done)}.", ""]
+        if len(done) < len(runs) else []),
       "## Over seeds", "", table(summarise(rows), ("method", "eval_loss_mean", "eval_loss_spread",
                                                    "seeds")), "",
       "![eval loss](eval.png)", "",

@@ -31,10 +31,10 @@ COLUMNS = ("method", "seed", "tokens", "eval_loss", "mean_learners_per_round",
 
 
 def runs(preset: str = "cpu", seeds=SEEDS) -> list[Run]:
-  out = []
-  for setting, gamma in SETTINGS:
-    for rule in RULES:
-      for seed in seeds:
+  out = []  # seed-major, so that an interrupted experiment still compares every method
+  for seed in seeds:
+    for setting, gamma in SETTINGS:
+      for rule in RULES:
         out.append(Run(f"{setting}, stale={rule}", CONFIG.format(preset=preset), seed,
                        HETEROGENEOUS + (("sync.gamma", gamma), ("outer.stale", rule))))
   return out

@@ -1,0 +1,60 @@
+"""The experiment harness end to end at a tiny size: real runs, regenerated results and plots."""
+
+import json
+import os
+
+import pytest
+
+from experiments import harness
+from experiments.stale import config as stale_config
+
+
+def test_stale_experiment_covers_both_rules_and_settings():
+  runs = stale_config.runs("tiny", seeds=(0, 1))
+  assert len(runs) == 8 and len({r.name for r in runs}) == 8
+  rules = {dict(r.overrides)["outer.stale"] for r in runs}
+  gammas = {dict(r.overrides)["sync.gamma"] for r in runs}
+  assert rules == {"paper", "rebase"} and gammas == {0.0, 0.8}
+  assert all(r.config == "configs/decoupled.py:tiny" for r in runs)
+
+
+def test_table_and_summary():
+  rows = [{"method": "a", "seed": 0, "eval_loss": 2.0}, {"method": "a", "seed": 1,
+                                                          "eval_loss": 2.5},
+          {"method": "b", "seed": 0, "eval_loss": 3.0}]
+  (a, b) = harness.summarise(rows)
+  assert a == {"method": "a", "eval_loss_mean": 2.25, "eval_loss_spread": 0.5, "seeds": 2}
+  assert b["eval_loss_spread"] == 0.0
+  text = harness.table(rows, ("method", "eval_loss"))
+  assert text.splitlines()[0] == "| method | eval_loss |" and "| a | 2.5 |" in text
+
+
+@pytest.mark.slow
+def test_runs_are_collected_into_results_table_and_plot(tmp_path):
+  overrides = (("learners.virtual_clock", True), ("train.steps", 16),
+               ("train.eval_every", 8), ("learners.count", 2))
+  runs = [harness.Run("two learners", "configs/decoupled.py:tiny", 0, overrides)]
+  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "results")
+  os.makedirs(folder)
+  with open(os.path.join(folder, "analysis.md"), "w") as f:
+    f.write("## What it means\n\nAuthored text.")
+  wall = harness.run_all(runs, outdir)
+  assert wall > 0 and harness.finished(os.path.join(outdir, runs[0].name))
+  assert harness.run_all(runs, outdir) < wall  # finished runs are reused, not rerun
+  results = harness.report("smoke", runs, outdir, folder, columns=("method", "eval_loss"),
+                           command="python -m experiments.smoke", wall_s=wall)
+  on_disk = json.load(open(os.path.join(folder, "results.json")))
+  assert on_disk == results and on_disk["experiment"] == "smoke"
+  assert len(on_disk["commit"]) == 40 or on_disk["commit"] == "unknown"
+  (row,) = on_disk["rows"]
+  assert row["method"] == "two learners" and row["seed"] == 0
+  assert row["tokens"] == 2 * 16 * 8 * 64  # learners x steps x batch x sequence
+  assert row["eval_loss"] < row["initial_loss"]
+  for key in ("goodput", "mean_learners_per_round", "bytes_up", "bytes_down"):
+    assert row[key] > 0
+  curve = harness.eval_curve(os.path.join(outdir, runs[0].name))
+  assert [p["step"] for p in curve][0] == 0 and curve[-1]["eval_loss"] == pytest.approx(
+      row["eval_loss"])
+  readme = open(os.path.join(folder, "README.md")).read()
+  assert "| two learners |" in readme and "Authored text." in readme and "eval.png" in readme
+  assert os.path.getsize(os.path.join(folder, "eval.png")) > 10_000
