@@ -203,7 +203,8 @@ def round_stats(tape: Sequence[Mapping]) -> dict:
 
   Returns:
     A dict with `rounds`, `mean_quorum`, `last_quorum` (the `quorum` a round required),
-    `mean_learners` (admitted deliveries per round), `median_learners`, `max_learners`,
+    `mean_learners` (admitted deliveries per round), `median_learners`, `mean_alive`
+    (learners alive when a round closed: the most it could have merged), `max_learners`,
     `learners_hist` (rounds per number of admitted deliveries), `mean_grace_s` and
     `median_grace_s` (the window the policy computed), `mean_grace_used_s` (time a round
     stayed open after its quorum), `admitted_in_grace` (deliveries that arrived after their
@@ -224,6 +225,7 @@ def round_stats(tape: Sequence[Mapping]) -> dict:
       "last_quorum": ordered[-1]["quorum"] if n else 0,
       "mean_learners": mean([len(r["admitted"]) for r in tape]),
       "median_learners": statistics.median([len(r["admitted"]) for r in tape]) if n else 0,
+      "mean_alive": mean([r.get("num_alive", 0) for r in tape]),
       "max_learners": max((len(r["admitted"]) for r in tape), default=0),
       "learners_hist": dict(sorted(collections.Counter(len(r["admitted"]) for r in tape).items())),
       "mean_grace_s": mean([r["grace_s"] for r in tape]),
@@ -253,7 +255,7 @@ def fidelity_line(tape: Sequence[Mapping]) -> str:
   learners = " ".join(f"{k}:{v}" for k, v in stats["learners_hist"].items())
   stale = " ".join(f"{k}:{v}" for k, v in hist.items())
   return (f"fidelity: {n} rounds, learners/round mean {stats['mean_learners']:.2f} "
-          f"[{learners}], grace median {stats['median_grace_s']:.3f}s used "
+          f"[{learners}] of {stats['mean_alive']:.2f} alive, grace median {stats['median_grace_s']:.3f}s used "
           f"{stats['mean_grace_used_s']:.3f}s ({stats['admitted_in_grace']} admitted in grace), "
           f"staleness mean {sum(k * v for k, v in hist.items()) / admitted:.2f} [{stale}], "
           f"closed by {closed}")
@@ -414,6 +416,7 @@ def summary(workdir: str, num_fragments: int, num_params: int, *,
       "rounds": stats["rounds"], "mean_quorum": stats["mean_quorum"],
       "last_quorum": stats["last_quorum"], "mean_learners_per_round": stats["mean_learners"],
       "median_learners_per_round": stats["median_learners"],
+      "mean_alive_per_round": stats["mean_alive"],
       "mean_grace_s": stats["mean_grace_s"], "median_grace_s": stats["median_grace_s"],
       "mean_grace_used_s": stats["mean_grace_used_s"],
       "admitted_in_grace": stats["admitted_in_grace"], "mean_sync_s": stats["mean_sync_s"],

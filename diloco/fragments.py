@@ -198,6 +198,21 @@ def due_fragments(step: int, period: int, num_fragments: int) -> list[int]:
   return [p for p in range(num_fragments) if p * period // num_fragments == slot]
 
 
+def aligned_phase(own_step: int, peer_steps: list[int], period: int) -> int:
+  """Schedule phase that makes a rejoining learner deliver each slot with its peers.
+
+  A learner that resumes from its checkpoint at `own_step` while its peers are at
+  `peer_steps` would deliver fragment p `peer - own (mod H)` steps away from them, more than
+  a grace window (at most one step) gathers, until its next restart. Shifting its schedule
+  by this phase (`due_fragments(step + phase, ...)`) puts its deliveries back in its peers'
+  rounds; every fragment is still due every H steps. 0 without peers.
+  """
+  if not peer_steps:
+    return 0
+  ordered = sorted(peer_steps)
+  return (ordered[len(ordered) // 2] - own_step) % period
+
+
 def is_due(p: int, step: int, period: int, num_fragments: int) -> bool:
   """Whether fragment p is due after completing local step `step` (1-based)."""
   if not isinstance(step, int) or step < 1:

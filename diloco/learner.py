@@ -90,6 +90,7 @@ class Learner:
     self._inflight: list[concurrent.futures.Future] = []
     self._last_metrics: Any = None
     self._poisoned = False
+    self.phase = 0  # schedule shift of a rejoining learner (`fragments.aligned_phase`)
     self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     self.last_values: tuple[int, dict[str, float]] | None = None  # (local step, metrics)
 
@@ -164,7 +165,8 @@ class Learner:
     self.steps += 1
     self.tokens += self.tokens_per_step
     cfg = self.cfg.sync
-    for p in fragments_lib.due_fragments(self.local_step, cfg.period, self.plan.num_fragments):
+    for p in fragments_lib.due_fragments(self.local_step + self.phase, cfg.period,
+                                         self.plan.num_fragments):
       self._deliver(p)
     self.transport.heartbeat(Heartbeat(self.id, self.incarnation, self.local_step, step_time,
                                        now))

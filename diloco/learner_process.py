@@ -31,6 +31,7 @@ from absl import logging
 
 from diloco import chaos, hosts as hosts_lib, wan
 from diloco import checkpoint as checkpoint_lib
+from diloco import fragments as fragments_lib
 from diloco import metrics as metrics_lib
 from diloco import runtime as runtime_lib
 from diloco.config_lib import Config, ConfigError, parse_floats
@@ -113,6 +114,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
     _adopt_peer_optimizer(cfg, store, learner, spec, hosts)
   learner.load_global()  # the published fragments replace whatever parameters it had
   link.heartbeat(Heartbeat(learner_id, incarnation, learner.local_step, 0.0, clock()))
+  learner.phase = hosts.share("phase", lambda: _phase(cfg, store, learner))
   if learner_id < cfg.learners.count:
     first = incarnation == 0 and latest is None
     hosts.share("started_together", lambda: _start_together(cfg, store, learner_id, first))
@@ -145,6 +147,24 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
           "local_step": learner.local_step, "bytes_up": link.bytes_up,
           "bytes_down": link.bytes_down, "wan_wait_s": round(link.wan_wait_s, 3),
           "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}
+
+
+def _phase(cfg: Config, store: Store, learner: Learner) -> int:
+  """`fragments.aligned_phase` against the live peers' last heartbeats (written within the
+  heartbeat timeout, by their wall clocks: a generous bound across machines)."""
+  now = time.time()
+  peers = []
+  for m, record in store.heartbeats().items():
+    try:
+      if m != learner.id and record.get("state") == "up" and \
+          now - float(record["sent_at"]) < cfg.sync.heartbeat_timeout_s:
+        peers.append(int(record["local_step"]))
+    except (KeyError, TypeError, ValueError):
+      continue
+  phase = fragments_lib.aligned_phase(learner.local_step, peers, cfg.sync.period)
+  if phase:
+    logging.info("learner %d: schedule phase %d to deliver with its peers", learner.id, phase)
+  return phase
 
 
 def _start_together(cfg: Config, store: Store, learner_id: int, wait: bool) -> bool:

@@ -147,6 +147,20 @@ def test_non_finite_learner_is_retired_after_its_retries(tmp_path):
   assert np.isfinite(summary["eval/loss"])
 
 
+def test_rejoining_learner_aligns_its_schedule_with_its_peers():
+  # Peers at steps 100-102 (median 101), H = 24: a learner resuming at step 96 shifts by 5, so
+  # that step 96 + 5 = 101 delivers what its peers deliver at 101.
+  assert fragments.aligned_phase(96, [100, 101, 102], 24) == 5
+  assert fragments.aligned_phase(30, [10], 24) == (10 - 30) % 24 == 4
+  assert fragments.aligned_phase(40, [], 24) == 0
+  for own, peer in [(96, 101), (30, 10), (7, 7)]:
+    phase = fragments.aligned_phase(own, [peer], 24)
+    # Both deliver the same fragments from then on, each fragment still every H steps.
+    for k in range(1, 49):
+      assert fragments.due_fragments(own + k + phase, 24, 8) == \
+          fragments.due_fragments(peer + k, 24, 8)
+
+
 # Stale deliveries.
 
 @pytest.mark.parametrize("rule", ["paper", "rebase"])
