@@ -201,8 +201,8 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
       f"# Experiment `{name}`", "",
       f"Command: `{command}`", "",
       f"Measured {today()} at commit `{results['commit'][:12]}` on {machine()}; "
-      f"the runs took {wall_s / 60:.1f} min in this invocation (0 when every run was reused "
-      "from an earlier one).", "",
+      f"the runs took {sum(r['wall_s'] for r in rows) / 60:.1f} min of wall time in all "
+      f"({wall_s / 60:.1f} min in this invocation, which reuses finished runs).", "",
       "## Runs", "", table(rows, columns), "",
       *([f"Not run yet: {', '.join(r.name for r in runs if r not in done)}.", ""]
         if len(done) < len(runs) else []),
