@@ -204,7 +204,8 @@ class StoreConfig:
   wan_latency_ms: str = ""
   # A learner without a checkpoint of its own starts from a healthy peer's AdamW state.
   peer_optimizer: bool = False
-  # How long a starting learner waits for the syncer's first published fragments.
+  # How long a starting learner waits for the syncer's first published fragments, and the
+  # initial learners (of either runtime) for each other to take their first step together.
   join_timeout_s: float = 300.0
   # What a learner does on SIGTERM. "retire": flush, checkpoint, tell the syncer it left for
   # good, exit 0. "restart" (preemption, node drains under Kubernetes): flush, checkpoint,

@@ -182,6 +182,8 @@ class ThreadedDriver:
     self._stops: dict[int, threading.Event] = {}
     self._threads: dict[int, threading.Thread] = {}
     self._failed: queue.SimpleQueue = queue.SimpleQueue()  # (slot, since) to restart
+    self._cohort: set[int] = set()  # initial learners that have not passed the gang start
+    self._gang = threading.Barrier(1)
 
   def now(self) -> float:
     return time.monotonic() - self._t0
@@ -193,6 +195,7 @@ class ThreadedDriver:
       logging.exception("runtime thread failed")
       self._errors.append(e)
       self._done.set()
+      self._gang.abort()  # no learner waits for a peer that will not come
 
   def _syncer_loop(self) -> None:
     deadline = None
@@ -217,6 +220,7 @@ class ThreadedDriver:
     start = self.now()
     learner = self.rt.start_learner(slot, background_io=True, now=start, clock=time.monotonic)
     self.rt.recorder.span(slot, "load", start, self.now())
+    self._start_together(slot)
     previous = self.now()
     step_time = 0.0
     steps = self.cfg.train.steps
@@ -256,6 +260,21 @@ class ThreadedDriver:
     finished = learner.local_step >= steps
     self.rt.stop_learner(slot, "done" if finished and not stop.is_set() else slot.status)
 
+  def _start_together(self, slot: Slot) -> None:
+    """The initial learners take their first step together (a gang start, as the learner
+    processes do). Each delivers fragment p at the same local steps; loaded a few steps apart
+    (threads contend for the host), paced learners would keep that offset for the whole run,
+    more than a grace window (at most one step) can gather, and a round would miss them.
+    A rejoining learner does not wait."""
+    if slot.index not in self._cohort:
+      return
+    self._cohort.discard(slot.index)
+    try:
+      self._gang.wait(timeout=self.cfg.store.join_timeout_s)
+    except threading.BrokenBarrierError:
+      logging.warning("learner %d: the initial learners did not all load within %.0f s; "
+                      "starting alone", slot.index, self.cfg.store.join_timeout_s)
+
   def _start(self, slot: Slot) -> None:
     stop = threading.Event()
     self._stops[slot.index] = stop
@@ -277,7 +296,10 @@ class ThreadedDriver:
     syncer = threading.Thread(target=self._guard, args=(self._syncer_loop,), name="syncer",
                               daemon=True)
     syncer.start()
-    for slot in self.rt.initial_slots():
+    initial = self.rt.initial_slots()
+    self._cohort = {slot.index for slot in initial}
+    self._gang = threading.Barrier(max(len(initial), 1))
+    for slot in initial:
       self._start(slot)
     pending = list(self.rt.faults)
     returns: list[tuple[float, Slot, float]] = []
