@@ -17,45 +17,13 @@ from typing import Any
 
 import ml_collections
 
-
-class ConfigError(ValueError):
-  """A configuration value is invalid; the message names the field."""
+from diloco.errors import ConfigError
+from diloco.model import presets as model_presets
+from diloco.model.config import ModelConfig
 
 
 def _frozen(cls):
   return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
-
-
-@_frozen
-class ModelConfig:
-  """A Gemma-style decoder-only LM (see `diloco.model`)."""
-  name: str = "custom"
-  vocab_size: int = 384
-  embed_dim: int = 64
-  num_layers: int = 2
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  head_dim: int = 16
-  mlp_dim: int = 256
-  # One letter per layer, repeated cyclically: L = local sliding window, G = global.
-  attention_pattern: str = "LG"
-  sliding_window: int = 64
-  rope_base_local: float = 10_000.0
-  rope_base_global: float = 1_000_000.0
-  qk_norm: bool = True
-  # Queries are scaled by query_pre_attn_scalar**-0.5; 0 means head_dim.
-  query_pre_attn_scalar: float = 0.0
-  # 0 disables soft-capping of the final logits.
-  final_logit_softcap: float = 0.0
-  # Mixture of experts: num_experts = 0 gives the dense GeGLU MLP in every layer.
-  num_experts: int = 0
-  experts_per_token: int = 2
-  expert_mlp_dim: int = 0
-  capacity_factor: float = 1.25
-  moe_aux_loss_weight: float = 0.01
-  dtype: str = "float32"
-  param_dtype: str = "float32"
-  remat: bool = False
 
 
 @_frozen
@@ -114,7 +82,7 @@ class CheckpointConfig:
   every_steps: int = 50
   # Single-controller Decoupled DiLoCo: checkpoint the syncer (G, momentum, versions, registry)
   # and the learners' resume points every this many merged rounds, and at the end, so that
-  # rerunning the command resumes (diloco/run_checkpoint.py); 0 disables them.
+  # rerunning the command resumes (diloco/runtime/checkpoint.py); 0 disables them.
   every_rounds: int = 0
   # Both kinds keep the newest `max_to_keep` checkpoints.
   max_to_keep: int = 2
@@ -270,7 +238,6 @@ DTYPES = ("float32", "bfloat16")
 
 def base_config(model_preset: str) -> ml_collections.ConfigDict:
   """The default ConfigDict with the model fields filled from a preset."""
-  from diloco import model_presets  # pylint: disable=import-outside-toplevel
   model = model_presets.get(model_preset)
   groups = {name: dataclasses.asdict(cls()) for name, cls in _GROUPS.items()}
   groups["model"] = dataclasses.asdict(model)

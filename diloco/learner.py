@@ -23,12 +23,13 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from diloco import data as data_lib
 from diloco import fragments as fragments_lib
-from diloco import outer, train_state
+from diloco import outer
 from diloco.config_lib import Config
-from diloco.sharding import batch_sharding
-from diloco.transport import Heartbeat, InMemoryTransport, Merged, Payload
+from diloco.model.sharding import batch_sharding
+from diloco.train import data as data_lib
+from diloco.train import state as train_state
+from diloco.transport import Heartbeat, LearnerTransport, Merged, Payload
 
 
 class NonFiniteMetrics(FloatingPointError):
@@ -54,7 +55,7 @@ class Learner:
   def __init__(self, *, learner_id: int, incarnation: int, num_groups: int, cfg: Config,
                spec: train_state.StateSpec, init_fn, step_fn,
                plan: fragments_lib.FragmentPlan,
-               transport: InMemoryTransport, resume: Resume, background_io: bool,
+               transport: LearnerTransport, resume: Resume, background_io: bool,
                clock: Callable[[], float] = time.monotonic):
     """`clock` times a delivery's transit (the run's virtual clock makes it 0 there)."""
     self.id, self.incarnation, self.cfg = learner_id, incarnation, cfg

@@ -59,20 +59,21 @@ def _load_config() -> config_lib.Config:
 def _run(cfg: config_lib.Config, workdir: str):
   role = _ROLE.value
   if role == "train":
-    from diloco import decoupled, train  # pylint: disable=import-outside-toplevel
+    from diloco.runtime import decoupled
+    from diloco.train import data_parallel as train  # pylint: disable=import-outside-toplevel
     return (decoupled.run if cfg.learners.count else train.run)(cfg, workdir)
   if cfg.learners.count < 1:
     raise config_lib.ConfigError(f"--role={role} needs learners.count >= 1")
   if role == "launch":
-    from diloco import launcher  # pylint: disable=import-outside-toplevel
+    from diloco.distributed import launcher  # pylint: disable=import-outside-toplevel
     return launcher.run(cfg, workdir)
   store = _STORE.value or cfg.store.root or os.path.join(workdir, "store")
   if role == "syncer":
-    from diloco import syncer_process  # pylint: disable=import-outside-toplevel
+    from diloco.distributed import syncer_process  # pylint: disable=import-outside-toplevel
     return syncer_process.run(cfg, workdir, store)
   if _LEARNER_ID.value is None:
     raise app.UsageError("--role=learner needs --learner_id=N")
-  from diloco import learner_process  # pylint: disable=import-outside-toplevel
+  from diloco.distributed import learner_process  # pylint: disable=import-outside-toplevel
   return learner_process.run(cfg, workdir, store, _LEARNER_ID.value)
 
 
@@ -81,7 +82,7 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
-  # Orbax warns on every save without OCDBT (the store's choice, see diloco/store.py).
+  # Orbax warns on every save without OCDBT (the store's choice, see diloco/distributed/store.py).
   logging.get_absl_logger().addFilter(
       lambda record: "Skipping merge of OCDBT" not in record.getMessage())
   if _JAX_DISTRIBUTED.value:

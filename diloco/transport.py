@@ -1,15 +1,19 @@
-"""Messages between learners and the syncer, and the in-memory transport that carries them.
+"""Messages between learners and the syncer, the learner's side of a transport as a Protocol,
+and the in-memory transport that carries them.
 
-Learners and the syncer never import each other: they meet only here. The in-memory
-implementation serves the single-controller runtime (one process, threads or a virtual
-clock); the multi-process store implements the same methods over files.
+Learners and the syncer never import each other: they meet only here. A learner depends on
+`LearnerTransport` alone; three classes implement it: `InMemoryTransport` (the single-controller
+runtime: one process, threads or a virtual clock), `distributed.store_transport.LearnerStoreLink`
+(a learner process over the store's files) and `distributed.hosts.AgreedLink` (a learner
+spanning several hosts). The syncer depends only on the messages: its runtime takes them from a
+transport and hands them to `Syncer.tick`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -65,6 +69,30 @@ class Merged:
   @property
   def nbytes(self) -> int:
     return int(sum(t.nbytes for t in self.tensors.values()))
+
+
+class LearnerTransport(Protocol):
+  """What a learner needs from a transport: send heartbeats and deliveries up, read the latest
+  merged fragments down. Sends never wait on the syncer; `wait_for` is the only call that
+  blocks, and only a learner at its sync point (`t + tau`) calls it."""
+
+  def heartbeat(self, beat: Heartbeat) -> None:
+    """Says this learner is alive, at what step and how fast."""
+
+  def deliver(self, payload: Payload) -> None:
+    """Hands a fragment's delivery to the transport (queued; returns at once)."""
+
+  def latest(self, fragment: int) -> Merged | None:
+    """The newest merged version of `fragment` this learner can see, or None."""
+
+  def latest_version(self, fragment: int) -> int:
+    """The version of `latest(fragment)`; -1 when none was published."""
+
+  def wait_for(self, fragment: int, min_version: int, timeout: float) -> Merged | None:
+    """Blocks until `fragment` reaches `min_version` or `timeout` passes; the latest."""
+
+  def count_download(self, nbytes: int) -> None:
+    """Adds `nbytes` to the downloaded bytes (the bandwidth ledger)."""
 
 
 class InMemoryTransport:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import matplotlib
 
-from diloco.accounting import read_jsonl
+from diloco.observe.accounting import read_jsonl
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

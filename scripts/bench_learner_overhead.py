@@ -29,11 +29,12 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from diloco import config_lib, train_state
-from diloco import data as data_lib
-from diloco.drivers import ThreadedDriver
-from diloco.runtime import Runtime
-from diloco.sharding import batch_sharding
+from diloco import config_lib
+from diloco.model.sharding import batch_sharding
+from diloco.runtime.core import Runtime
+from diloco.runtime.drivers import ThreadedDriver
+from diloco.train import data as data_lib
+from diloco.train import state as train_state
 
 _MODEL = flags.DEFINE_enum("model", "small", ["tiny", "small"], "Model preset.")
 _STEPS = flags.DEFINE_integer("steps", 48, "Timed steps per measurement.")

@@ -2,17 +2,16 @@
 
 One syncer round of a fragment as the syncer should run it: token weights, then
 `diloco.outer.merge_and_step`, which merges M float32 outer gradients by RDA and takes the Nesterov
-outer step in place on the fragment and its momentum, reusing one workspace buffer across rounds
-and sharing the work among `outer.MERGE_THREADS` threads (2 where there are 2 cores; `--threads`
-overrides it). Throughput is payload bytes (M x fragment bytes) per second; the reference is
-`np.copyto` (one thread) of one array of the same total size. `ratio` is best copy time over best
-round time; copies and rounds are timed alternately so that both see the same load on a shared
-host, and `ratio_median` is the median of the per-repetition ratios. `ratio_unfused` times the
-unfused pair (`merge_fragment`, then `nesterov_step(inplace=True)`, same threads) the same way,
+outer step in place on the fragment and its momentum, reusing one workspace buffer across rounds and
+sharing the work among `diloco.outer.kernels.MERGE_THREADS` threads (2 where there are 2 cores;
+`--threads` overrides it). Throughput is payload bytes (M x fragment bytes) per second; the
+reference is `np.copyto` (one thread) of one array of the same total size. `ratio` is best copy time
+over best round time; copies and rounds are timed alternately so that both see the same load on a
+shared host, and `ratio_median` is the median of the per-repetition ratios. `ratio_unfused` times
+the unfused pair (`merge_fragment`, then `nesterov_step(inplace=True)`, same threads) the same way,
 for comparison, and `ratio_syncer` the whole round inside `Syncer.tick` (M value payloads, K = M:
-outer gradients, the tape's per-delivery norms, the fused merge, the published copy). RDA must
-read every payload twice (norms, then the weighted sum); the goal is
->= 0.3.
+outer gradients, the tape's per-delivery norms, the fused merge, the published copy). RDA must read
+every payload twice (norms, then the weighted sum); the goal is >= 0.3.
 
   PYTHONPATH=. .venv/bin/python scripts/bench_merge.py  # prints one JSON line last
 """
@@ -29,6 +28,7 @@ import numpy as np
 
 from diloco import fragments, outer
 from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.outer import kernels
 from diloco.syncer import Syncer
 from diloco.transport import Heartbeat, Payload
 
@@ -53,10 +53,10 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--tensors", type=int, default=4, help="equal tensors per fragment")
   parser.add_argument("--reps", type=int, default=5, help="timed repetitions (best is used)")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--threads", type=int, default=outer.MERGE_THREADS,
-                      help="threads per merge (outer.MERGE_THREADS)")
+  parser.add_argument("--threads", type=int, default=kernels.MERGE_THREADS,
+                      help="threads per merge (diloco.outer.kernels.MERGE_THREADS)")
   args = parser.parse_args(argv)
-  outer.MERGE_THREADS = args.threads
+  kernels.MERGE_THREADS = args.threads
 
   rng = np.random.default_rng(args.seed)
   per_tensor = args.fragment_mib * (1 << 20) // 4 // args.tensors

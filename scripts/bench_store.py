@@ -39,9 +39,11 @@ import time
 import numpy as np
 from absl import logging
 
-from diloco import fragments, store_transport, syncer_process
+from diloco import fragments
 from diloco.config_lib import OuterConfig, SyncConfig
-from diloco.store import Store, payload_name
+from diloco.distributed import store_transport
+from diloco.distributed import syncer_process
+from diloco.distributed.store import Store, payload_name
 from diloco.syncer import Syncer
 from diloco.transport import Heartbeat, Payload
 

@@ -20,9 +20,14 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco import config_lib, data, model, optim, train_state, train_step
-from diloco import mesh as mesh_lib
-from diloco.sharding import batch_sharding
+from diloco import config_lib
+from diloco.model import transformer as model
+from diloco.model.sharding import batch_sharding
+from diloco.train import data
+from diloco.train import mesh as mesh_lib
+from diloco.train import optim
+from diloco.train import state as train_state
+from diloco.train import step as train_step
 
 _PRESET = flags.DEFINE_string("preset", "small", "configs/dp.py preset to measure.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (after 3 warm-up steps).")

@@ -18,9 +18,9 @@ import numpy as np
 from absl import app, flags
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from diloco import data as data_lib
-from diloco import tokenizers
 from diloco.config_lib import ConfigError, DataConfig
+from diloco.train import data as data_lib
+from diloco.train import tokenizers
 
 _OUT = flags.DEFINE_string("out", None, "Output directory (created).")
 _SOURCE = flags.DEFINE_enum("source", "stdlib", ["stdlib", "text"], "Corpus to read.")

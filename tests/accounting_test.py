@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from diloco import accounting, timeline
+from diloco.observe import accounting
+from diloco.observe import timeline
 
 
 def step(learner, local_step, start, end, *, incarnation=0, devices=1, slowdown=1.0, tokens=100):

@@ -8,8 +8,11 @@ import jax
 import pytest
 
 from configs import dp
-from diloco import config_lib, mesh as mesh_lib, model_presets, train
+from diloco import config_lib
 from diloco.config_lib import ConfigError
+from diloco.model import presets as model_presets
+from diloco.train import data_parallel as train
+from diloco.train import mesh as mesh_lib
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 
@@ -106,7 +109,8 @@ def test_load_config_file_by_path():
 
 
 def test_fault_schedules_parse_and_bad_events_name_the_field():
-  from diloco import chaos, faults
+  from diloco.distributed import chaos
+  from diloco.runtime import faults
   assert [(f.at, f.kind, f.learner, f.duration) for f in faults.parse(
       " add@40; down:1@30+20;remove:2@60 ")] == [
           (30.0, "down", 1, 20.0), (40.0, "add", -1, 0.0), (60.0, "remove", 2, 0.0)]
@@ -119,7 +123,7 @@ def test_fault_schedules_parse_and_bad_events_name_the_field():
 
 def test_launcher_refuses_retire_events_when_sigterm_means_restart(tmp_path):
   from configs import multiprocess  # pylint: disable=import-outside-toplevel
-  from diloco import launcher  # pylint: disable=import-outside-toplevel
+  from diloco.distributed import launcher  # pylint: disable=import-outside-toplevel
   cfg = multiprocess.get_config("tiny")
   cfg.launch.chaos, cfg.launch.chaos_faults = "retire:1@5", 0
   cfg.store.on_sigterm = "restart"

@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from diloco import data, tokenizers
 from diloco.config_lib import ConfigError, DataConfig
+from diloco.train import data
+from diloco.train import tokenizers
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 

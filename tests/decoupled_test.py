@@ -7,10 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from diloco import config_lib, decoupled, fragments, optim, train, train_state, train_step
-from diloco import data as data_lib
-from diloco import runtime as runtime_lib
-from diloco.sharding import batch_sharding
+from diloco import config_lib, fragments
+from diloco.model.sharding import batch_sharding
+from diloco.runtime import decoupled
+from diloco.train import data as data_lib
+from diloco.train import data_parallel as train
+from diloco.train import island
+from diloco.train import optim
+from diloco.train import state as train_state
+from diloco.train import step as train_step
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 pytestmark = pytest.mark.slow
@@ -174,4 +179,4 @@ def test_threaded_wall_clock_run_with_faults(tmp_path):
     (0.4, 1.0, 0.25, 0.0),   # already slower than the pace
 ])
 def test_pacing_wait_closed_form(measured, factor, min_step, wait):
-  assert runtime_lib.pacing_wait(measured, factor, min_step) == pytest.approx(wait)
+  assert island.pacing_wait(measured, factor, min_step) == pytest.approx(wait)

@@ -11,8 +11,10 @@ import os
 import numpy as np
 import pytest
 
-from diloco import accounting, config_lib, decoupled, fragments, syncer as syncer_lib
+from diloco import config_lib, fragments, syncer as syncer_lib
 from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
+from diloco.observe import accounting
+from diloco.runtime import decoupled
 from diloco.transport import Heartbeat, Payload
 
 REPO = os.path.dirname(os.path.dirname(__file__))

@@ -1,11 +1,12 @@
-"""The hosts' agreement rule (`diloco.hosts`). JAX's key-value store is replaced by a dict here so
-the steps can be interleaved by hand; `multihost_test.py` runs the real one across processes."""
+"""The hosts' agreement rule (`diloco.distributed.hosts`). JAX's key-value store is replaced by a
+dict here so the steps can be interleaved by hand; `multihost_test.py` runs the real one across
+processes."""
 
 import numpy as np
 import pytest
 
-from diloco import hosts as hosts_lib
-from diloco.store import Store
+from diloco.distributed import hosts as hosts_lib
+from diloco.distributed.store import Store
 from diloco.transport import Merged
 
 

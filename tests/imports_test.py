@@ -27,4 +27,71 @@ def test_learner_does_not_know_the_syncer():
 
 def test_syncer_does_not_know_the_learner():
   imported = _imports("syncer")
-  assert not {n for n in imported if "learner" in n or "train_step" in n or n.startswith("jax")}
+  assert not {n for n in imported
+              if "learner" in n or n.startswith("diloco.train") or n.startswith("jax")}
+
+
+def test_every_transport_implements_the_learner_protocol():
+  """The in-memory transport and both store links offer the learner's Protocol, same signatures."""
+  import inspect
+
+  from diloco import transport
+  from diloco.distributed import hosts, store_transport
+
+  methods = ["heartbeat", "deliver", "latest", "latest_version", "wait_for", "count_download"]
+  for cls in (transport.InMemoryTransport, store_transport.LearnerStoreLink, hosts.AgreedLink):
+    for name in methods:
+      want = inspect.signature(getattr(transport.LearnerTransport, name))
+      got = inspect.signature(getattr(cls, name))
+      assert list(got.parameters) == list(want.parameters), (cls.__name__, name, got)
+
+
+def _module_graph():
+  """{module: modules of the package it imports}, anywhere in its file (deferred imports too).
+  `from a import b` counts as importing `a.b` when that is a module, else `a`."""
+  root = os.path.dirname(PACKAGE)
+  modules = {}
+  for folder, _, files in os.walk(PACKAGE):
+    for name in files:
+      if name.endswith(".py"):
+        rel = os.path.relpath(os.path.join(folder, name), root)[:-3].replace(os.sep, ".")
+        modules[rel.removesuffix(".__init__")] = os.path.join(folder, name)
+  graph = {}
+  for module, path in modules.items():
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    edges = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("diloco"):
+        for alias in node.names:
+          full = f"{node.module}.{alias.name}"
+          edges.add(full if full in modules else node.module)
+      elif isinstance(node, ast.Import):
+        edges.update(a.name for a in node.names if a.name in modules)
+    graph[module] = edges - {module}
+  return graph
+
+
+def test_the_package_has_no_import_cycles():
+  graph = _module_graph()
+  state = {}
+
+  def visit(module, path):
+    state[module] = "open"
+    for dep in sorted(graph.get(module, ())):
+      if state.get(dep) == "open":
+        raise AssertionError("import cycle: " + " -> ".join(path + [module, dep]))
+      if dep not in state:
+        visit(dep, path + [module])
+    state[module] = "done"
+
+  for module in sorted(graph):
+    if module not in state:
+      visit(module, [])
+
+
+def test_the_model_does_not_import_the_run_configuration():
+  graph = _module_graph()
+  for module, deps in graph.items():
+    if module.startswith("diloco.model"):
+      assert "diloco.config_lib" not in deps, module

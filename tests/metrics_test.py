@@ -3,7 +3,7 @@
 import json
 import os
 
-from diloco import metrics
+from diloco.observe import metrics
 
 
 def test_writer_records_and_tensorboard(tmp_path):

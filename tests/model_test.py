@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from diloco import model, model_presets, moe
+from diloco.model import moe
+from diloco.model import presets as model_presets
+from diloco.model import transformer as model
 
 
 def expected_counts(c):

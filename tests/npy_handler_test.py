@@ -8,7 +8,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from diloco.npy_handler import NpyHandler
+from diloco.distributed.npy_handler import NpyHandler
 
 
 def _handler(sync=False):

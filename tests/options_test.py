@@ -16,11 +16,12 @@ import numpy as np
 import optax
 import pytest
 
-from diloco import config_lib, decoupled, fragments
+from diloco import config_lib, fragments
 from diloco import learner as learner_lib
-from diloco import runtime as runtime_lib
 from diloco import syncer as syncer_lib
 from diloco import transport as transport_lib
+from diloco.runtime import decoupled
+from diloco.train import island
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 STEPS = 24  # train.steps: part of the compiled learner (its learning-rate schedule)
@@ -43,7 +44,7 @@ def _config(**dotted):
 
 
 def _compiled_key(cfg):
-  """What `runtime.build_learner` compiles from: options outside it share one compilation."""
+  """What `island.build_learner` compiles from: options outside it share one compilation."""
   return (cfg.model, cfg.optim, cfg.mesh, cfg.train.steps, cfg.train.batch_size,
           cfg.data.seq_len)
 
@@ -65,9 +66,9 @@ def setup():
   """One compiled learner (2 devices) shared by every test of the module."""
   cfg = _config()
   devices = tuple(jax.devices()[:2])
-  spec, init_fn, step_fn = runtime_lib.build_learner(cfg, devices, 0)
-  plan = runtime_lib.fragment_plan(cfg, spec)
-  g0 = runtime_lib.initial_global(init_fn, cfg.seed)
+  spec, init_fn, step_fn = island.build_learner(cfg, devices, 0)
+  plan = island.fragment_plan(cfg, spec)
+  g0 = island.initial_global(init_fn, cfg.seed)
   return Setup(cfg, devices, spec, init_fn, step_fn, plan, g0)
 
 
@@ -233,14 +234,14 @@ def test_late_round_blocks_only_when_asked(setup, block):
 @pytest.fixture
 def reuse_compiled(setup, monkeypatch):
   """Lets the runtime reuse the module's compiled learner for the same devices and config."""
-  build = runtime_lib.build_learner
+  build = island.build_learner
 
   def cached(cfg, devices, index):
     if tuple(devices) == setup.devices and _compiled_key(cfg) == _compiled_key(setup.cfg):
       return setup.spec, setup.init_fn, setup.step_fn
     return build(cfg, devices, index)
 
-  monkeypatch.setattr(runtime_lib, "build_learner", cached)
+  monkeypatch.setattr(island, "build_learner", cached)
 
 
 @pytest.mark.slow

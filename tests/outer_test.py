@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from diloco import outer
+from diloco.outer import kernels
 
 
 # ---- Oracles: plain float64 NumPy, written from DESIGN.md 2.4, not from the module. ----
@@ -40,9 +41,9 @@ def _deltas(rng, m, shape=(7, 13), dtype=np.float32):
 @pytest.fixture
 def small_chunks(monkeypatch):
   """Tiny chunks and blocks on two threads, so that multi-chunk, multi-block and tail paths run."""
-  monkeypatch.setattr(outer, "_CHUNK", 16)
-  monkeypatch.setattr(outer, "_BLOCK_CHUNKS", 2)
-  monkeypatch.setattr(outer, "MERGE_THREADS", 2)
+  monkeypatch.setattr(kernels, "CHUNK", 16)
+  monkeypatch.setattr(kernels, "BLOCK_CHUNKS", 2)
+  monkeypatch.setattr(kernels, "MERGE_THREADS", 2)
 
 
 # ---- Weights. ----
@@ -389,8 +390,8 @@ def test_weighted_sums_with_extreme_coefficient_ratios(small_chunks):
   rng = np.random.default_rng(42)
   d, e = (rng.standard_normal(40).astype(np.float32) for _ in range(2))
   f32 = np.dtype(np.float32)
-  assert outer._WeightedSum([d, e], [1.0, 1e-32], f32).direct
-  assert not outer._WeightedSum([d, e], [1.0, 1e-20], f32).direct
+  assert kernels.WeightedSum([d, e], [1.0, 1e-32], f32).direct
+  assert not kernels.WeightedSum([d, e], [1.0, 1e-20], f32).direct
   big, small = d * np.float32(1e16), e * np.float32(1e-16)
   np.testing.assert_allclose(outer.radial_directional_average([big, small], [1, 2]),
                              oracle_rda([big, small], [1, 2]), rtol=1e-5, atol=1e-6)
@@ -451,15 +452,15 @@ def test_merge_and_step_rejects_bad_state_and_updates_nothing():
 
 
 def test_merges_do_not_depend_on_the_thread_count(monkeypatch):
-  monkeypatch.setattr(outer, "_CHUNK", 64)
-  monkeypatch.setattr(outer, "_BLOCK_CHUNKS", 1)
+  monkeypatch.setattr(kernels, "CHUNK", 64)
+  monkeypatch.setattr(kernels, "BLOCK_CHUNKS", 1)
   rng = np.random.default_rng(45)
   deltas = [{"a": rng.standard_normal((50, 41)).astype(np.float32),
              "e": rng.standard_normal(777).astype(np.float32)} for _ in range(6)]
   w = rng.uniform(0.1, 2.0, 6)
   results = []
   for threads in (1, 2, 3):
-    monkeypatch.setattr(outer, "MERGE_THREADS", threads)
+    monkeypatch.setattr(kernels, "MERGE_THREADS", threads)
     merged = outer.merge_fragment(deltas, w, {"e": True})
     params = {k: np.ones_like(v) for k, v in deltas[0].items()}
     momentum = {k: np.full_like(v, 0.5) for k, v in deltas[0].items()}
@@ -473,11 +474,11 @@ def test_merges_do_not_depend_on_the_thread_count(monkeypatch):
 
 
 def test_map_blocks_keeps_order_and_raises(monkeypatch):
-  monkeypatch.setattr(outer, "_CHUNK", 4)
-  monkeypatch.setattr(outer, "_BLOCK_CHUNKS", 1)
-  monkeypatch.setattr(outer, "MERGE_THREADS", 2)
-  assert outer._map_blocks(lambda lo, hi: (lo, hi), 10) == [(0, 4), (4, 8), (8, 10)]
-  assert outer._map_blocks(lambda lo, hi: lo, 0) == []
+  monkeypatch.setattr(kernels, "CHUNK", 4)
+  monkeypatch.setattr(kernels, "BLOCK_CHUNKS", 1)
+  monkeypatch.setattr(kernels, "MERGE_THREADS", 2)
+  assert kernels.map_blocks(lambda lo, hi: (lo, hi), 10) == [(0, 4), (4, 8), (8, 10)]
+  assert kernels.map_blocks(lambda lo, hi: lo, 0) == []
 
   def fail(lo, hi):
     if lo == 8:
@@ -485,7 +486,7 @@ def test_map_blocks_keeps_order_and_raises(monkeypatch):
     return lo
 
   with pytest.raises(RuntimeError, match="block 8"):
-    outer._map_blocks(fail, 40)
+    kernels.map_blocks(fail, 40)
 
 
 # ---- Quantisers. ----

@@ -1,4 +1,5 @@
-"""Durable single-controller runs (diloco/run_checkpoint.py): snapshot, restore, kill, resume."""
+"""Durable single-controller runs (diloco/runtime/checkpoint.py): snapshot, restore, kill,
+resume."""
 
 import json
 import os
@@ -13,9 +14,11 @@ import types
 import numpy as np
 import pytest
 
-from diloco import config_lib, decoupled, fragments, run_checkpoint
+from diloco import config_lib, fragments
 from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
 from diloco.learner import Resume
+from diloco.runtime import checkpoint as run_checkpoint
+from diloco.runtime import decoupled
 from diloco.syncer import Syncer
 
 REPO = os.path.dirname(os.path.dirname(__file__))

@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from diloco import mesh as mesh_lib
-from diloco import model_presets, optim, train_state
 from diloco.config_lib import ConfigError, MeshConfig, OptimConfig
-from diloco.sharding import batch_sharding
+from diloco.model import presets as model_presets
+from diloco.model.sharding import batch_sharding
+from diloco.train import mesh as mesh_lib
+from diloco.train import optim
+from diloco.train import state as train_state
 
 
 @pytest.fixture

@@ -6,11 +6,14 @@ import os
 import numpy as np
 import pytest
 
-from diloco import chaos, fragments, outer, syncer_process, wan
+from diloco import fragments, outer
 from diloco import syncer as syncer_lib
 from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
-from diloco.store import Store, parse_payload_name, payload_name
-from diloco.store_transport import LearnerStoreLink, SyncerStoreLink
+from diloco.distributed import chaos
+from diloco.distributed import syncer_process
+from diloco.distributed import wan
+from diloco.distributed.store import Store, parse_payload_name, payload_name
+from diloco.distributed.store_transport import LearnerStoreLink, SyncerStoreLink
 from diloco.transport import Heartbeat, Merged, Payload
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}

@@ -17,13 +17,15 @@ import time
 import jax
 from absl import logging
 
-from diloco import accounting, run_checkpoint, timeline
-from diloco import data as data_lib
-from diloco import metrics as metrics_lib
 from diloco.config_lib import Config
-from diloco.drivers import ThreadedDriver, VirtualDriver
-from diloco.runtime import Runtime, Slot
-from diloco.sharding import batch_sharding
+from diloco.model.sharding import batch_sharding
+from diloco.observe import accounting
+from diloco.observe import metrics as metrics_lib
+from diloco.observe import timeline
+from diloco.runtime import checkpoint as run_checkpoint
+from diloco.runtime.core import Runtime, Slot
+from diloco.runtime.drivers import ThreadedDriver, VirtualDriver
+from diloco.train import data as data_lib
 
 
 class Status:
@@ -73,7 +75,7 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
   """`run`, also returning the runtime (syncer state, records) for tests and notebooks.
 
   Resumes from `workdir`'s newest committed run checkpoint if it has one (see
-  `diloco.run_checkpoint`); checkpoints every `checkpoint.every_rounds` rounds and at the end.
+  `diloco.runtime.checkpoint`); checkpoints every `checkpoint.every_rounds` rounds and at the end.
   """
   os.makedirs(workdir, exist_ok=True)
   ckpt = run_checkpoint.RunCheckpointer(workdir, cfg)
@@ -93,7 +95,7 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
     os.remove(os.path.join(workdir, metrics_lib.METRICS_FILE))  # a run that never checkpointed
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=2)
-  from diloco import train  # pylint: disable=import-outside-toplevel
+  from diloco.train import data_parallel as train  # pylint: disable=import-outside-toplevel
   train.check_vocab(cfg)
   rt = Runtime(cfg, workdir, resume=snapshot is not None)
   if snapshot is not None:

@@ -18,9 +18,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco import model as model_lib
 from diloco.config_lib import ModelConfig
-from diloco.sharding import DEFAULT_RULES
+from diloco.model import transformer as model_lib
+from diloco.model.sharding import DEFAULT_RULES
 
 PyTree = Any
 

@@ -26,10 +26,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from diloco import data as data_lib
 from diloco import fragments as fragments_lib
 from diloco.config_lib import Config, ConfigError
 from diloco.learner import Resume
+from diloco.train import data as data_lib
 
 DIRECTORY = "run_checkpoints"
 LOG_FILES = ("tape.jsonl", "activity.jsonl")

@@ -1,6 +1,6 @@
 """The transport over a store: what learner and syncer processes use instead of memory.
 
-`LearnerStoreLink` has the learner-side methods of `transport.InMemoryTransport`, so the
+`LearnerStoreLink` implements `transport.LearnerTransport` (as the in-memory transport does), so the
 same `Learner` runs unchanged; nothing on its hot path touches the store: deliveries and
 heartbeats are queued and written by background threads (through the emulated WAN link),
 and a poller thread downloads each newly committed merged fragment once, so `latest()` is
@@ -19,8 +19,8 @@ from typing import Callable
 
 from absl import logging
 
-from diloco import wan
-from diloco.store import GONE, Store, StoreError, parse_payload_name
+from diloco.distributed import wan
+from diloco.distributed.store import GONE, Store, StoreError, parse_payload_name
 from diloco.transport import Heartbeat, Merged, Payload
 
 UP, RETIRED, DONE = "up", "retired", "done"

@@ -4,7 +4,7 @@ Shape legend: B batch, L length (queries), S length (keys), D embed, N query hea
 K kv heads, G = N / K query heads per kv head, H head dim, F mlp, V vocab, E experts,
 C expert capacity, T = B * L tokens.
 
-Every parameter carries logical axis names (`out_sharding`); `diloco.sharding` maps
+Every parameter carries logical axis names (`out_sharding`); `diloco.model.sharding` maps
 them to mesh axes, so the model knows nothing about meshes.
 """
 
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from diloco import moe
-from diloco.config_lib import ModelConfig
-from diloco.sharding import constrain
+from diloco.model import moe
+from diloco.model.config import ModelConfig
+from diloco.model.sharding import constrain
 
 _NEG_INF = -2.3819763e38  # large negative, finite in fp32 and bf16
 

@@ -1,6 +1,6 @@
 """A timeline PNG of a run: one lane per learner, merges per fragment on a syncer lane.
 
-Reads the records described in `diloco.accounting` (activity spans and round records). Lanes
+Reads the records described in `diloco.observe.accounting` (activity spans and round records). Lanes
 draw "step" spans (slowed ones, `slowdown > 1`, in a lighter shade), "wait" grey, "down" red and
 "load" orange; a new incarnation of a learner starts with a black tick and an `i<n>` label. The
 top lane marks every published round at `published_at`, coloured by fragment, with a height that

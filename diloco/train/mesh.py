@@ -10,7 +10,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from diloco.config_lib import ConfigError, MeshConfig
-from diloco.sharding import MESH_AXES
+from diloco.model.sharding import MESH_AXES
 
 
 def device_groups(devices: Sequence[jax.Device], sizes: Sequence[int]) -> list[list[jax.Device]]:

@@ -54,6 +54,14 @@ KINDS = ("step", "wait", "down", "load")
 CLOSE_REASONS = ("quorum_reached", "grace_expired", "all_delivered")
 
 
+def span_record(learner: int, incarnation: int, kind: str, start: float, end: float, *,
+                devices: int, slowdown: float = 1.0, local_step: int = 0, tokens: int = 0) -> dict:
+  """One activity span in the schema `diloco.observe.accounting` reads."""
+  return {"learner": learner, "incarnation": incarnation, "kind": kind, "start": start,
+          "end": end, "devices": devices, "slowdown": slowdown, "local_step": local_step,
+          "tokens": tokens}
+
+
 def read_jsonl(path: str) -> list[dict]:
   """Records of a JSON-lines file; a missing file gives [], a torn or blank line is skipped."""
   if not os.path.exists(path):
@@ -255,7 +263,8 @@ def fidelity_line(tape: Sequence[Mapping]) -> str:
   learners = " ".join(f"{k}:{v}" for k, v in stats["learners_hist"].items())
   stale = " ".join(f"{k}:{v}" for k, v in hist.items())
   return (f"fidelity: {n} rounds, learners/round mean {stats['mean_learners']:.2f} "
-          f"[{learners}] of {stats['mean_alive']:.2f} alive, grace median {stats['median_grace_s']:.3f}s used "
+          f"[{learners}] of {stats['mean_alive']:.2f} alive, "
+          f"grace median {stats['median_grace_s']:.3f}s used "
           f"{stats['mean_grace_used_s']:.3f}s ({stats['admitted_in_grace']} admitted in grace), "
           f"staleness mean {sum(k * v for k, v in hist.items()) / admitted:.2f} [{stale}], "
           f"closed by {closed}")

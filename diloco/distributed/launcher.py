@@ -2,7 +2,7 @@
 
 It starts every process with its own emulated device count, supervises them, restarts a
 process that died with an exponential backoff (a run aborts if one keeps dying fast),
-and applies the seeded chaos schedule (`diloco.chaos`) with real signals. With
+and applies the seeded chaos schedule (`diloco.distributed.chaos`) with real signals. With
 `launch.hosts_per_learner` > 1 a learner is that many processes in one `jax.distributed`
 world, like the hosts of a TPU slice: a kill hits one of them, and the launcher then stops
 the others and restarts the learner whole (JAX would take its heartbeat timeout to notice).
@@ -24,11 +24,13 @@ import time
 import numpy as np
 from absl import logging
 
-from diloco import accounting, chaos, timeline
-from diloco import metrics as metrics_lib
 from diloco.config_lib import Config, ConfigError, parse_floats
-from diloco.runtime import span_record
-from diloco.store import Store
+from diloco.distributed import chaos
+from diloco.distributed.store import Store
+from diloco.observe import accounting
+from diloco.observe import metrics as metrics_lib
+from diloco.observe import timeline
+from diloco.observe.accounting import span_record
 
 LAUNCHER_ACTIVITY = "launcher.jsonl"
 
@@ -341,7 +343,7 @@ class Launcher:
 
 def _param_shapes(cfg: Config) -> dict:
   from diloco import fragments as fragments_lib  # pylint: disable=import-outside-toplevel
-  from diloco import train_state  # pylint: disable=import-outside-toplevel
+  from diloco.train import state as train_state  # pylint: disable=import-outside-toplevel
   import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
   _, state = train_state.abstract_params(cfg.model)
   return {k: v.shape for k, v in fragments_lib.flatten_tree(nnx.to_pure_dict(state)).items()}

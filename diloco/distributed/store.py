@@ -38,7 +38,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from diloco import npy_handler, outer
+from diloco import outer
+from diloco.distributed import npy_handler
 from diloco.transport import Merged, Payload
 
 _PAYLOAD_NAME = re.compile(r"^f(\d{1,6})_l(\d{1,6})_i(\d{1,9})_s(\d{1,12})$")
@@ -196,7 +197,8 @@ class Store:
         "learner": payload.learner, "incarnation": payload.incarnation,
         "fragment": payload.fragment, "local_step": payload.local_step, "steps": payload.steps,
         "tokens": payload.tokens, "base_version": payload.base_version, "kind": payload.kind,
-        "paths": sorted(payload.tensors), "quantization": quant, "transit_s": transit_s, "lead_s": payload.lead_s,
+        "paths": sorted(payload.tensors), "quantization": quant, "transit_s": transit_s,
+        "lead_s": payload.lead_s,
         "nbytes": payload.nbytes})
     return payload.nbytes
 

@@ -1,12 +1,12 @@
 """Single-controller (Pathways-style) runtime: M learner meshes, one syncer, one process.
 
 `jax.devices()` is split into disjoint learner groups (by slice when devices have a
-`slice_index`). Two drivers (`diloco.drivers`) move time over the learners and the syncer:
+`slice_index`). Two drivers (`diloco.runtime.drivers`) move time over the learners and the syncer:
   * `VirtualDriver`: one thread and an event heap on a virtual clock; step times come
     from the configured speeds and a seeded jitter, so the same seed gives bit-identical
     global parameters and event tapes (tests use it);
   * `ThreadedDriver`: one thread per learner and one for the syncer on the wall clock.
-Faults are cooperative (`diloco.faults`): a learner is dropped and restarted, losing
+Faults are cooperative (`diloco.runtime.faults`): a learner is dropped and restarted, losing
 its local state, or added from spare device groups, or retired.
 """
 
@@ -22,14 +22,16 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco import faults as faults_lib
 from diloco import fragments as fragments_lib
-from diloco import mesh as mesh_lib
-from diloco import optim, train_state, train_step
 from diloco.config_lib import Config, ConfigError, parse_floats
 from diloco.learner import Learner, Resume
-from diloco.sharding import batch_sharding
+from diloco.observe.accounting import span_record
+from diloco.runtime import faults as faults_lib
 from diloco.syncer import Syncer
+from diloco.train import island
+from diloco.train import mesh as mesh_lib
+from diloco.train import state as train_state
+from diloco.train import step as train_step
 from diloco.transport import Heartbeat, InMemoryTransport
 
 
@@ -49,14 +51,6 @@ class Slot:
   resume: Resume = dataclasses.field(default_factory=Resume)
   nonfinite_failures: int = 0
   poison_on_start: bool = False  # a `nan:M@T` fault that found no running learner yet
-
-
-def span_record(learner: int, incarnation: int, kind: str, start: float, end: float, *,
-                devices: int, slowdown: float = 1.0, local_step: int = 0, tokens: int = 0) -> dict:
-  """One activity span in the schema `diloco.accounting` reads."""
-  return {"learner": learner, "incarnation": incarnation, "kind": kind, "start": start,
-          "end": end, "devices": devices, "slowdown": slowdown, "local_step": local_step,
-          "tokens": tokens}
 
 
 class Recorder:
@@ -105,14 +99,6 @@ def _read_jsonl(path: str) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
-def pacing_wait(measured_s: float, factor: float, min_step_s: float) -> float:
-  """Seconds to wait after a step that took `measured_s` on the wall clock, so that it lasts
-  `factor * max(measured_s, min_step_s)`: a learner `factor` times slower than its hardware,
-  on steps at least `min_step_s` long (`learners.min_step_s` paces a small host like a big
-  model, so fault schedules in seconds mean the same on fast and slow machines)."""
-  return max(factor * max(measured_s, min_step_s) - measured_s, 0.0)
-
-
 def group_sizes(cfg: Config, num_devices: int) -> list[int]:
   sizes = [int(x) for x in parse_floats(cfg.learners.devices, "learners.devices")]
   if not sizes:
@@ -124,44 +110,6 @@ def group_sizes(cfg: Config, num_devices: int) -> list[int]:
     raise ConfigError(f"learners.devices={cfg.learners.devices!r} needs {sum(sizes)} devices, "
                       f"only {num_devices} are visible")
   return sizes
-
-
-def build_learner(cfg: Config, devices, index: int):
-  """A learner's mesh over `devices`, its state spec, and its init and train step compiled.
-
-  Compiled ahead of time so that no learner compiles on the run's clock; shared by both
-  runtimes (a group of this process's devices, or all devices of a learner process).
-  """
-  total = cfg.train.steps
-  schedule = optim.lr_schedule(cfg.optim, total)
-  tx = optim.inner_optimizer(cfg.optim, total)
-  mesh = mesh_lib.learner_mesh(list(devices), cfg.mesh)
-  width = mesh_lib.data_parallel_width(mesh)
-  if cfg.train.batch_size % width:
-    raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
-                      f"learner {index}'s data x fsdp = {width}")
-  spec = train_state.make_spec(cfg.model, tx, mesh)
-  batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32,
-                               sharding=batch_sharding(spec.mesh))
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  with jax.set_mesh(spec.mesh):
-    init = train_state.make_init(cfg.model, spec).lower(key).compile()
-    step = train_step.make_train_step(spec, cfg.optim, schedule).lower(
-        spec.abstract, batch).compile()
-  return spec, init, step
-
-
-def fragment_plan(cfg: Config, spec: train_state.StateSpec) -> fragments_lib.FragmentPlan:
-  flat = fragments_lib.flatten_tree(spec.abstract["params"])
-  return fragments_lib.plan_fragments({k: v.shape for k, v in flat.items()},
-                                      cfg.sync.num_fragments, cfg.sync.scheme)
-
-
-def initial_global(init_fn, seed: int) -> dict[str, np.ndarray]:
-  """The global parameters at version 0: learner init with the run's seed, flattened."""
-  init = init_fn(jax.random.key(seed))
-  return {k: np.asarray(v) for k, v in
-          fragments_lib.flatten_tree(jax.device_get(init["params"])).items()}
 
 
 class Runtime:
@@ -176,11 +124,11 @@ class Runtime:
     speeds = parse_floats(cfg.learners.speeds, "learners.speeds") or [1.0] * len(sizes)
     self.slots = []
     for g, group in enumerate(groups):
-      spec, init_fn, step_fn = build_learner(cfg, group, g)
+      spec, init_fn, step_fn = island.build_learner(cfg, group, g)
       self.slots.append(Slot(g, spec, init_fn, step_fn, speeds[g], len(group),
                              np.random.default_rng([cfg.seed, g])))
-    self.plan = fragment_plan(cfg, self.slots[0].spec)
-    global_params = initial_global(self.slots[0].init_fn, cfg.seed)
+    self.plan = island.fragment_plan(cfg, self.slots[0].spec)
+    global_params = island.initial_global(self.slots[0].init_fn, cfg.seed)
     self.recorder = Recorder(workdir, append=resume)
     delay = cfg.learners.virtual_sync_s if cfg.learners.virtual_clock else None
     self.syncer = Syncer(global_params, self.plan, cfg.sync, cfg.outer, sync_delay_s=delay,

@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import jax
 
-from diloco.store import Store
-from diloco.store_transport import LearnerStoreLink
+from diloco.distributed.store import Store
+from diloco.distributed.store_transport import LearnerStoreLink
 from diloco.transport import Heartbeat, Merged, Payload
 
 

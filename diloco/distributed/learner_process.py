@@ -12,7 +12,7 @@ the steps since its last checkpoint; the launcher (or Kubernetes) restarts it.
 
 A learner over several hosts runs this on every host (`--jax_distributed`); host 0 alone
 writes to the store, and every decision that depends on timing (merged versions to apply,
-retiring, giving up on a late round) is host 0's, shared through `diloco.hosts`. Hosts
+retiring, giving up on a late round) is host 0's, shared through `diloco.distributed.hosts`. Hosts
 other than 0 keep their activity and metric records under `workdir/hosts/h{index}`.
 """
 
@@ -29,15 +29,18 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco import chaos, hosts as hosts_lib, wan
-from diloco import checkpoint as checkpoint_lib
 from diloco import fragments as fragments_lib
-from diloco import metrics as metrics_lib
-from diloco import runtime as runtime_lib
 from diloco.config_lib import Config, ConfigError, parse_floats
+from diloco.distributed import chaos
+from diloco.distributed import hosts as hosts_lib
+from diloco.distributed import wan
+from diloco.distributed.store import Store
+from diloco.distributed.store_transport import DONE, RETIRED
 from diloco.learner import Learner, Resume
-from diloco.store import Store
-from diloco.store_transport import DONE, RETIRED
+from diloco.observe import accounting
+from diloco.observe import metrics as metrics_lib
+from diloco.train import checkpoint as checkpoint_lib
+from diloco.train import island
 from diloco.transport import Heartbeat
 
 
@@ -66,7 +69,7 @@ class _Activity:
     self._devices, self._speed = devices, speed
 
   def span(self, kind: str, start: float, end: float, **extra) -> None:
-    record = runtime_lib.span_record(self._fields["learner"], self._fields["incarnation"], kind,
+    record = accounting.span_record(self._fields["learner"], self._fields["incarnation"], kind,
                                      start, end, devices=self._devices, slowdown=self._speed,
                                      **extra)
     self._file.write(json.dumps(record) + "\n")
@@ -89,8 +92,8 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   hosts = hosts_lib.HostGroup()
   incarnation = hosts.share("incarnation", lambda: store.next_incarnation(learner_id))
   devices = jax.devices()
-  spec, init_fn, step_fn = runtime_lib.build_learner(cfg, devices, learner_id)
-  plan = runtime_lib.fragment_plan(cfg, spec)
+  spec, init_fn, step_fn = island.build_learner(cfg, devices, learner_id)
+  plan = island.fragment_plan(cfg, spec)
   up, down = wan.learner_links(cfg.store.wan_mbps, cfg.store.wan_latency_ms, learner_id)
   link = hosts_lib.AgreedLink(store, learner_id, incarnation, hosts, poll_s=cfg.store.poll_s,
                               up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s)
@@ -198,7 +201,7 @@ def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring
   while learner.local_step < cfg.train.steps and not retired:
     learner.step(clock(), step_time)
     factor = speed * (1.0 + jitter * rng.uniform(-1.0, 1.0)) if jitter else speed
-    extra = runtime_lib.pacing_wait(clock() - previous, factor, cfg.learners.min_step_s)
+    extra = island.pacing_wait(clock() - previous, factor, cfg.learners.min_step_s)
     if extra > 0:
       retiring.wait(extra)
     end = clock()

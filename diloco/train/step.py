@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 from diloco.config_lib import OptimConfig
-from diloco.train_state import StateSpec
+from diloco.train.state import StateSpec
 
 PyTree = Any
 

@@ -22,16 +22,18 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco import data as data_lib
 from diloco import fragments as fragments_lib
-from diloco import metrics as metrics_lib
-from diloco import optim, train_state, train_step
 from diloco.config_lib import Config
-from diloco.runtime import fragment_plan, initial_global
-from diloco.sharding import batch_sharding
-from diloco.store import Store
-from diloco.store_transport import DONE, RETIRED, SyncerStoreLink
+from diloco.distributed.store import Store
+from diloco.distributed.store_transport import DONE, RETIRED, SyncerStoreLink
+from diloco.model.sharding import batch_sharding
+from diloco.observe import metrics as metrics_lib
 from diloco.syncer import Syncer
+from diloco.train import data as data_lib
+from diloco.train import optim
+from diloco.train import state as train_state
+from diloco.train import step as train_step
+from diloco.train.island import fragment_plan, initial_global
 from diloco.transport import Merged
 
 TAPE_FILE = "tape.jsonl"
@@ -40,7 +42,7 @@ TAPE_FILE = "tape.jsonl"
 def _model_on_host(cfg: Config):
   """Spec, init and eval step of the model on this process's first device (the host)."""
   mesh_cfg = type(cfg.mesh)(data=1, fsdp=1, tensor=1)
-  from diloco import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from diloco.train import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   mesh = mesh_lib.learner_mesh(jax.devices()[:1], mesh_cfg)
   spec = train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, cfg.train.steps),
                                mesh)

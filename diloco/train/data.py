@@ -26,8 +26,8 @@ import zlib
 import grain
 import numpy as np
 
-from diloco import tokenizers
 from diloco.config_lib import ConfigError, DataConfig
+from diloco.train import tokenizers
 
 META_FILE = "meta.json"
 

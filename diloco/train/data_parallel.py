@@ -18,13 +18,15 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco import checkpoint as checkpoint_lib
-from diloco import data as data_lib
-from diloco import mesh as mesh_lib
-from diloco import metrics as metrics_lib
-from diloco import optim, train_state, train_step
 from diloco.config_lib import Config, ConfigError
-from diloco.sharding import batch_sharding
+from diloco.model.sharding import batch_sharding
+from diloco.observe import metrics as metrics_lib
+from diloco.train import checkpoint as checkpoint_lib
+from diloco.train import data as data_lib
+from diloco.train import mesh as mesh_lib
+from diloco.train import optim
+from diloco.train import state as train_state
+from diloco.train import step as train_step
 
 
 def check_batch(cfg: Config, mesh: jax.sharding.Mesh) -> None:

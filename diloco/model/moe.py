@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from diloco.config_lib import ModelConfig
-from diloco.sharding import constrain
+from diloco.model.config import ModelConfig
+from diloco.model.sharding import constrain
 
 EXPERT_PARAM_NAMES = ("gate_EDF", "up_EDF", "down_EFD")
 

@@ -4,7 +4,7 @@
     from the configured speeds and a seeded jitter, so the same seed gives bit-identical
     global parameters and event tapes (tests use it);
   * `ThreadedDriver`: one thread per learner and one for the syncer on the wall clock.
-Both apply the cooperative fault schedule (`diloco.faults`).
+Both apply the cooperative fault schedule (`diloco.runtime.faults`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from typing import Any
 
 from absl import logging
 
-from diloco import faults as faults_lib
 from diloco.learner import NonFiniteMetrics
-from diloco.runtime import Runtime, Slot, pacing_wait
+from diloco.runtime import faults as faults_lib
+from diloco.runtime.core import Runtime, Slot
+from diloco.train.island import pacing_wait
 from diloco.transport import Heartbeat
 
 

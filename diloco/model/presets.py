@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from diloco.config_lib import ConfigError, ModelConfig
+from diloco.errors import ConfigError
+from diloco.model.config import ModelConfig
 
 _BYTE_VOCAB = 384
 _GEMMA_VOCAB = 262_144

@@ -1,0 +1,66 @@
+"""A learner island: what both runtimes build for one learner before it starts.
+
+Its mesh and ahead-of-time compiled init and train step, the fragment plan of its parameters,
+the global parameters at version 0, and the pacing that emulates a slower island on a small
+host. Shared by the single-controller runtime (a group of this process's devices) and the
+learner and syncer processes (all devices of one process).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from diloco import fragments as fragments_lib
+from diloco.config_lib import Config, ConfigError
+from diloco.model.sharding import batch_sharding
+from diloco.train import mesh as mesh_lib
+from diloco.train import optim
+from diloco.train import state as train_state
+from diloco.train import step as train_step
+
+
+def pacing_wait(measured_s: float, factor: float, min_step_s: float) -> float:
+  """Seconds to wait after a step that took `measured_s` on the wall clock, so that it lasts
+  `factor * max(measured_s, min_step_s)`: a learner `factor` times slower than its hardware,
+  on steps at least `min_step_s` long (`learners.min_step_s` paces a small host like a big
+  model, so fault schedules in seconds mean the same on fast and slow machines)."""
+  return max(factor * max(measured_s, min_step_s) - measured_s, 0.0)
+
+
+def build_learner(cfg: Config, devices, index: int):
+  """A learner's mesh over `devices`, its state spec, and its init and train step compiled.
+
+  Compiled ahead of time so that no learner compiles on the run's clock; shared by both
+  runtimes (a group of this process's devices, or all devices of a learner process).
+  """
+  total = cfg.train.steps
+  schedule = optim.lr_schedule(cfg.optim, total)
+  tx = optim.inner_optimizer(cfg.optim, total)
+  mesh = mesh_lib.learner_mesh(list(devices), cfg.mesh)
+  width = mesh_lib.data_parallel_width(mesh)
+  if cfg.train.batch_size % width:
+    raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by "
+                      f"learner {index}'s data x fsdp = {width}")
+  spec = train_state.make_spec(cfg.model, tx, mesh)
+  batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32,
+                               sharding=batch_sharding(spec.mesh))
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  with jax.set_mesh(spec.mesh):
+    init = train_state.make_init(cfg.model, spec).lower(key).compile()
+    step = train_step.make_train_step(spec, cfg.optim, schedule).lower(
+        spec.abstract, batch).compile()
+  return spec, init, step
+
+
+def fragment_plan(cfg: Config, spec: train_state.StateSpec) -> fragments_lib.FragmentPlan:
+  flat = fragments_lib.flatten_tree(spec.abstract["params"])
+  return fragments_lib.plan_fragments({k: v.shape for k, v in flat.items()},
+                                      cfg.sync.num_fragments, cfg.sync.scheme)
+
+
+def initial_global(init_fn, seed: int) -> dict[str, np.ndarray]:
+  """The global parameters at version 0: learner init with the run's seed, flattened."""
+  init = init_fn(jax.random.key(seed))
+  return {k: np.asarray(v) for k, v in
+          fragments_lib.flatten_tree(jax.device_get(init["params"])).items()}
