@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from experiments import harness
+from experiments import compare, harness
 from experiments.stale import config as stale_config
 
 
@@ -58,3 +58,13 @@ def test_runs_are_collected_into_results_table_and_plot(tmp_path):
   readme = open(os.path.join(folder, "README.md")).read()
   assert "| two learners |" in readme and "Authored text." in readme and "eval.png" in readme
   assert os.path.getsize(os.path.join(folder, "eval.png")) > 10_000
+  # experiments.compare reads the same run back, side by side (here with itself).
+  workdir = os.path.join(outdir, runs[0].name)
+  text = compare.compare([workdir, workdir], str(tmp_path / "compare"))
+  assert text.count(f"| {runs[0].name} | {row['eval_loss']:.4g} |") == 2
+  assert "goodput" in text.splitlines()[0]
+  assert json.load(open(tmp_path / "compare" / "compare.json"))["rows"][0]["tokens"] == row[
+      "tokens"]
+  assert os.path.getsize(tmp_path / "compare" / "eval.png") > 10_000
+  with pytest.raises(ValueError, match="no config.json"):
+    compare.compare([str(tmp_path)])
