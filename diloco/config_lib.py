@@ -87,6 +87,7 @@ class TrainConfig:
 
 @_frozen
 class CheckpointConfig:
+  """When runs save what they need to resume."""
   # Learner train-state checkpoints every this many steps (data-parallel runs, learner
   # processes); 0 disables them.
   every_steps: int = 50
