@@ -27,12 +27,19 @@ setup(
         "matplotlib>=3.8,<4",
         "sentencepiece>=0.2,<0.3",
         "tensorboardX>=2.6,<3",
+        # Imported directly too (tests/packaging_test.py checks that every import is declared).
+        "etils[epath]>=1.5,<2",
+        "ml-dtypes>=0.5,<1",
+        "PyYAML>=6,<7",
+        "scipy>=1.14,<2",
     ],
     extras_require={
         "test": ["pytest>=8,<10"],
         # A gs:// store or workdir (etils.epath uses gcsfs for object stores).
         "gcs": ["gcsfs"],
     },
+    # `diloco --config=... --workdir=...` is `python -m diloco.main --config=... --workdir=...`.
+    entry_points={"console_scripts": ["diloco = diloco.main:run_cli"]},
     classifiers=[
         "Programming Language :: Python :: 3.11",
         "Programming Language :: Python :: 3.12",

@@ -14,7 +14,7 @@ from diloco import config_lib
 def get_config(preset: str = "cpu"):
   cfg = config_lib.load(os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
   cfg.sync.num_fragments = 1
-  cfg.sync.quorum = cfg.learners.count
+  cfg.sync.quorum = config_lib.ALL_LEARNERS  # K = M, whatever --config.learners.count says
   cfg.sync.gamma = 0.0
   cfg.sync.period = {"tiny": 16, "cpu": 40}.get(preset, 100)
   return cfg

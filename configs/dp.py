@@ -32,7 +32,8 @@ def get_config(preset: str = "small"):
     cfg.train.batch_size = p["batch_size"]
     cfg.train.steps = p["steps"]
     cfg.train.eval_every = p["eval_every"]
-    cfg.checkpoint.every_steps = p["eval_every"]
+    # A checkpoint at every evaluation, following --config.train.eval_every unless overridden.
+    cfg.checkpoint.every_steps = cfg.train.get_ref("eval_every").identity()
     cfg.optim.learning_rate = p["lr"]
     cfg.optim.warmup_steps = p["warmup"]
   else:

@@ -35,7 +35,8 @@ def get_config(preset: str = "tiny"):
     cfg.launch.chaos_faults = 10
     cfg.launch.chaos_start_s = 5.0
     cfg.launch.chaos_end_s = 45.0
-    cfg.launch.max_learners = 4  # room for one learner added by the chaos schedule
+    # Room for one learner added by the chaos schedule, following --config.learners.count.
+    cfg.launch.max_learners = cfg.learners.get_ref("count") + 1
     cfg.launch.timeout_s = 900.0
   if preset == "tiny":
     cfg.train.steps = 160

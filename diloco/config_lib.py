@@ -45,38 +45,49 @@ class DataConfig:
 @_frozen
 class MeshConfig:
   """Learner mesh axis sizes; exactly one may be -1 (fill with the rest)."""
+  # Data parallelism: replicated parameters, the batch split.
   data: int = -1
+  # Fully sharded data parallelism: parameters and the batch split.
   fsdp: int = 1
+  # Tensor parallelism: MLP, heads and vocabulary split.
   tensor: int = 1
 
 
 @_frozen
 class OptimConfig:
   """Inner AdamW with linear warmup then cosine decay."""
+  # Peak learning rate, reached after `warmup_steps`.
   learning_rate: float = 3e-3
   warmup_steps: int = 20
   # 0 means decay over all training steps.
   decay_steps: int = 0
+  # The final learning rate as a fraction of the peak.
   end_lr_fraction: float = 0.1
   b1: float = 0.9
   b2: float = 0.95
   eps: float = 1e-8
   weight_decay: float = 0.1
+  # Clip the global gradient norm to this (0 = no clipping).
   grad_clip_norm: float = 1.0
+  # Weight of the z-loss (log^2 of the softmax normaliser) that keeps logits small.
   z_loss_weight: float = 1e-4
 
 
 @_frozen
 class TrainConfig:
+  """How long each learner trains and how often the global model is evaluated."""
+  # Inner steps of each learner (of the single learner when data-parallel).
   steps: int = 100
   # Sequences per step for the whole learner (split over data x fsdp).
   batch_size: int = 16
+  # Evaluate every this many steps (0 = only at the end), on `eval_batches` held-out batches.
   eval_every: int = 50
   eval_batches: int = 4
 
 
 @_frozen
 class CheckpointConfig:
+  """When runs save what they need to resume."""
   # Learner train-state checkpoints every this many steps (data-parallel runs, learner
   # processes); 0 disables them.
   every_steps: int = 50
@@ -86,6 +97,7 @@ class CheckpointConfig:
   every_rounds: int = 0
   # Both kinds keep the newest `max_to_keep` checkpoints.
   max_to_keep: int = 2
+  # Write checkpoints in the background while training goes on.
   async_save: bool = True
 
 
@@ -98,29 +110,44 @@ class LogConfig:
 @_frozen
 class SyncConfig:
   """Fragments, schedule, quorum and receipt rules of the outer loop (DESIGN.md 2.2-2.4)."""
+  # P: the parameters are split into this many fragments, each synchronised on its own.
   num_fragments: int = 24
   # H: each fragment is due every `period` local steps, at offset p * H // P.
   period: int = 24
+  # How tensors are packed into fragments: balanced | layer | tensor (diloco/fragments.py).
   scheme: str = "balanced"
+  # Bounded overlap: a learner applies the merge of a delivery tau steps after making it.
   tau: int = 2
+  # K: a round merges once this many fresh deliveries of its fragment arrived (capped by the
+  # learners alive); 0 means all learners (K = M, synchronous), however many there are.
   quorum: int = 1
+  # Grace-window gain: after quorum a round keeps admitting deliveries for up to
+  # gamma * (the slack that tau leaves); 0 closes it at quorum.
   gamma: float = 0.8
+  # A learner silent for longer is dead: rounds stop waiting for it.
   heartbeat_timeout_s: float = 30.0
   # Deliveries whose base is more than this many versions behind are rejected.
   max_staleness: int = 8
   # Receipt: theta = alpha * theta + (1 - alpha) * G; 0 overwrites (the default).
   mixing_alpha: float = 0.0
+  # Zero the AdamW moments of a fragment's tensors when its merged values arrive.
   reset_moments: bool = False
+  # A learner whose round is not merged tau steps after its delivery waits for it (False:
+  # it trains on and applies the merge when it comes).
   block_on_late_round: bool = True
 
 
 @_frozen
 class OuterConfig:
   """The syncer's merge and Nesterov outer step (DESIGN.md 2.4)."""
+  # Outer SGD with Nesterov momentum on the merged outer gradient.
   learning_rate: float = 0.7
   momentum: float = 0.9
+  # Merge weight of a delivery: tokens2_per_step (tokens^2 / steps) | tokens | uniform.
   weights: str = "tokens2_per_step"
+  # rda (radial-directional averaging of non-embedding tensors) | mean (weighted mean).
   merge: str = "rda"
+  # Outer gradient of a delivery: syncer (current G - theta) | base (G at its base - theta).
   anchor: str = "syncer"
   # What a stale delivery (base older than the fragment's current version) counts for. Both
   # count it toward the quorum with its token weight. "paper": its outer gradient is anchored
@@ -136,18 +163,21 @@ class OuterConfig:
 @_frozen
 class LearnersConfig:
   """Who trains: 0 learners is the data-parallel baseline (no syncer)."""
+  # M: learners at the start; 0 = data-parallel over all devices.
   count: int = 0
   # Devices per learner group, e.g. "2,2,2,2"; empty splits all devices evenly over `count`.
   # Groups beyond `count` are spare capacity for learners added by the fault schedule.
   devices: str = ""
   # Step-time factor per learner group, e.g. "1,1,1.18,1.18" (empty: all 1).
   speeds: str = ""
+  # Each step takes its nominal time times U(1 - j, 1 + j).
   step_jitter: float = 0.0
   # Real-clock runtimes: every step lasts at least this long (times its speed factor), so a
   # small host paces like a bigger model and fault times in seconds mean the same anywhere.
   min_step_s: float = 0.0
   # Virtual clock: step times come from `speeds`, interleaving is fixed by the seed.
   virtual_clock: bool = False
+  # Virtual seconds of one step (times the learner's speed) and of one merge.
   virtual_step_s: float = 1.0
   virtual_sync_s: float = 0.1
   # Cooperative faults, ';'-separated: "down:1@30+20" (learner 1 down at t=30 s for 20 s),
@@ -192,6 +222,7 @@ class LaunchConfig:
   hosts_per_learner: int = 1
   # Learners that may ever exist (data shards); 0: learners.count plus the schedule's adds.
   max_learners: int = 0
+  # Restart a dead process after this long, doubling on each fast failure up to the max.
   restart_backoff_s: float = 1.0
   max_backoff_s: float = 20.0
   # A process that dies this many times in a row, each within a minute, aborts the run.
@@ -223,6 +254,7 @@ class Config:
   learners: LearnersConfig = LearnersConfig()
   store: StoreConfig = StoreConfig()
   launch: LaunchConfig = LaunchConfig()
+  # Seeds parameters, data order, jitter and fault draws.
   seed: int = 0
 
 
@@ -232,6 +264,9 @@ _GROUPS = {
     "sync": SyncConfig, "outer": OuterConfig, "learners": LearnersConfig,
     "store": StoreConfig, "launch": LaunchConfig,
 }
+GROUPS = _GROUPS  # read by the command line's help (diloco/config_cli.py)
+# `sync.quorum` = ALL_LEARNERS: every live learner (K = M), following learners.count.
+ALL_LEARNERS = 0
 DATA_SOURCES = ("stdlib", "text", "array_record")
 DTYPES = ("float32", "bfloat16")
 
@@ -396,8 +431,9 @@ def parse_events(text: str, patterns: dict, field: str, expected: str) -> list[t
 
 def _validate_diloco(cfg: Config) -> None:
   s, o, lc = cfg.sync, cfg.outer, cfg.learners
-  for field in ("num_fragments", "period", "quorum"):
+  for field in ("num_fragments", "period"):
     _check(getattr(s, field) >= 1, f"sync.{field}", f"must be >= 1, got {getattr(s, field)}")
+  _check(s.quorum >= 0, "sync.quorum", f"must be >= 1, or 0 for all learners, got {s.quorum}")
   _check(s.tau >= 0, "sync.tau", f"must be >= 0, got {s.tau}")
   # A learner applies the result of a delivery tau steps later; with H <= tau its next delivery
   # of the same fragment would come first and it could never apply a merged version.
@@ -437,7 +473,8 @@ def _validate_diloco(cfg: Config) -> None:
            f"needs one factor per learner group, got {len(speeds)}")
     _check(all(x > 0 for x in speeds), "learners.speeds", "factors must be > 0")
     _check(s.quorum <= max(lc.count, len(devices)), "sync.quorum",
-           f"must be <= the number of learners, got {s.quorum}")
+           f"must be <= the number of learners ({max(lc.count, len(devices))}), or 0 for all "
+           f"of them, got {s.quorum}")
   st, la = cfg.store, cfg.launch
   _check(st.poll_s > 0 and st.heartbeat_every_s > 0, "store.poll_s/heartbeat_every_s",
          "must be > 0")

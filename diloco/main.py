@@ -5,6 +5,10 @@ controller Decoupled DiLoCo runtime when `learners.count > 0`), `launch` (a loca
 multi-process run: a syncer and learner processes sharing a store), or one process of a
 multi-process run: `syncer`, or `learner --learner_id=N` (e.g. one per TPU slice, with
 `--store=gs://bucket/run`).
+
+`--config_help[=FILTER]` lists the config fields with their values and help, e.g.
+`--config=configs/decoupled.py:cpu --config_help=sync`. Installed, the `diloco` command is
+the same as `python -m diloco.main`.
 """
 
 from __future__ import annotations
@@ -17,14 +21,18 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from diloco import config_lib
+from diloco import config_cli, config_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file and preset, e.g. configs/dp.py:small.",
-    lock_config=True)
+    "config", None, "Experiment config file and preset, e.g. configs/dp.py:small; override "
+    "fields with --config.GROUP.FIELD=VALUE (list them with --config_help).", lock_config=True)
+_CONFIG_HELP = flags.DEFINE_string(
+    "config_help", None, "Print the config fields (group.field = value  # help) and exit; a "
+    "value filters them by key, e.g. --config_help=sync. With --config, its values.")
 _CONFIG_JSON = flags.DEFINE_string(
     "config_json", None, "A resolved config written by a launcher (instead of --config).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots "
+                                "(required).")
 _ROLE = flags.DEFINE_enum("role", "train", ["train", "launch", "syncer", "learner"],
                           "What this process runs (see the module docstring).")
 _LEARNER_ID = flags.DEFINE_integer("learner_id", None, "The learner id of --role=learner.")
@@ -40,7 +48,6 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", None, "With --coordinator_address: the learner's number of hosts.")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "With --coordinator_address: this host's index (0 talks to the store).")
-flags.mark_flags_as_required(["workdir"])
 
 
 def _load_config() -> config_lib.Config:
@@ -80,6 +87,14 @@ def _run(cfg: config_lib.Config, workdir: str):
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _CONFIG_HELP.value is not None:
+    try:
+      print(config_cli.help_text(_CONFIG.value, _CONFIG_HELP.value))
+    except config_lib.ConfigError as e:
+      sys.exit(f"config error: {e}")
+    return
+  if _WORKDIR.value is None:
+    raise app.UsageError("--workdir=DIR is required")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   # Orbax warns on every save without OCDBT (the store's choice, see diloco/distributed/store.py).
@@ -101,7 +116,11 @@ def main(argv: list[str]) -> None:
   logging.info("jax %s on %d %s devices (process %d of %d)", jax.__version__,
                jax.device_count(), jax.default_backend(), jax.process_index(),
                jax.process_count())
-  logging.info("config:\n%s", cfg)
+  lines = config_cli.summary(cfg)
+  logging.info("resolved config (non-default fields):\n%s", "\n".join(lines))
+  if _ROLE.value in ("train", "launch"):  # the processes of a launch log to logs/ instead
+    print("config (non-default fields; all of them in WORKDIR/config.json):\n  "
+          + "\n  ".join(lines), flush=True)
   try:
     result = _run(cfg, _WORKDIR.value)
   except config_lib.ConfigError as e:
@@ -111,9 +130,25 @@ def main(argv: list[str]) -> None:
     sys.exit(result["exit_code"])  # e.g. a preempted learner asks its supervisor for a restart
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's parser, but an unknown `--config.KEY` fails in a few lines that name the key."""
+  if "--config_help" in argv[1:]:  # bare: all fields
+    i = argv.index("--config_help")
+    if i + 1 == len(argv) or argv[i + 1].startswith("-"):
+      argv = argv[:i] + ["--config_help="] + argv[i + 1:]
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError):
+    message = config_cli.unknown_override(argv[1:])
+    if message is None:
+      raise
+    sys.exit(f"config error: {message}")
+
+
 def run_cli() -> None:
+  """The `diloco` console command and `python -m diloco.main`."""
   jax.config.config_with_absl()
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

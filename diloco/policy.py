@@ -13,7 +13,7 @@ A round of fragment `p`:
    fragment), `steps >= 1`, and its staleness `current_version - base_version` is within the
    configured bound.
 2. The round opens at its first fresh eligible delivery. It needs
-   `required_quorum(k, num_alive) = min(k, num_alive)` (at least 1) of them.
+   `required_quorum(k, num_alive) = min(k, num_alive)` (at least 1; k = 0: all alive) of them.
 3. Once quorum is reached it keeps admitting for `grace_window(...)`
    `= clip(gamma * (tau * step_time - lead_time - quorum_time - sync_time), 0, step_time)`
    seconds. `lead_time` is how much of its tau steps a learner has already spent when the
@@ -63,7 +63,8 @@ class PolicyConfig:
 
   Attributes:
     quorum: K, the number of fresh eligible deliveries a round waits for (capped by the number
-      of alive learners). K = 1 never waits for a second learner; K = M is synchronous.
+      of alive learners). K = 1 never waits for a second learner; K = M is synchronous, and
+      0 means all alive learners (K = M however many join or leave).
     tau: bounded overlap in inner steps between delivering a fragment and applying the merged
       result; the grace window spends only the slack that this overlap leaves. 0 = blocking.
     gamma: grace-window gain; 0 disables the grace window.
@@ -79,7 +80,7 @@ class PolicyConfig:
   ema_decay: float = 0.9
 
   def __post_init__(self):
-    _require(self.quorum >= 1, "quorum", self.quorum, "an integer >= 1")
+    _require(self.quorum >= 0, "quorum", self.quorum, "an integer >= 1, or 0 for all learners")
     _require(self.tau >= 0, "tau", self.tau, "an integer >= 0")
     _require(0.0 <= self.gamma <= 10.0, "gamma", self.gamma, "[0, 10]")
     _require(self.heartbeat_timeout_s > 0.0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
@@ -210,8 +211,8 @@ def check_delivery(delivery: Delivery, *, learner: LearnerStatus | None, current
 
 
 def required_quorum(k: int, num_alive: int) -> int:
-  """The quorum a round needs: `min(k, num_alive)`, and at least 1."""
-  return max(1, min(k, num_alive))
+  """The quorum a round needs: `min(k, num_alive)` (all of them for k = 0), and at least 1."""
+  return max(1, num_alive if k == 0 else min(k, num_alive))
 
 
 def grace_window(*, gamma: float, tau: int, step_time: float, quorum_time: float,

@@ -16,21 +16,29 @@ every payload twice (norms, then the weighted sum); the goal is >= 0.3.
   PYTHONPATH=. .venv/bin/python scripts/bench_merge.py  # prints one JSON line last
 """
 
-import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
+from absl import app, flags
 
 from diloco import fragments, outer
 from diloco.config_lib import OuterConfig, SyncConfig
 from diloco.outer import kernels
 from diloco.syncer import Syncer
 from diloco.transport import Heartbeat, Payload
+
+flags.DEFINE_integer("learners", 8, "Payloads per round (M).")
+flags.DEFINE_integer("fragment_mib", 64, "Fragment size in MiB.")
+flags.DEFINE_integer("tensors", 4, "Equal tensors per fragment.")
+flags.DEFINE_integer("reps", 5, "Timed repetitions (best is used).")
+flags.DEFINE_integer("seed", 0, "Seeds the payloads.")
+flags.DEFINE_integer("threads", kernels.MERGE_THREADS,
+                     "Threads per merge (diloco.outer.kernels.MERGE_THREADS).")
+FLAGS = flags.FLAGS
 
 
 def _interleaved_times(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
@@ -47,15 +55,9 @@ def _interleaved_times(fns: dict[str, Callable[[], object]], reps: int) -> dict[
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--learners", type=int, default=8, help="payloads per round (M)")
-  parser.add_argument("--fragment_mib", type=int, default=64, help="fragment size in MiB")
-  parser.add_argument("--tensors", type=int, default=4, help="equal tensors per fragment")
-  parser.add_argument("--reps", type=int, default=5, help="timed repetitions (best is used)")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--threads", type=int, default=kernels.MERGE_THREADS,
-                      help="threads per merge (diloco.outer.kernels.MERGE_THREADS)")
-  args = parser.parse_args(argv)
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  args = FLAGS
   kernels.MERGE_THREADS = args.threads
 
   rng = np.random.default_rng(args.seed)
@@ -129,4 +131,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  app.run(main)

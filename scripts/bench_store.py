@@ -24,20 +24,18 @@
   PYTHONPATH=. .venv/bin/python scripts/bench_store.py --fragment_mib=2 --rounds=10
 """
 
-import argparse
 import importlib.metadata
 import json
 import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
 
 import numpy as np
-from absl import logging
+from absl import app, flags, logging
 
 from diloco import fragments
 from diloco.config_lib import OuterConfig, SyncConfig
@@ -46,6 +44,22 @@ from diloco.distributed import syncer_process
 from diloco.distributed.store import Store, payload_name
 from diloco.syncer import Syncer
 from diloco.transport import Heartbeat, Payload
+
+flags.DEFINE_integer("fragment_mib", 64, "Throughput fragment, MiB.")
+flags.DEFINE_integer("tensors", 4, "Equal tensors per fragment.")
+flags.DEFINE_integer("reps", 9, "Timed round trips of each kind.")
+flags.DEFINE_integer("learners", 4, "Learner threads (M).")
+flags.DEFINE_integer("fragments", 4, "Fragments of the fake model (P).")
+flags.DEFINE_float("latency_fragment_mib", 1.0, "Fragment size of the latency run, MiB.")
+flags.DEFINE_integer("rounds", 40, "Timed delivery rounds.")
+flags.DEFINE_integer("warmup", 2, "Untimed rounds first.")
+flags.DEFINE_integer("quorum", 1, "sync.quorum (K).")
+flags.DEFINE_float("poll_s", 0.05, "store.poll_s.")
+flags.DEFINE_float("wait_s", 30.0, "Longest wait for one delivery to become visible.")
+flags.DEFINE_float("timeout_s", 600.0, "Bound of the latency run.")
+flags.DEFINE_string("dir", None, "Parent of the temporary directory.")
+flags.DEFINE_integer("seed", 0, "Seeds the payloads.")
+FLAGS = flags.FLAGS
 
 
 class _TimedStore(Store):
@@ -275,24 +289,9 @@ def _latency(root: str, args) -> dict:
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--fragment_mib", type=int, default=64, help="throughput fragment, MiB")
-  parser.add_argument("--tensors", type=int, default=4, help="equal tensors per fragment")
-  parser.add_argument("--reps", type=int, default=9, help="timed round trips of each kind")
-  parser.add_argument("--learners", type=int, default=4, help="learner threads (M)")
-  parser.add_argument("--fragments", type=int, default=4, help="fragments of the fake model (P)")
-  parser.add_argument("--latency_fragment_mib", type=float, default=1.0,
-                      help="fragment size of the latency run, MiB")
-  parser.add_argument("--rounds", type=int, default=40, help="timed delivery rounds")
-  parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-  parser.add_argument("--quorum", type=int, default=1, help="sync.quorum (K)")
-  parser.add_argument("--poll_s", type=float, default=0.05, help="store.poll_s")
-  parser.add_argument("--wait_s", type=float, default=30.0,
-                      help="longest wait for one delivery to become visible")
-  parser.add_argument("--timeout_s", type=float, default=600.0, help="bound of the latency run")
-  parser.add_argument("--dir", default=None, help="parent of the temporary directory")
-  parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(argv)
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  args = FLAGS
   logging.set_verbosity(logging.ERROR)  # Orbax warns on every non-OCDBT save
 
   top = tempfile.mkdtemp(prefix="bench_store_", dir=args.dir)
@@ -321,4 +320,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  app.run(main)

@@ -27,7 +27,6 @@ Without --output (or with --dry_run) the YAML goes to stdout and nothing else is
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import math
@@ -36,7 +35,8 @@ import re
 import sys
 from collections.abc import Sequence
 
-import yaml  # PyYAML: already installed as a dependency of orbax-checkpoint, flax, ml_collections.
+import yaml
+from absl import app, flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKDIR = "/work"
@@ -232,7 +232,7 @@ def _job(name: str, pods: int, backoff: int, pod_spec: dict,
   return {"name": name, "replicas": 1, "template": template}
 
 
-def build_jobset(args: argparse.Namespace) -> dict:
+def build_jobset(args: flags.FlagValues) -> dict:
   """The JobSet as a dict; FlagError names the first bad flag."""
   if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", args.name or ""):
     raise FlagError(f"--name: {args.name!r} must be lower-case letters, digits and '-', "
@@ -298,7 +298,7 @@ def build_jobset(args: argparse.Namespace) -> dict:
                    "replicatedJobs": jobs}}
 
 
-def render(args: argparse.Namespace) -> str:
+def render(args: flags.FlagValues) -> str:
   """The manifest as YAML, headed by a comment that records the slice layout."""
   manifest = build_jobset(args)
   tpu = tpu_slice(args.tpu_type, args.topology, args.chips_per_host)
@@ -309,35 +309,49 @@ def render(args: argparse.Namespace) -> str:
   return header + yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False, width=100)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="make_jobset.py", description=__doc__.split("\n")[0])
-  p.add_argument("--name", required=True, help="JobSet name (DNS label).")
-  p.add_argument("--image", required=True, help="Container image whose WORKDIR is the repo.")
-  p.add_argument("--store", required=True, help="Shared store, gs://BUCKET/RUN.")
-  p.add_argument("--config", required=True, help="e.g. configs/decoupled.py:gemma_2b")
-  p.add_argument("--learners", type=int, required=True, help="M, one TPU slice each.")
-  p.add_argument("--tpu_type", required=True, help="Slice per learner: v5p-128, v5litepod-256..")
-  p.add_argument("--topology", default=None, help="Override the slice topology, e.g. 4x4x8.")
-  p.add_argument("--chips_per_host", type=int, default=None,
-                 help="Override chips per node (e.g. 4 for an 8-chip slice on 4-chip nodes).")
-  p.add_argument("--syncer_machine", default="n2-highmem-32", help="CPU machine type.")
-  p.add_argument("--restart_mode", choices=("job", "pod"), default="job",
-                 help="job: JobSet RestartJob per failed job; pod: per-pod Job backoff.")
-  p.add_argument("--max_restarts", type=int, default=100,
-                 help="job mode: restarts shared by all jobs; pod mode: backoffLimit per job.")
-  p.add_argument("--override", action="append", metavar="KEY=VALUE",
-                 help="Config override for every process (repeatable), e.g. "
-                 "data.path=gs://bucket/tokens or checkpoint.every_steps=500.")
-  p.add_argument("--service_account", default=None,
-                 help="Kubernetes service account with access to the bucket (Workload Identity).")
-  p.add_argument("--output", default=None, help="Write the YAML here instead of stdout.")
-  p.add_argument("--dry_run", action="store_true",
-                 help="Print the YAML to stdout and write nothing (default without --output).")
-  return p.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+  """The script's flags, defined on `fv` (the global FLAGS when run, a fresh set in tests)."""
+  flags.DEFINE_string("name", None, "JobSet name (DNS label).", flag_values=fv)
+  flags.DEFINE_string("image", None, "Container image whose WORKDIR is the repo.", flag_values=fv)
+  flags.DEFINE_string("store", None, "Shared store, gs://BUCKET/RUN.", flag_values=fv)
+  flags.DEFINE_string("config", None, "e.g. configs/decoupled.py:gemma_2b", flag_values=fv)
+  flags.DEFINE_integer("learners", None, "M, one TPU slice each.", flag_values=fv)
+  flags.DEFINE_string("tpu_type", None, "Slice per learner: v5p-128, v5litepod-256..",
+                      flag_values=fv)
+  flags.DEFINE_string("topology", None, "Override the slice topology, e.g. 4x4x8.",
+                      flag_values=fv)
+  flags.DEFINE_integer("chips_per_host", None, "Override chips per node (e.g. 4 for an 8-chip "
+                       "slice on 4-chip nodes).", flag_values=fv)
+  flags.DEFINE_string("syncer_machine", "n2-highmem-32", "CPU machine type.", flag_values=fv)
+  flags.DEFINE_enum("restart_mode", "job", ["job", "pod"],
+                    "job: JobSet RestartJob per failed job; pod: per-pod Job backoff.",
+                    flag_values=fv)
+  flags.DEFINE_integer("max_restarts", 100, "job mode: restarts shared by all jobs; pod mode: "
+                       "backoffLimit per job.", flag_values=fv)
+  flags.DEFINE_multi_string("override", None, "KEY=VALUE config override for every process "
+                            "(repeatable), e.g. data.path=gs://bucket/tokens or "
+                            "checkpoint.every_steps=500.", flag_values=fv)
+  flags.DEFINE_string("service_account", None, "Kubernetes service account with access to the "
+                      "bucket (Workload Identity).", flag_values=fv)
+  flags.DEFINE_string("output", None, "Write the YAML here instead of stdout.", flag_values=fv)
+  flags.DEFINE_bool("dry_run", False, "Print the YAML to stdout and write nothing (default "
+                    "without --output).", flag_values=fv)
+  flags.mark_flags_as_required(["name", "image", "store", "config", "learners", "tpu_type"],
+                               flag_values=fv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  args = parse_args(argv)
+def parse_args(argv: Sequence[str]) -> flags.FlagValues:
+  """A fresh set of the script's flags parsed from `argv` (without the program name)."""
+  fv = flags.FlagValues()
+  define_flags(fv)
+  rest = fv(["make_jobset.py", *argv])
+  if len(rest) > 1:
+    raise FlagError(f"unexpected arguments: {rest[1:]}")
+  return fv
+
+
+def run(args: flags.FlagValues) -> int:
+  """Renders the manifest to stdout or --output; 2 with a message naming the bad flag."""
   try:
     text = render(args)
   except FlagError as e:
@@ -352,5 +366,22 @@ def main(argv: Sequence[str] | None = None) -> int:
   return 0
 
 
+def main(argv: Sequence[str]) -> int:
+  """`run` on flags parsed from `argv` (without the program name), for callers in Python."""
+  try:
+    args = parse_args(argv)
+  except flags.Error as e:
+    print(f"make_jobset.py: error: {e}", file=sys.stderr)
+    return 2
+  return run(args)
+
+
+def _app_main(argv: list[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  return run(flags.FLAGS)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  define_flags(flags.FLAGS)  # here, not at import: tests import this next to diloco.main
+  app.run(_app_main)

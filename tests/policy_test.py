@@ -23,7 +23,7 @@ def test_defaults_follow_design():
   assert (cfg.quorum, cfg.tau, cfg.gamma) == (1, 2, 0.8)
 
 
-@pytest.mark.parametrize("field,value", [("quorum", 0), ("tau", -1), ("gamma", -0.1),
+@pytest.mark.parametrize("field,value", [("quorum", -1), ("tau", -1), ("gamma", -0.1),
                                          ("heartbeat_timeout_s", 0.0), ("max_staleness", -1),
                                          ("ema_decay", 1.0)])
 def test_config_rejects_bad_values_naming_the_field(field, value):
@@ -147,3 +147,11 @@ def test_quorum_capped_by_alive_learners():
   # K = 8 but only 2 alive: the round closes once both delivered.
   d = _decide([10.0, 10.3], alive=2, now=10.3, k=8)
   assert d.close and d.quorum == 2
+
+
+def test_quorum_zero_means_all_alive_learners():
+  assert [policy.required_quorum(0, n) for n in (0, 1, 3, 8)] == [1, 1, 3, 8]
+  waiting = _decide([10.0, 10.3], alive=3, now=10.3, k=0, gamma=0.0)
+  assert not waiting.close and waiting.quorum == 3
+  d = _decide([10.0, 10.3, 10.4], alive=3, now=10.4, k=0, gamma=0.0)
+  assert d.close and d.quorum == 3

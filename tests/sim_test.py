@@ -116,7 +116,7 @@ def test_config_validation_names_the_field():
   with pytest.raises(ValueError, match="step_jitter"):
     params.SimConfig(step_jitter=1.5)
   with pytest.raises(ValueError, match="quorum"):
-    params.SimConfig(quorum=0)
+    params.SimConfig(quorum=-1)
 
 
 def test_same_seed_same_result():

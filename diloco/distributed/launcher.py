@@ -337,7 +337,7 @@ class Launcher:
     print(accounting.fidelity_line(tape), flush=True)
     timeline.plot_timeline(tape, activity, os.path.join(self.workdir, "timeline.png"),
                            title=f"multi-process, M={cfg.learners.count}, "
-                                 f"K={cfg.sync.quorum}, chaos {len(self.applied)} events")
+                                 f"K={cfg.sync.quorum or 'M'}, chaos {len(self.applied)} events")
     return summary
 
 

@@ -188,6 +188,6 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
                         title=f"Decoupled DiLoCo, M={cfg.learners.count}, {cfg.model.name}")
   timeline.plot_timeline(rt.recorder.tape, rt.recorder.activity,
                          os.path.join(workdir, "timeline.png"),
-                         title=f"M={cfg.learners.count}, K={cfg.sync.quorum}, "
+                         title=f"M={cfg.learners.count}, K={cfg.sync.quorum or 'M'}, "
                                f"P={rt.plan.num_fragments}, H={cfg.sync.period}")
   return rt, summary

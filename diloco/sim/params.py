@@ -66,7 +66,7 @@ class SimConfig:
     learners: M, Decoupled learners, each an elastic job of chips / M (1 for dp and elastic).
     days: simulated wall time.
     seed: seeds failures, step jitter and sampled rounds.
-    quorum: K of the syncer (capped by the number of alive learners).
+    quorum: K of the syncer (capped by the number of alive learners; 0 = all of them).
     grace: use the adaptive grace window (gamma below) or not (gamma = 0).
     gamma, tau, heartbeat_timeout_s, max_staleness: the syncer policy (`diloco.policy`).
     fragments, inner_steps: P and H; fragment p is due every H steps at offset p * H // P.

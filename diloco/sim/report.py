@@ -53,7 +53,7 @@ class SimResult:
     """A few readable lines."""
     head = f"{self.mode}: {self.chips:,} chips, {self.days:g} days, seed {self.seed}"
     if self.mode == "decoupled":
-      head += f", M={self.learners}, K={self.quorum}, grace={'on' if self.grace else 'off'}"
+      head += f", M={self.learners}, K={self.quorum or 'M'}, grace={'on' if self.grace else 'off'}"
     lines = [head,
              f"  goodput                {self.goodput:7.2%}",
              f"  uptime                 {self.uptime:7.2%}",
