@@ -143,6 +143,25 @@ def test_non_finite_learner_fails_alone_and_rejoins(tmp_path, virtual):
   assert (1, "down") in kinds and (0, "down") not in kinds
 
 
+@pytest.mark.slow
+def test_rejoining_learner_delivers_each_slot_with_its_peers(tmp_path):
+  """A learner down for a non-multiple of H steps comes back with its fragment schedule
+  shifted (`fragments.aligned_phase`), so its deliveries land in its peers' rounds instead of
+  rounds of its own, steps away from theirs."""
+  cfg = _config(learners__virtual_clock=True, learners__speeds="1,1,1,1", train__steps=40,
+                learners__faults="down:1@10.5+3")
+  rt, _ = decoupled.run_with_runtime(cfg, str(tmp_path))
+  tape = _tape(str(tmp_path))
+  back = [r for r in tape
+          if any(a["learner"] == 1 and a["incarnation"] == 1 for a in r["admitted"])]
+  assert len(back) >= 8
+  assert all(len(r["admitted"]) >= 2 for r in back), [len(r["admitted"]) for r in back]
+  # It did need a shift: its local steps no longer match its peers' (it lost steps while down).
+  steps = {a["learner"]: a["local_step"] for a in back[-1]["admitted"]}
+  assert steps[1] != steps[0]
+  assert rt.slots[1].status == "done"
+
+
 # Stale deliveries.
 
 @pytest.mark.parametrize("rule", ["paper", "rebase"])

@@ -51,6 +51,7 @@ class Slot:
   resume: Resume = dataclasses.field(default_factory=Resume)
   nonfinite_failures: int = 0
   poison_on_start: bool = False  # a `nan:M@T` fault that found no running learner yet
+  align_pending: bool = False  # joined running peers: align its schedule at its first step
 
 
 class Recorder:
@@ -152,10 +153,14 @@ class Runtime:
       return [self.slots[g] for g in self.restart]
     return self.slots[:self.cfg.learners.count]
 
-  def start_learner(self, slot: Slot, background_io: bool, now: float, clock) -> Learner:
+  def start_learner(self, slot: Slot, background_io: bool, now: float, clock,
+                    joins_running: bool = True) -> Learner:
     """A new incarnation on `slot`: loads the published fragments and announces itself.
 
     `clock` is the run's clock (wall or virtual): deliveries time their transit on it.
+    `joins_running`: the learner joins peers already training (a rejoin, or one added mid-run);
+    its schedule is aligned with theirs at its first step (`align_schedule`). False for the
+    initial learners, which all start at once.
     """
     slot.incarnation += 1
     slot.learner = Learner(
@@ -164,6 +169,7 @@ class Runtime:
         plan=self.plan, transport=self.transport, resume=slot.resume,
         background_io=background_io, clock=clock)
     slot.learner.load_global()
+    slot.align_pending = joins_running
     with self._poison_lock:
       if slot.poison_on_start:
         slot.poison_on_start = False
@@ -173,6 +179,20 @@ class Runtime:
                                        0.0, now))
     slot.status = "up"
     return slot.learner
+
+  def align_schedule(self, slot: Slot) -> None:
+    """Before the first step of a learner that joined running peers: shifts its fragment
+    schedule (`fragments.aligned_phase`) so that it delivers each slot in the same step as they
+    do, as the learner processes do. Without it, a learner back from a failure that cost it a
+    non-multiple of H steps delivers steps away from its peers, more than a grace window (at
+    most one step) gathers, and its deliveries make rounds of their own."""
+    if not slot.align_pending:
+      return
+    slot.align_pending = False
+    peers = [s.learner.local_step for s in self.slots
+             if s is not slot and s.learner is not None and s.status == "up"]
+    slot.learner.phase = fragments_lib.aligned_phase(slot.learner.local_step, peers,
+                                                     self.cfg.sync.period)
 
   def stop_learner(self, slot: Slot, status: str) -> None:
     """Ends the slot's incarnation. A learner that retires or finishes flushes its deliveries

@@ -69,8 +69,9 @@ class VirtualDriver:
     else:
       self._schedule_step(slot, self.now)
 
-  def _join(self, slot: Slot) -> None:
-    self.rt.start_learner(slot, background_io=False, now=self.now, clock=lambda: self.now)
+  def _join(self, slot: Slot, joins_running: bool = True) -> None:
+    self.rt.start_learner(slot, background_io=False, now=self.now, clock=lambda: self.now,
+                          joins_running=joins_running)
     load = self.cfg.learners.virtual_step_s
     self.rt.recorder.span(slot, "load", self.now, self.now + load)
     self._schedule_step(slot, self.now + load)
@@ -80,7 +81,7 @@ class VirtualDriver:
     for m in self.rt.syncer.initial(0.0):
       self.rt.transport.publish(m)
     for slot in self.rt.initial_slots():
-      self._join(slot)
+      self._join(slot, joins_running=False)
     for f in self.rt.faults:
       self._push(f.at, "fault", f)
     if cfg.train.eval_every:
@@ -96,6 +97,7 @@ class VirtualDriver:
         if slot.status != "up" or slot.incarnation != incarnation:
           continue  # the learner failed during this step: its work is lost
         try:
+          self.rt.align_schedule(slot)
           slot.learner.step(self.now, self.now - start)
         except NonFiniteMetrics as e:
           if self.rt.learner_failed(slot, e):
@@ -219,13 +221,16 @@ class ThreadedDriver:
 
   def _train(self, slot: Slot, stop: threading.Event) -> None:
     start = self.now()
-    learner = self.rt.start_learner(slot, background_io=True, now=start, clock=time.monotonic)
+    initial = slot.index in self._cohort
+    learner = self.rt.start_learner(slot, background_io=True, now=start, clock=time.monotonic,
+                                    joins_running=not initial)
     self.rt.recorder.span(slot, "load", start, self.now())
     self._start_together(slot)
     previous = self.now()
     step_time = 0.0
     steps = self.cfg.train.steps
     while not stop.is_set() and learner.local_step < steps and not self._done.is_set():
+      self.rt.align_schedule(slot)
       learner.step(self.now(), step_time)
       measured = self.now() - previous
       extra = pacing_wait(measured, self.rt.step_duration(slot),
