@@ -298,6 +298,29 @@ def _check(ok: bool, field: str, message: str) -> None:
     raise ConfigError(f"{field}: {message}")
 
 
+def validate_data(d: DataConfig) -> None:
+  """The `data` group's checks, also run by scripts/prepare_data.py on its flags."""
+  _check(d.source in DATA_SOURCES, "data.source",
+         f"must be one of {DATA_SOURCES}, got {d.source!r}")
+  _check(d.seq_len >= 2, "data.seq_len", f"must be >= 2, got {d.seq_len}")
+  _check(0 < d.eval_fraction < 1, "data.eval_fraction", f"must be in (0, 1), got {d.eval_fraction}")
+  _check(d.max_bytes >= 0, "data.max_bytes", "must be >= 0 (0 = no cap)")
+  _check(d.prefetch >= 0, "data.prefetch", "must be >= 0")
+  if d.source != "stdlib":
+    _check(bool(d.path), "data.path", f"is required when data.source={d.source!r}")
+    _check(os.path.isdir(d.path) or bool(glob.glob(d.path)), "data.path",
+           f"no directory or files match {d.path!r}")
+  _check(bool(d.text_key), "data.text_key", "must name the text field or column")
+  _check(bool(d.split), "data.split", "must name a split, e.g. 'train'")
+  if d.tokenizer != "byte":
+    _check(d.source != "array_record", "data.tokenizer",
+           "array_record shards are already tokenised; leave data.tokenizer='byte' "
+           "(the shards' meta.json names their tokenizer)")
+    _check(os.path.exists(d.tokenizer), "data.tokenizer",
+           "must be 'byte', a SentencePiece .model file, a tokenizer.json or a directory "
+           f"with one, got {d.tokenizer!r} (no such file)")
+
+
 def validate(cfg: Config) -> None:
   """Raises ConfigError naming the first invalid field. Device-free checks only."""
   m = cfg.model
@@ -321,26 +344,7 @@ def validate(cfg: Config) -> None:
     _check(getattr(m, field) in DTYPES, f"model.{field}",
            f"must be one of {DTYPES}, got {getattr(m, field)!r}")
 
-  d = cfg.data
-  _check(d.source in DATA_SOURCES, "data.source",
-         f"must be one of {DATA_SOURCES}, got {d.source!r}")
-  _check(d.seq_len >= 2, "data.seq_len", f"must be >= 2, got {d.seq_len}")
-  _check(0 < d.eval_fraction < 1, "data.eval_fraction", f"must be in (0, 1), got {d.eval_fraction}")
-  _check(d.max_bytes >= 0, "data.max_bytes", "must be >= 0 (0 = no cap)")
-  _check(d.prefetch >= 0, "data.prefetch", "must be >= 0")
-  if d.source != "stdlib":
-    _check(bool(d.path), "data.path", f"is required when data.source={d.source!r}")
-    _check(os.path.isdir(d.path) or bool(glob.glob(d.path)), "data.path",
-           f"no directory or files match {d.path!r}")
-  _check(bool(d.text_key), "data.text_key", "must name the text field or column")
-  _check(bool(d.split), "data.split", "must name a split, e.g. 'train'")
-  if d.tokenizer != "byte":
-    _check(d.source != "array_record", "data.tokenizer",
-           "array_record shards are already tokenised; leave data.tokenizer='byte' "
-           "(the shards' meta.json names their tokenizer)")
-    _check(os.path.exists(d.tokenizer), "data.tokenizer",
-           "must be 'byte', a SentencePiece .model file, a tokenizer.json or a directory "
-           f"with one, got {d.tokenizer!r} (no such file)")
+  validate_data(cfg.data)
 
   mesh = cfg.mesh
   sizes = {"mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp, "mesh.tensor": mesh.tensor}

@@ -102,7 +102,7 @@ def _text_column(batches, schema, key: str, where: str) -> Iterator[str]:
   if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)):
     raise ConfigError(f"data.text_key: column {key!r} of {where} is {kind}, not a string")
   for batch in batches:
-    yield from batch.column(schema.get_field_index(key)).to_pylist()
+    yield from batch.column(key).to_pylist()
 
 
 def _parquet_documents(path: str, key: str) -> Iterator[str]:
