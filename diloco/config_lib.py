@@ -317,8 +317,8 @@ def validate_data(d: DataConfig) -> None:
            "array_record shards are already tokenised; leave data.tokenizer='byte' "
            "(the shards' meta.json names their tokenizer)")
     _check(os.path.exists(d.tokenizer), "data.tokenizer",
-           "must be 'byte', a SentencePiece .model file, a tokenizer.json or a directory "
-           f"with one, got {d.tokenizer!r} (no such file)")
+           "must be 'byte' or an existing SentencePiece .model file, tokenizer.json or "
+           f"directory with one, got {d.tokenizer!r} (no such file)")
 
 
 def validate(cfg: Config) -> None:
