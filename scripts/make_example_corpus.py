@@ -1,5 +1,6 @@
 """Writes a small generated corpus in every record format, and tokenizers trained on it, offline.
 
+  pip install -e ".[hf]" datasets   # pyarrow, tokenizers; datasets only to write the directory
   python scripts/make_example_corpus.py --out=runs/example
 
 writes, from the same seeded documents (short stories about made-up towns, with
@@ -62,11 +63,14 @@ def write_records(texts: list[str], out: str) -> dict[str, str]:
   with open(written["jsonl"], "w", encoding="utf-8") as f:
     for i, text in enumerate(texts):
       f.write(json.dumps({"id": i, "text": text}) + "\n")
-  import pyarrow as pa  # pylint: disable=import-outside-toplevel
-  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-  written["parquet"] = os.path.join(out, "corpus.parquet")
-  table = pa.table({"id": list(range(len(texts))), "text": texts})
-  pq.write_table(table, written["parquet"])
+  try:
+    import pyarrow as pa  # pylint: disable=import-outside-toplevel
+    import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    logging.warning('pyarrow is not installed: no corpus.parquet (pip install -e ".[hf]")')
+  else:
+    written["parquet"] = os.path.join(out, "corpus.parquet")
+    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), written["parquet"])
   try:
     import datasets  # pylint: disable=import-outside-toplevel
   except ImportError:
