@@ -403,8 +403,8 @@ def test_record_source_errors_name_the_field(records, tmp_path):
   with pytest.raises(ConfigError, match=r"data.path: .*list.jsonl:1 is a JSON list"):
     split("jsonl", tmp_path / "list.jsonl")
   pq.write_table(pa.table({"text": ["", None, ""]}), tmp_path / "empty.parquet")
-  with pytest.raises(ConfigError, match=r"data.text_key: parquet corpus .* has no non-empty "
-                                        r"documents in field 'text'"):
+  with pytest.raises(ConfigError, match=r"data.path: parquet corpus .* has no non-empty "
+                                        r"documents in data.text_key='text'"):
     split("parquet", tmp_path / "empty.parquet")
   (tmp_path / "notparquet.parquet").write_text("hello")
   with pytest.raises(ConfigError, match=r"data.path: .*notparquet.parquet is not a parquet"):

@@ -27,6 +27,7 @@ import zlib
 
 import grain
 import numpy as np
+from absl import logging
 
 from diloco.config_lib import ConfigError, DataConfig
 from diloco.train import corpus, tokenizers
@@ -53,21 +54,25 @@ def split_tokens(cfg: DataConfig) -> dict[str, np.ndarray]:
   tokenizer = tokenizers.make(cfg.tokenizer)
   parts: dict[str, list[np.ndarray]] = {"train": [], "eval": []}
   budget = cfg.max_bytes or float("inf")
-  count = 0
+  count = held_out = 0
   for key, raw in corpus.documents(cfg):
     if budget <= 0:
       break
     budget -= len(raw)
     count += 1
     split = "eval" if is_eval_document(key, cfg.eval_fraction) else "train"
+    held_out += split == "eval"
     parts[split].append(np.asarray([tokenizer.bos_id], np.int32))
     parts[split].append(tokenizer.encode(raw))
   where = cfg.path or corpus.root(cfg)
   if not count:
-    field = "data.text_key" if cfg.source in corpus.RECORD_SOURCES else "data.path"
-    raise ConfigError(f"{field}: {cfg.source} corpus {where!r} has no non-empty documents"
-                      + (f" in field {cfg.text_key!r}" if field == "data.text_key" else ""))
+    field = f" in data.text_key={cfg.text_key!r}" if cfg.source in corpus.RECORD_SOURCES else ""
+    raise ConfigError(f"data.path: {cfg.source} corpus {where!r} has no non-empty "
+                      f"documents{field}")
   streams = {k: np.concatenate(v) if v else np.zeros((0,), np.int32) for k, v in parts.items()}
+  logging.info("data: %d documents (%d held out) from %s %r, tokenizer %s: %d train and %d "
+               "eval tokens", count, held_out, cfg.source, where, tokenizer.name,
+               len(streams["train"]), len(streams["eval"]))
   for split, tokens in streams.items():
     if len(tokens) < 2 * (cfg.seq_len + 1):
       raise ConfigError(f"data: the {split} split of {cfg.source!r} ({where}) has "
