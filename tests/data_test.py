@@ -257,6 +257,15 @@ def test_vocab_check_names_model_and_tokenizer(tiny_config, replace, tmp_path):
                                         r"--config.model.vocab_size=300"):
     data_parallel.check_vocab(cfg)
   data_parallel.check_vocab(replace(cfg, "model", vocab_size=300))
+  # The multi-process launcher checks before it starts any process.
+  from configs import multiprocess
+  from diloco import config_lib
+  from diloco.distributed import launcher
+  mp = config_lib.from_config_dict(multiprocess.get_config("tiny"))
+  mp = replace(replace(mp, "data", tokenizer=path), "model", vocab_size=299)
+  with pytest.raises(ConfigError, match=r"model.vocab_size=299 is smaller .* 300 ids"):
+    launcher.run(mp, str(tmp_path / "mp"))
+  assert not (tmp_path / "mp").exists()
 
 
 # --- Record sources: jsonl, parquet, Hugging Face datasets directories ------------------------

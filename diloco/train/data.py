@@ -131,6 +131,16 @@ def vocab_size(cfg: DataConfig) -> int:
   return tokenizers.make(cfg.tokenizer).vocab_size
 
 
+def check_vocab(cfg: DataConfig, model_vocab_size: int) -> None:
+  """Fails when the model cannot embed every id the data holds (naming both fields)."""
+  needed = vocab_size(cfg)
+  if model_vocab_size < needed:
+    origin = (f"data.path={cfg.path!r}" if cfg.source == "array_record"
+              else f"data.tokenizer={cfg.tokenizer!r}")
+    raise ConfigError(f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's "
+                      f"{needed} ids ({origin}); set --config.model.vocab_size={needed} or more")
+
+
 def train_dataset(cfg: DataConfig, *, batch_size: int, learner_id: int = 0,
                   num_learners: int = 1, seed: int = 0) -> grain.IterDataset:
   """Endless batches `[batch_size, seq_len + 1]` int32 of learner `learner_id`'s shard."""

@@ -37,13 +37,7 @@ def check_batch(cfg: Config, mesh: jax.sharding.Mesh) -> None:
 
 
 def check_vocab(cfg: Config) -> None:
-  needed = data_lib.vocab_size(cfg.data)
-  if cfg.model.vocab_size < needed:
-    origin = (f"data.path={cfg.data.path!r}" if cfg.data.source == "array_record"
-              else f"data.tokenizer={cfg.data.tokenizer!r}")
-    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                      f"tokenizer's {needed} ids ({origin}); set "
-                      f"--config.model.vocab_size={needed} or more")
+  data_lib.check_vocab(cfg.data, cfg.model.vocab_size)
 
 
 def _finite_or_raise(step: int, values: dict[str, float]) -> None:
