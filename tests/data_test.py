@@ -306,9 +306,16 @@ def records(tmp_path_factory):
       str(root / "dsdict"), num_shards={"train": 3, "test": 1})
   full.save_to_disk(str(root / "dataset"))
   # A `datasets` cache, as `load_dataset` leaves it (the json builder runs offline).
-  os.environ.setdefault("HF_HUB_OFFLINE", "1")
-  datasets.load_dataset("json", data_files={"train": str(root / "jsonl" / "a.jsonl")},
-                        cache_dir=str(root / "cache"))
+  offline = os.environ.get("HF_HUB_OFFLINE")
+  os.environ["HF_HUB_OFFLINE"] = "1"
+  try:
+    datasets.load_dataset("json", data_files={"train": str(root / "jsonl" / "a.jsonl")},
+                          cache_dir=str(root / "cache"))
+  finally:
+    if offline is None:
+      del os.environ["HF_HUB_OFFLINE"]
+    else:
+      os.environ["HF_HUB_OFFLINE"] = offline
   return root
 
 

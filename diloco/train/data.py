@@ -11,11 +11,10 @@ Sources (`data.source`):
 
 Documents are split into train and eval by a hash of their name (text files) or their
 content (records), so the eval split is never trained on and does not depend on the
-file order. Each split is tokenised,
-joined with BOS separators and cut into windows of `seq_len + 1` tokens (inputs and
-shifted targets). Learner m of M trains on windows m, m + M, m + 2M, ... only,
-reshuffled each epoch with the run seed, so shards are disjoint and deterministic;
-the Grain iterator state is what checkpoints save.
+file order. Each split is tokenised, joined with BOS separators and cut into windows of
+`seq_len + 1` tokens (inputs and shifted targets). Learner m of M trains on windows
+m, m + M, m + 2M, ... only, reshuffled each epoch with the run seed, so shards are
+disjoint and deterministic; the Grain iterator state is what checkpoints save.
 """
 
 from __future__ import annotations
