@@ -34,7 +34,10 @@ setup(
         "scipy>=1.14,<2",
     ],
     extras_require={
-        "test": ["pytest>=8,<10"],
+        # Record sources (parquet, `datasets` directories) and tokenizer.json files
+        # (docs/data.md); `datasets` itself is only needed to write directories.
+        "hf": ["pyarrow>=15", "tokenizers>=0.15,<1"],
+        "test": ["pytest>=8,<10", "pyarrow>=15", "tokenizers>=0.15,<1", "datasets>=3,<6"],
         # A gs:// store or workdir (etils.epath uses gcsfs for object stores).
         "gcs": ["gcsfs"],
     },

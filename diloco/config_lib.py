@@ -28,12 +28,18 @@ def _frozen(cls):
 
 @_frozen
 class DataConfig:
-  """Where tokens come from. `source`: stdlib | text | array_record."""
+  """Where tokens come from. `source`: stdlib | text | jsonl | parquet | datasets | array_record."""
   source: str = "stdlib"
-  # Directory or glob of text files (source=text) or of prepared shards (array_record).
+  # Directory or glob of text files (text), jsonl or parquet files, a Hugging Face
+  # save_to_disk or cache directory (datasets), or prepared shards (array_record).
   path: str = ""
-  # "byte", or the path of a SentencePiece model written by scripts/prepare_data.py.
+  # "byte", a SentencePiece .model file (e.g. Gemma's or one written by
+  # scripts/prepare_data.py), a Hugging Face tokenizer.json, or a directory holding one.
   tokenizer: str = "byte"
+  # The text field of jsonl records, or the text column of parquet and datasets sources.
+  text_key: str = "text"
+  # The split of a DatasetDict directory or of a datasets cache (source=datasets).
+  split: str = "train"
   seq_len: int = 128
   # Cap on the corpus size read into memory for text sources (0 = no cap).
   max_bytes: int = 8_000_000
@@ -267,7 +273,7 @@ _GROUPS = {
 GROUPS = _GROUPS  # read by the command line's help (diloco/config_cli.py)
 # `sync.quorum` = ALL_LEARNERS: every live learner (K = M), following learners.count.
 ALL_LEARNERS = 0
-DATA_SOURCES = ("stdlib", "text", "array_record")
+DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "datasets", "array_record")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -327,6 +333,29 @@ def _check(ok: bool, field: str, message: str) -> None:
     raise ConfigError(f"{field}: {message}")
 
 
+def validate_data(d: DataConfig) -> None:
+  """The `data` group's checks, also run by scripts/prepare_data.py on its flags."""
+  _check(d.source in DATA_SOURCES, "data.source",
+         f"must be one of {DATA_SOURCES}, got {d.source!r}")
+  _check(d.seq_len >= 2, "data.seq_len", f"must be >= 2, got {d.seq_len}")
+  _check(0 < d.eval_fraction < 1, "data.eval_fraction", f"must be in (0, 1), got {d.eval_fraction}")
+  _check(d.max_bytes >= 0, "data.max_bytes", "must be >= 0 (0 = no cap)")
+  _check(d.prefetch >= 0, "data.prefetch", "must be >= 0")
+  if d.source != "stdlib":
+    _check(bool(d.path), "data.path", f"is required when data.source={d.source!r}")
+    _check(os.path.isdir(d.path) or bool(glob.glob(d.path)), "data.path",
+           f"no directory or files match {d.path!r}")
+  _check(bool(d.text_key), "data.text_key", "must name the text field or column")
+  _check(bool(d.split), "data.split", "must name a split, e.g. 'train'")
+  if d.tokenizer != "byte":
+    _check(d.source != "array_record", "data.tokenizer",
+           "array_record shards are already tokenised; leave data.tokenizer='byte' "
+           "(the shards' meta.json names their tokenizer)")
+    _check(os.path.exists(d.tokenizer), "data.tokenizer",
+           "must be 'byte' or an existing SentencePiece .model file, tokenizer.json or "
+           f"directory with one, got {d.tokenizer!r} (no such file)")
+
+
 def validate(cfg: Config) -> None:
   """Raises ConfigError naming the first invalid field. Device-free checks only."""
   m = cfg.model
@@ -350,23 +379,7 @@ def validate(cfg: Config) -> None:
     _check(getattr(m, field) in DTYPES, f"model.{field}",
            f"must be one of {DTYPES}, got {getattr(m, field)!r}")
 
-  d = cfg.data
-  _check(d.source in DATA_SOURCES, "data.source",
-         f"must be one of {DATA_SOURCES}, got {d.source!r}")
-  _check(d.seq_len >= 2, "data.seq_len", f"must be >= 2, got {d.seq_len}")
-  _check(0 < d.eval_fraction < 1, "data.eval_fraction", f"must be in (0, 1), got {d.eval_fraction}")
-  _check(d.max_bytes >= 0, "data.max_bytes", "must be >= 0 (0 = no cap)")
-  _check(d.prefetch >= 0, "data.prefetch", "must be >= 0")
-  if d.source in ("text", "array_record"):
-    _check(bool(d.path), "data.path", f"is required when data.source={d.source!r}")
-    _check(os.path.isdir(d.path) or bool(glob.glob(d.path)), "data.path",
-           f"no directory or files match {d.path!r}")
-  if d.tokenizer != "byte":
-    _check(d.source != "array_record", "data.tokenizer",
-           "array_record shards are already tokenised; leave data.tokenizer='byte' "
-           "(the shards' meta.json names their tokenizer)")
-    _check(os.path.isfile(d.tokenizer), "data.tokenizer",
-           f"must be 'byte' or an existing SentencePiece .model file, got {d.tokenizer!r}")
+  validate_data(cfg.data)
 
   mesh = cfg.mesh
   sizes = {"mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp, "mesh.tensor": mesh.tensor}

@@ -6,6 +6,14 @@
 writes `OUT/{train,eval}-NNNNN-of-NNNNN.array_record` (one record = seq_len + 1 int32
 tokens), `OUT/meta.json`, and for SentencePiece `OUT/tokenizer.model`, trained on the
 train split only. Train with `--config.data.source=array_record --config.data.path=OUT`.
+
+`--source` takes every text source of `data.source` (stdlib, text, jsonl, parquet,
+datasets; with `--text_key` and `--split`), and `--tokenizer` also takes an existing
+tokenizer (a SentencePiece .model, a tokenizer.json or a directory with one), which is
+copied into OUT so that the shards say how to decode them:
+
+  python scripts/prepare_data.py --out=runs/data/gemma --source=parquet \
+      --path='corpus/*.parquet' --tokenizer=/models/gemma/tokenizer.model --seq_len=1024
 """
 
 from __future__ import annotations
@@ -13,19 +21,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import numpy as np
 from absl import app, flags
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from diloco.config_lib import ConfigError, DataConfig
+from diloco.config_lib import DATA_SOURCES, ConfigError, DataConfig, validate_data
 from diloco.train import data as data_lib
 from diloco.train import tokenizers
 
 _OUT = flags.DEFINE_string("out", None, "Output directory (created).")
-_SOURCE = flags.DEFINE_enum("source", "stdlib", ["stdlib", "text"], "Corpus to read.")
-_PATH = flags.DEFINE_string("path", "", "Directory or glob of text files (source=text).")
-_TOKENIZER = flags.DEFINE_enum("tokenizer", "byte", ["byte", "sentencepiece"], "Tokenizer.")
+_SOURCE = flags.DEFINE_enum("source", "stdlib", [s for s in DATA_SOURCES if s != "array_record"],
+                            "Corpus to read (as data.source).")
+_PATH = flags.DEFINE_string("path", "", "Files or directory of the corpus (as data.path).")
+_TEXT_KEY = flags.DEFINE_string("text_key", "text", "Text field or column (as data.text_key).")
+_SPLIT = flags.DEFINE_string("split", "train", "Split of a datasets directory (as data.split).")
+_TOKENIZER = flags.DEFINE_string(
+    "tokenizer", "byte", "'byte', 'sentencepiece' (train one on the train split), or an "
+    "existing SentencePiece .model, tokenizer.json or directory with one (as data.tokenizer).")
 _VOCAB = flags.DEFINE_integer("vocab_size", 2048, "SentencePiece vocabulary size.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per training example (plus one).")
 _EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.02, "Held-out fraction of documents.")
@@ -74,12 +88,20 @@ def prepare(cfg: DataConfig, out: str, tokenizer: str, vocab_size: int, shards: 
   os.makedirs(out, exist_ok=True)
   if tokenizer == "sentencepiece":
     cfg = dataclasses.replace(cfg, tokenizer=train_sentencepiece(cfg, out, vocab_size))
+  elif tokenizer != "byte":
+    source = tokenizers.resolve(tokenizer)
+    tokenizers.make(source)  # fails here, naming the file, before anything is copied
+    copy = os.path.join(out, "tokenizer" + (".json" if source.endswith(".json") else ".model"))
+    if os.path.abspath(source) != os.path.abspath(copy):
+      shutil.copyfile(source, copy)
+    cfg = dataclasses.replace(cfg, tokenizer=copy)
   streams = data_lib.split_tokens(cfg)
   tok = tokenizers.make(cfg.tokenizer)
   meta = {
       "tokenizer": tok.name,
       "tokenizer_model": os.path.basename(cfg.tokenizer) if tok.name != "byte" else None,
-      "vocab_size": tok.vocab_size, "seq_len": cfg.seq_len, "source": cfg.source,
+      "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+      "pad_id": tok.pad_id, "seq_len": cfg.seq_len, "source": cfg.source,
       "eval_fraction": cfg.eval_fraction,
       "shards": {"train": write_shards(streams["train"], cfg.seq_len, out, "train", shards),
                  "eval": write_shards(streams["eval"], cfg.seq_len, out, "eval", 1)},
@@ -93,8 +115,10 @@ def prepare(cfg: DataConfig, out: str, tokenizer: str, vocab_size: int, shards: 
 def main(argv):
   del argv
   cfg = DataConfig(source=_SOURCE.value, path=_PATH.value, seq_len=_SEQ_LEN.value,
+                   text_key=_TEXT_KEY.value, split=_SPLIT.value,
                    eval_fraction=_EVAL_FRACTION.value, max_bytes=_MAX_BYTES.value)
   try:
+    validate_data(dataclasses.replace(cfg, tokenizer="byte"))
     meta = prepare(cfg, _OUT.value, _TOKENIZER.value, _VOCAB.value, _SHARDS.value)
   except ConfigError as e:
     raise SystemExit(f"prepare_data: {e}") from None

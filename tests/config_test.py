@@ -33,7 +33,8 @@ def _with(preset="tiny", **dotted):
     ({"train__batch_size": -4}, r"train.batch_size: must be >= 1"),
     ({"mesh__data": -1, "mesh__fsdp": -1}, r"mesh: at most one axis may be -1"),
     ({"mesh__tensor": 0}, r"mesh.tensor: must be -1 \(fill\) or >= 1"),
-    ({"data__source": "web"}, r"data.source: must be one of \('stdlib', 'text', 'array_record'\)"),
+    ({"data__source": "web"}, r"data.source: must be one of \('stdlib', 'text', 'jsonl', "
+                               r"'parquet', 'datasets', 'array_record'\)"),
     ({"data__source": "text"}, r"data.path: is required when data.source='text'"),
     ({"data__source": "text", "data__path": "/nonexistent/dir"},
      r"data.path: no directory or files match '/nonexistent/dir'"),

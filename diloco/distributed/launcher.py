@@ -31,6 +31,7 @@ from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import timeline
 from diloco.observe.accounting import span_record
+from diloco.train import data as data_lib
 
 LAUNCHER_ACTIVITY = "launcher.jsonl"
 
@@ -367,6 +368,7 @@ def run(cfg: Config, workdir: str) -> dict:
   """Launches the multi-process run of `cfg` in `workdir`; returns its accounting summary."""
   if cfg.learners.count < 1:
     raise ConfigError("--role=launch needs learners.count >= 1 (a Decoupled DiLoCo config)")
+  data_lib.check_vocab(cfg.data, cfg.model.vocab_size)  # before any process starts
   os.makedirs(workdir, exist_ok=True)
   config_json = os.path.abspath(os.path.join(workdir, "config.json"))
   with open(config_json, "w") as f:

@@ -4,88 +4,77 @@ Sources (`data.source`):
   * `stdlib`: the Python standard library's own `.py` files, real text that exists
     wherever the package installs (the default: no download, no account);
   * `text`: a directory or glob of the user's text files;
+  * `jsonl`, `parquet`, `datasets`: records with a text field (`data.text_key`) in
+    JSON-lines or parquet files, or a Hugging Face `save_to_disk` directory
+    (`data.split`); see `corpus.py`;
   * `array_record`: pre-tokenised shards written by `scripts/prepare_data.py`.
 
-Documents are split into train and eval by a hash of their name, so the eval split
-is never trained on and does not depend on the file order. Each split is tokenised,
-joined with BOS separators and cut into windows of `seq_len + 1` tokens (inputs and
-shifted targets). Learner m of M trains on windows m, m + M, m + 2M, ... only,
-reshuffled each epoch with the run seed, so shards are disjoint and deterministic;
-the Grain iterator state is what checkpoints save.
+Documents are split into train and eval by a hash of their name (text files) or their
+content (records), so the eval split is never trained on and does not depend on the
+file order. Each split is tokenised, joined with BOS separators and cut into windows of
+`seq_len + 1` tokens (inputs and shifted targets). Learner m of M trains on windows
+m, m + M, m + 2M, ... only, reshuffled each epoch with the run seed, so shards are
+disjoint and deterministic; the Grain iterator state is what checkpoints save.
 """
 
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import os
-import sysconfig
 import zlib
 
 import grain
 import numpy as np
+from absl import logging
 
 from diloco.config_lib import ConfigError, DataConfig
-from diloco.train import tokenizers
+from diloco.train import corpus, tokenizers
 
 META_FILE = "meta.json"
 
 
-def stdlib_files() -> list[str]:
-  """Sorted `.py` files of this interpreter's standard library (site-packages excluded)."""
-  root = sysconfig.get_paths()["stdlib"]
-  files = [f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-           if "site-packages" not in f and "dist-packages" not in f]
-  return sorted(files)
+stdlib_files = corpus.stdlib_files
+text_files = corpus.text_files
 
 
-def text_files(path: str) -> list[str]:
-  """All regular files under a directory (recursively), or those matching a glob."""
-  if os.path.isdir(path):
-    found = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-  else:
-    found = glob.glob(path, recursive=True)
-  files = sorted(f for f in found if os.path.isfile(f))
-  if not files:
-    raise ConfigError(f"data.path: no files found at {path!r}")
-  return files
-
-
-def is_eval_document(name: str, eval_fraction: float) -> bool:
-  return zlib.crc32(name.encode("utf-8")) % 10_000 < eval_fraction * 10_000
-
-
-def _corpus_files(cfg: DataConfig) -> tuple[str, list[str]]:
-  if cfg.source == "stdlib":
-    return sysconfig.get_paths()["stdlib"], stdlib_files()
-  root = cfg.path if os.path.isdir(cfg.path) else os.path.dirname(cfg.path)
-  return root, text_files(cfg.path)
+def is_eval_document(key: str | bytes, eval_fraction: float) -> bool:
+  """Whether a document (by name or content) is held out; stable across runs and hosts."""
+  raw = key.encode("utf-8") if isinstance(key, str) else key
+  return zlib.crc32(raw) % 10_000 < eval_fraction * 10_000
 
 
 @functools.lru_cache(maxsize=4)
 def split_tokens(cfg: DataConfig) -> dict[str, np.ndarray]:
-  """Token streams of the train and eval splits of a text corpus (cached per config)."""
+  """Token streams of the train and eval splits of a text corpus (cached per config).
+
+  Every document is preceded by the tokenizer's `bos_id` (its BOS, or EOS if it has none).
+  """
   tokenizer = tokenizers.make(cfg.tokenizer)
-  root, files = _corpus_files(cfg)
   parts: dict[str, list[np.ndarray]] = {"train": [], "eval": []}
   budget = cfg.max_bytes or float("inf")
-  for path in files:
+  count = held_out = 0
+  for key, raw in corpus.documents(cfg):
     if budget <= 0:
       break
-    name = os.path.relpath(path, root)
-    with open(path, "rb") as f:
-      raw = f.read()
-    if not raw:
-      continue
     budget -= len(raw)
-    split = "eval" if is_eval_document(name, cfg.eval_fraction) else "train"
+    count += 1
+    split = "eval" if is_eval_document(key, cfg.eval_fraction) else "train"
+    held_out += split == "eval"
     parts[split].append(np.asarray([tokenizer.bos_id], np.int32))
     parts[split].append(tokenizer.encode(raw))
+  where = cfg.path or corpus.root(cfg)
+  if not count:
+    field = f" in data.text_key={cfg.text_key!r}" if cfg.source in corpus.RECORD_SOURCES else ""
+    raise ConfigError(f"data.path: {cfg.source} corpus {where!r} has no non-empty "
+                      f"documents{field}")
   streams = {k: np.concatenate(v) if v else np.zeros((0,), np.int32) for k, v in parts.items()}
+  logging.info("data: %d documents (%d held out) from %s %r, tokenizer %s: %d train and %d "
+               "eval tokens", count, held_out, cfg.source, where, tokenizer.name,
+               len(streams["train"]), len(streams["eval"]))
   for split, tokens in streams.items():
     if len(tokens) < 2 * (cfg.seq_len + 1):
-      raise ConfigError(f"data: the {split} split of {cfg.source!r} ({cfg.path or root}) has "
+      raise ConfigError(f"data: the {split} split of {cfg.source!r} ({where}) has "
                         f"only {len(tokens)} tokens, too few for data.seq_len={cfg.seq_len}; "
                         "add text, raise data.max_bytes or change data.eval_fraction")
   return streams
@@ -139,6 +128,16 @@ def vocab_size(cfg: DataConfig) -> int:
   if cfg.source == "array_record":
     return int(read_meta(cfg.path)["vocab_size"])
   return tokenizers.make(cfg.tokenizer).vocab_size
+
+
+def check_vocab(cfg: DataConfig, model_vocab_size: int) -> None:
+  """Fails when the model cannot embed every id the data holds (naming both fields)."""
+  needed = vocab_size(cfg)
+  if model_vocab_size < needed:
+    origin = (f"data.path={cfg.path!r}" if cfg.source == "array_record"
+              else f"data.tokenizer={cfg.tokenizer!r}")
+    raise ConfigError(f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's "
+                      f"{needed} ids ({origin}); set --config.model.vocab_size={needed} or more")
 
 
 def train_dataset(cfg: DataConfig, *, batch_size: int, learner_id: int = 0,

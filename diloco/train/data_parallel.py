@@ -37,10 +37,7 @@ def check_batch(cfg: Config, mesh: jax.sharding.Mesh) -> None:
 
 
 def check_vocab(cfg: Config) -> None:
-  needed = data_lib.vocab_size(cfg.data)
-  if cfg.model.vocab_size < needed:
-    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                      f"tokenizer's {needed} ids; set --config.model.vocab_size={needed} or more")
+  data_lib.check_vocab(cfg.data, cfg.model.vocab_size)
 
 
 def _finite_or_raise(step: int, values: dict[str, float]) -> None:
