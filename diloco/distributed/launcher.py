@@ -329,6 +329,14 @@ class Launcher:
     })
     with open(os.path.join(self.workdir, "accounting.json"), "w") as f:
       json.dump(summary, f, indent=2)
+    # Into the syncer's TensorBoard run (WORKDIR/tensorboard/syncer), at the last eval's step.
+    steps = [r["step"] for r in records if r.get("role") == "syncer" and "eval/loss" in r]
+    writer = metrics_lib.open_writer(cfg, self.workdir, role="syncer", process="launcher")
+    try:
+      writer.track(steps[-1] if steps else 0,
+                   {k: v for k, v in summary.items() if not k.startswith("eval/")})
+    finally:
+      writer.close()
     with open(os.path.join(self.workdir, "chaos.json"), "w") as f:
       json.dump(self.applied, f, indent=2)
     metrics_lib.plot_loss(records, os.path.join(self.workdir, "loss.png"),

@@ -46,6 +46,14 @@ class MetricWriter:
     for tracker in self.trackers:
       tracker.scalars(self.name if self._learner is not None else "", step, metrics)
 
+  def track(self, step: int, values: Mapping[str, object]) -> None:
+    """Finite numbers of `values` to the trackers only (e.g. the end-of-run accounting,
+    already in accounting.json)."""
+    scalars = {k: float(v) for k, v in values.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    for tracker in self.trackers:
+      tracker.scalars(self.name if self._learner is not None else "", step, scalars)
+
   def close(self) -> None:
     self._file.close()
     for tracker in self.trackers:
