@@ -158,7 +158,12 @@ def load_init(path: str, abstract: PyTree) -> PyTree:
                         "committed Orbax checkpoint (checkpoints/ or run_checkpoints/)")
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
     item, kind = found
-    tree = ocp.PyTreeCheckpointer().restore(item)
+    # As NumPy on the host: the checkpoint's own device layout may not exist here.
+    checkpointer = ocp.PyTreeCheckpointer()
+    metadata = checkpointer.metadata(item)
+    metadata = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+    tree = checkpointer.restore(item, args=ocp.args.PyTreeRestore(restore_args=restore_args))
     params = tree["params"] if kind == "train state" else tree
     source = f"{kind} {item}"
   params = jax.tree.map(np.asarray, params)
