@@ -145,3 +145,34 @@ def test_bad_wandb_mode_is_one_line_error(tmp_path):
   cfg = _config("dp.py:tiny", train__steps=1, log__wandb_mode="cloud")
   with pytest.raises(config_lib.ConfigError, match="log.wandb_mode"):
     train.run(cfg, str(tmp_path))
+
+
+def test_multiprocess_run_logs_every_process_and_exports(tmp_path):
+  import subprocess
+  import sys
+  workdir = str(tmp_path / "mp")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+      [sys.executable, "-m", "diloco.main", "--config=configs/multiprocess.py:tiny",
+       f"--workdir={workdir}", "--role=launch", "--config.learners.count=2",
+       "--config.launch.chaos_faults=0", "--config.launch.max_learners=2",
+       "--config.train.steps=30", "--config.train.eval_every=0",
+       "--config.learners.min_step_s=0.0", "--config.launch.timeout_s=400"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=450, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  tb = os.path.join(workdir, "tensorboard")
+  assert sorted(os.listdir(tb)) == ["learner_0", "learner_1", "syncer"]
+  for m in (0, 1):
+    scalars, _ = _scalars(os.path.join(tb, f"learner_{m}"))
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 31))
+    assert _finite(scalars["train/loss"]) and _finite(scalars["train/grad_norm"])
+  scalars, acc = _scalars(os.path.join(tb, "syncer"))
+  for tag in ("eval/loss", "outer/rounds", "accounting/goodput", "accounting/rounds",
+              "accounting/bytes_up"):
+    assert _finite(scalars.get(tag)), (tag, sorted(scalars))
+  assert scalars["accounting/rounds"][0][1] > 0
+  assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")
+  from diloco.train import export
+  params, meta = export.load(workdir)
+  assert meta["runtime"] == "multiprocess" and meta["outer/rounds"] > 0
+  assert params["embedder"]["embedding"].shape == (384, 64)  # the tiny preset's table
