@@ -29,7 +29,12 @@ setup(
         "tensorboardX>=2.6,<3",
     ],
     extras_require={
-        "test": ["pytest>=8,<10"],
+        # tests read the TensorBoard event files back and run wandb in offline mode
+        "test": ["pytest>=8,<10", "tensorboard>=2.14,<3", "wandb>=0.20,<1"],
+        # viewing the event files every run writes (tensorboardX writes them)
+        "tensorboard": ["tensorboard>=2.14,<3"],
+        # log.wandb=True
+        "wandb": ["wandb>=0.20,<1"],
         # A gs:// store or workdir (etils.epath uses gcsfs for object stores).
         "gcs": ["gcsfs"],
     },
