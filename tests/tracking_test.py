@@ -176,3 +176,15 @@ def test_multiprocess_run_logs_every_process_and_exports(tmp_path):
   params, meta = export.load(workdir)
   assert meta["runtime"] == "multiprocess" and meta["outer/rounds"] > 0
   assert params["embedder"]["embedding"].shape == (384, 64)  # the tiny preset's table
+
+
+def test_resumed_data_parallel_run_hides_the_redone_steps_in_tensorboard(tmp_path):
+  import shutil
+  cfg = _config("dp.py:tiny", train__steps=4, train__batch_size=8, checkpoint__every_steps=2)
+  workdir = str(tmp_path / "dp")
+  train.run(cfg, workdir)
+  # As if killed after step 4's events but before its checkpoint: resume at step 2.
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "4"))
+  train.run(cfg, workdir)
+  scalars, _ = _scalars(os.path.join(workdir, "tensorboard", "dp"))
+  assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]  # 3 and 4 once, the redone ones

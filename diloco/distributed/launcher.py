@@ -30,6 +30,7 @@ from diloco.distributed.store import Store
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import timeline
+from diloco.observe import tracking
 from diloco.observe.accounting import span_record
 
 LAUNCHER_ACTIVITY = "launcher.jsonl"
@@ -375,6 +376,7 @@ def run(cfg: Config, workdir: str) -> dict:
   """Launches the multi-process run of `cfg` in `workdir`; returns its accounting summary."""
   if cfg.learners.count < 1:
     raise ConfigError("--role=launch needs learners.count >= 1 (a Decoupled DiLoCo config)")
+  tracking.check(cfg.log)
   os.makedirs(workdir, exist_ok=True)
   config_json = os.path.abspath(os.path.join(workdir, "config.json"))
   with open(config_json, "w") as f:

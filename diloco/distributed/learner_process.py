@@ -125,8 +125,10 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   activity = _Activity(records, learner_id, incarnation, len(devices), _speed(cfg, learner_id))
   activity.span("load", joined_at, clock(), local_step=learner.local_step)
   if hosts.leader:  # TensorBoard learner_<m>, wandb: one run per learner process
-    writer = metrics_lib.open_writer(cfg, records, role="learner", learner=learner_id,
-                                     process=f"learner_{learner_id}")
+    # A restarted learner redoes the steps after its checkpoint: TensorBoard hides the old ones.
+    writer = metrics_lib.open_writer(
+        cfg, records, role="learner", learner=learner_id, process=f"learner_{learner_id}",
+        purge_step=learner.local_step + 1 if learner.local_step else None)
   else:  # the other hosts of a multi-host learner compute the same metrics
     writer = metrics_lib.MetricWriter(records, role="learner", learner=learner_id)
   print(f"learner {learner_id} incarnation {incarnation}: joined at local step "

@@ -23,6 +23,7 @@ from diloco.model.sharding import batch_sharding
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import timeline
+from diloco.observe import tracking
 from diloco.runtime import checkpoint as run_checkpoint
 from diloco.runtime.core import Runtime, Slot
 from diloco.runtime.drivers import ThreadedDriver, VirtualDriver
@@ -89,6 +90,7 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
 
 def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
          ) -> tuple[Runtime, dict[str, float]]:
+  tracking.check(cfg.log)
   snapshot = ckpt.load()
   if snapshot is not None:
     run_checkpoint.check_resumable(snapshot, cfg, workdir)
@@ -111,13 +113,15 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
   slot0 = rt.slots[0].spec
   eval_set = [jax.device_put(b, batch_sharding(slot0.mesh)) for b in data_lib.eval_batches(
       cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
+  # A resumed run hides the TensorBoard events written after its checkpoint (they are redone).
+  resumed_at = max(s.resume.local_step for s in rt.slots) if snapshot is not None else 0
   writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="decoupled",
-                                   log_config=True)
+                                   log_config=True, purge_step=resumed_at or None)
   # Learners' train/* go to WORKDIR/tensorboard/learner_<m> from their own threads: a tracker
   # only enqueues (see diloco/observe/tracking.py).
-  learner_writers = {s.index: metrics_lib.open_writer(cfg, workdir, role="learner",
-                                                      learner=s.index, process="decoupled")
-                     for s in rt.slots}
+  learner_writers = {s.index: metrics_lib.open_writer(
+      cfg, workdir, role="learner", learner=s.index, process="decoupled",
+      purge_step=s.resume.local_step + 1 if s.resume.local_step else None) for s in rt.slots}
   status = Status(rt, cfg.log.progress_every_s)
   written: dict[int, int] = {}
   points, merged = run_checkpoint.ResumePoints(), run_checkpoint.MergedSteps()

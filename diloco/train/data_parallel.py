@@ -22,6 +22,7 @@ from diloco import fragments as fragments_lib
 from diloco.config_lib import Config, ConfigError
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
+from diloco.observe import tracking
 from diloco.train import checkpoint as checkpoint_lib
 from diloco.train import data as data_lib
 from diloco.train import export
@@ -74,6 +75,7 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
   mesh = mesh_lib.learner_mesh(jax.devices(), cfg.mesh)
   check_batch(cfg, mesh)
   check_vocab(cfg)
+  tracking.check(cfg.log)
   logging.info("data-parallel run: %s", mesh_lib.describe(mesh))
   config_json = dataclasses.asdict(cfg)
   with open(os.path.join(workdir, "config.json"), "w") as f:
