@@ -150,3 +150,23 @@ def test_data_parallel_export_checkpoint_init_and_shape_errors(tmp_path):
     export.load_init(workdir, spec3.abstract["params"])
   with pytest.raises(config_lib.ConfigError, match="holds no export"):
     export.load_init(str(tmp_path), spec.abstract["params"])
+
+
+def test_command_line_picks_a_model_by_module_and_name(tmp_path):
+  import subprocess
+  import sys
+  base = [sys.executable, "-m", "diloco.main", "--config=configs/dp.py:tiny",
+          "--config.train.steps=2", "--config.train.eval_batches=1",
+          "--config.checkpoint.every_steps=0"]
+  env = dict(os.environ, PYTHONPATH=REPO)
+  bad = subprocess.run(base + [f"--workdir={tmp_path / 'bad'}", "--config.model.arch=nope"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 1
+  assert bad.stderr.strip().splitlines()[-1].startswith(
+      "config error: model.arch: unknown model 'nope'; registered: ['transformer']"), bad.stderr
+  ok = subprocess.run(base + [f"--workdir={tmp_path / 'ok'}", "--config.model.arch=mixer_lm",
+                              "--config.model.module=tests/custom_model.py"],
+                      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+  params, meta = export.load(str(tmp_path / "ok"))
+  assert meta["model"]["arch"] == "mixer_lm" and "embed" in params

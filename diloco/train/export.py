@@ -86,10 +86,15 @@ def load(path: str, abstract: PyTree | None = None) -> tuple[PyTree, dict]:
     meta = json.load(f)
   if meta.get("format") != FORMAT:
     raise ConfigError(f"{found}/{META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
-  params = ocp_v1.load(os.path.join(found, PARAMS_DIR))
+  params_path = os.path.join(found, PARAMS_DIR)
+  saved = ocp_v1.metadata(params_path).metadata
+  if abstract is not None:
+    check_shapes(saved, abstract, f"export {found}")
+  # NumPy targets: read on the host whatever devices wrote it (a data-parallel export holds
+  # sharded jax.Arrays, whose device layout need not exist here).
+  params = ocp_v1.load(params_path, jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved))
   if abstract is None:
     return params, meta
-  check_shapes(params, abstract, f"export {found}")
   targets = fragments_lib.flatten_tree(abstract)
   flat = {k: jax.device_put(np.asarray(v, targets[k].dtype), getattr(targets[k], "sharding", None))
           for k, v in fragments_lib.flatten_tree(params).items()}
