@@ -89,6 +89,11 @@ class TrainConfig:
   # Evaluate every this many steps (0 = only at the end), on `eval_batches` held-out batches.
   eval_every: int = 50
   eval_batches: int = 4
+  # Start from these parameters instead of a fresh init: an export (WORKDIR/export or a
+  # workdir that has one), a data-parallel checkpoint (WORKDIR/checkpoints[/STEP]) or a
+  # durable run's checkpoint (WORKDIR/run_checkpoints[/STEP]). Fresh optimizer state; a
+  # workdir that already holds a checkpoint resumes instead.
+  init_from: str = ""
 
 
 @_frozen
@@ -109,8 +114,19 @@ class CheckpointConfig:
 
 @_frozen
 class LogConfig:
-  tensorboard: bool = False
+  # Scalars to WORKDIR/tensorboard/<writer> (learner_<m>, syncer, dp) besides metrics.jsonl.
+  tensorboard: bool = True
   progress_every_s: float = 5.0
+  # Weights & Biases (pip install 'diloco[wandb]'): one run per process, files in WORKDIR/wandb.
+  wandb: bool = False
+  wandb_project: str = "diloco"
+  # Empty: your default entity.
+  wandb_entity: str = ""
+  # Runs of one experiment are grouped; empty: the workdir's name.
+  wandb_group: str = ""
+  # offline (default: no network or account needed; `wandb sync` uploads later) | online |
+  # disabled.
+  wandb_mode: str = "offline"
 
 
 @_frozen

@@ -30,6 +30,7 @@ from diloco.distributed.store import Store
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import timeline
+from diloco.observe import tracking
 from diloco.observe.accounting import span_record
 from diloco.train import data as data_lib
 
@@ -330,6 +331,14 @@ class Launcher:
     })
     with open(os.path.join(self.workdir, "accounting.json"), "w") as f:
       json.dump(summary, f, indent=2)
+    # Into the syncer's TensorBoard run (WORKDIR/tensorboard/syncer), at the last eval's step.
+    steps = [r["step"] for r in records if r.get("role") == "syncer" and "eval/loss" in r]
+    writer = metrics_lib.open_writer(cfg, self.workdir, role="syncer", process="launcher")
+    try:
+      writer.track(steps[-1] if steps else 0,
+                   {k: v for k, v in summary.items() if not k.startswith("eval/")})
+    finally:
+      writer.close()
     with open(os.path.join(self.workdir, "chaos.json"), "w") as f:
       json.dump(self.applied, f, indent=2)
     metrics_lib.plot_loss(records, os.path.join(self.workdir, "loss.png"),
@@ -369,6 +378,7 @@ def run(cfg: Config, workdir: str) -> dict:
   if cfg.learners.count < 1:
     raise ConfigError("--role=launch needs learners.count >= 1 (a Decoupled DiLoCo config)")
   data_lib.check_vocab(cfg.data, cfg.model.vocab_size)  # before any process starts
+  tracking.check(cfg.log)
   os.makedirs(workdir, exist_ok=True)
   config_json = os.path.abspath(os.path.join(workdir, "config.json"))
   with open(config_json, "w") as f:

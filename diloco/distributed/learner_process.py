@@ -124,7 +124,13 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   records = workdir if hosts.leader else os.path.join(workdir, "hosts", f"h{hosts.index}")
   activity = _Activity(records, learner_id, incarnation, len(devices), _speed(cfg, learner_id))
   activity.span("load", joined_at, clock(), local_step=learner.local_step)
-  writer = metrics_lib.MetricWriter(records, role="learner", learner=learner_id)
+  if hosts.leader:  # TensorBoard learner_<m>, wandb: one run per learner process
+    # A restarted learner redoes the steps after its checkpoint: TensorBoard hides the old ones.
+    writer = metrics_lib.open_writer(
+        cfg, records, role="learner", learner=learner_id, process=f"learner_{learner_id}",
+        purge_step=learner.local_step + 1 if learner.local_step else None)
+  else:  # the other hosts of a multi-host learner compute the same metrics
+    writer = metrics_lib.MetricWriter(records, role="learner", learner=learner_id)
   print(f"learner {learner_id} incarnation {incarnation}: joined at local step "
         f"{learner.local_step} on {len(devices)} {jax.default_backend()} devices", flush=True)
   try:
@@ -237,7 +243,9 @@ def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring
     # Paced steps keep their schedule (see drivers.ThreadedDriver): host work such as a
     # checkpoint save is absorbed by the next step's pacing; a wait restarts the schedule.
     previous = clock() if waited else end
-  learner.read_metrics()
+  last = learner.read_metrics()  # the last step's metrics, which no next step reads
+  if last is not None and last[0] != written:
+    writer.write(last[0], dict(last[1], incarnation=learner.incarnation, time=clock()))
   return (RETIRED if retired else DONE), saved
 
 

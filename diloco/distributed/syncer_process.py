@@ -30,6 +30,7 @@ from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.syncer import Syncer
 from diloco.train import data as data_lib
+from diloco.train import export
 from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step
@@ -148,7 +149,8 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   spec, init_fn, eval_fn = _model_on_host(cfg)
   plan = fragment_plan(cfg, spec)
   with jax.set_mesh(spec.mesh):
-    global_params = initial_global(init_fn, cfg.seed)
+    # train.init_from seeds G; a recovered store replaces it (`recover`).
+    global_params = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"])
   pending_records: list[dict] = []
   syncer = Syncer(global_params, plan, cfg.sync, cfg.outer, on_round=pending_records.append)
   keep = cfg.sync.max_staleness + 2
@@ -165,7 +167,8 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
               for p, paths in enumerate(plan.fragments)}
   link = SyncerStoreLink(store, expected, merged_keys,
                          fresh_s=cfg.sync.heartbeat_timeout_s / 2)
-  writer = metrics_lib.MetricWriter(workdir, role="syncer", tensorboard=cfg.log.tensorboard)
+  writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="syncer",
+                                   log_config=True)
   evaluator = _Evaluator(cfg, spec, eval_fn, writer)
   progress, next_eval = 0, cfg.train.eval_every
   if not recovered:
@@ -196,6 +199,9 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
       time.sleep(wait)
     evaluator.join()
     final = evaluator.evaluate(syncer.global_params(), progress, clock(), syncer.rounds)
+    export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()), cfg,
+                step=progress, runtime="multiprocess",
+                extra={"outer/rounds": syncer.rounds, "eval/loss": final})
   finally:
     link.close()
     tape.close()

@@ -40,3 +40,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
+  # The model class, by registered name (`diloco.model.registry`); "transformer" is this one.
+  arch: str = "transformer"
+  # A module to import first, so that it registers `arch`: a dotted module name or a .py file.
+  module: str = ""

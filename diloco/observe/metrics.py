@@ -1,7 +1,9 @@
-"""Metrics: JSON lines always, TensorBoard optionally, a loss plot, and live progress."""
+"""Metrics: JSON lines always, trackers (TensorBoard, wandb) as configured, a loss plot, and live
+progress."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -10,23 +12,29 @@ from collections.abc import Mapping
 
 from absl import logging
 
+from diloco.observe import tracking
+
 METRICS_FILE = "metrics.jsonl"
 
 
 class MetricWriter:
-  """Appends one JSON record per call to `workdir/metrics.jsonl` (flat, `/`-named keys)."""
+  """Appends one JSON record per call to `workdir/metrics.jsonl` (flat, `/`-named keys).
+
+  Every record also goes to `trackers` (`tracking.open_trackers`) under the writer's name:
+  `learner_<m>` for a learner, else the role. `tensorboard=True` alone adds a TensorBoard
+  tracker (WORKDIR/tensorboard/<name>).
+  """
 
   def __init__(self, workdir: str, *, role: str, learner: int | None = None,
-               tensorboard: bool = False):
+               tensorboard: bool = False, trackers: list | None = None):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, METRICS_FILE)
     self._file = open(self.path, "a", encoding="utf-8")
     self._role, self._learner = role, learner
-    self._tb = None
+    self.name = role if learner is None else f"{role}_{learner}"
+    self.trackers = list(trackers or [])
     if tensorboard:
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-      name = role if learner is None else f"{role}_{learner}"
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard", name))
+      self.trackers.append(tracking.TensorBoardTracker(workdir, self.name))
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     record = {"t": time.time(), "role": self._role, "step": int(step)}
@@ -35,14 +43,21 @@ class MetricWriter:
     record.update({k: float(v) for k, v in metrics.items()})
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
-    if self._tb is not None:
-      for key, value in metrics.items():
-        self._tb.add_scalar(key, float(value), int(step))
+    for tracker in self.trackers:
+      tracker.scalars(self.name if self._learner is not None else "", step, metrics)
+
+  def track(self, step: int, values: Mapping[str, object]) -> None:
+    """Finite numbers of `values` to the trackers only (e.g. the end-of-run accounting,
+    already in accounting.json)."""
+    scalars = {k: float(v) for k, v in values.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    for tracker in self.trackers:
+      tracker.scalars(self.name if self._learner is not None else "", step, scalars)
 
   def close(self) -> None:
     self._file.close()
-    if self._tb is not None:
-      self._tb.close()
+    for tracker in self.trackers:
+      tracker.close()
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -121,3 +136,18 @@ class Progress:
     logging.info("%s", line)
     print(line, flush=True)
     return line
+
+
+def open_writer(cfg, workdir: str, *, role: str, learner: int | None = None,
+                process: str | None = None, log_config: bool = False,
+                purge_step: int | None = None) -> MetricWriter:
+  """A MetricWriter with the trackers `cfg.log` asks for (TensorBoard by default, wandb).
+
+  `process` names this process's wandb run (default: the writer's name); `log_config` logs
+  the resolved config as hyperparameters (one writer per run does).
+  """
+  name = role if learner is None else f"{role}_{learner}"
+  config = dataclasses.asdict(cfg) if log_config else None
+  trackers = tracking.open_trackers(cfg.log, workdir, name, role=process or name, config=config,
+                                    purge_step=purge_step)
+  return MetricWriter(workdir, role=role, learner=learner, trackers=trackers)

@@ -129,7 +129,10 @@ class Runtime:
       self.slots.append(Slot(g, spec, init_fn, step_fn, speeds[g], len(group),
                              np.random.default_rng([cfg.seed, g])))
     self.plan = island.fragment_plan(cfg, self.slots[0].spec)
-    global_params = island.initial_global(self.slots[0].init_fn, cfg.seed)
+    # train.init_from seeds G; a resumed run's checkpoint replaces it (checkpoint.restore).
+    global_params = island.initial_global(self.slots[0].init_fn, cfg.seed,
+                                          None if resume else cfg,
+                                          self.slots[0].spec.abstract["params"])
     self.recorder = Recorder(workdir, append=resume)
     delay = cfg.learners.virtual_sync_s if cfg.learners.virtual_clock else None
     self.syncer = Syncer(global_params, self.plan, cfg.sync, cfg.outer, sync_delay_s=delay,
@@ -147,6 +150,8 @@ class Runtime:
     # Where the drivers' clock starts and which slots they start (a resumed run changes both).
     self.clock_start = 0.0
     self.restart: list[int] | None = None
+    # Called with a slot whose learner finished, before it closes (its last metrics).
+    self.on_done = None
 
   def initial_slots(self) -> list[Slot]:
     if self.restart is not None:
@@ -199,6 +204,8 @@ class Runtime:
     and tells the syncer it left, so quorums stop counting it at once (a failed one is only
     timed out, as a crashed island would be)."""
     if slot.learner is not None:
+      if status == "done" and self.on_done is not None:
+        self.on_done(slot)
       slot.resume = slot.learner.resume_point()
       slot.learner.close()
       if status in ("retired", "done"):

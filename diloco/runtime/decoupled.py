@@ -3,7 +3,8 @@
 `run(cfg, workdir)` trains `learners.count` learners against the host syncer, prints
 a live status, evaluates the global parameters on schedule, and leaves in `workdir`:
 metrics.jsonl, tape.jsonl (one record per merged round), activity.jsonl, loss.png,
-timeline.png and accounting.json (goodput, uptime, bandwidth ledger, ...).
+timeline.png, accounting.json (goodput, uptime, bandwidth ledger, ...), tensorboard/ (learner_<m>
+and syncer runs) and export/ (the final global parameters, diloco/train/export.py).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from diloco.model.sharding import batch_sharding
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import timeline
+from diloco.observe import tracking
 from diloco.runtime import checkpoint as run_checkpoint
 from diloco.runtime.core import Runtime, Slot
 from diloco.runtime.drivers import ThreadedDriver, VirtualDriver
 from diloco.train import data as data_lib
+from diloco.train import export
 
 
 class Status:
@@ -87,6 +90,7 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
 
 def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
          ) -> tuple[Runtime, dict[str, float]]:
+  tracking.check(cfg.log)
   snapshot = ckpt.load()
   if snapshot is not None:
     run_checkpoint.check_resumable(snapshot, cfg, workdir)
@@ -109,9 +113,15 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
   slot0 = rt.slots[0].spec
   eval_set = [jax.device_put(b, batch_sharding(slot0.mesh)) for b in data_lib.eval_batches(
       cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
-  writer = metrics_lib.MetricWriter(workdir, role="syncer", tensorboard=cfg.log.tensorboard)
-  learner_writers = {s.index: metrics_lib.MetricWriter(workdir, role="learner", learner=s.index)
-                     for s in rt.slots}
+  # A resumed run hides the TensorBoard events written after its checkpoint (they are redone).
+  resumed_at = max(s.resume.local_step for s in rt.slots) if snapshot is not None else 0
+  writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="decoupled",
+                                   log_config=True, purge_step=resumed_at or None)
+  # Learners' train/* go to WORKDIR/tensorboard/learner_<m> from their own threads: a tracker
+  # only enqueues (see diloco/observe/tracking.py).
+  learner_writers = {s.index: metrics_lib.open_writer(
+      cfg, workdir, role="learner", learner=s.index, process="decoupled",
+      purge_step=s.resume.local_step + 1 if s.resume.local_step else None) for s in rt.slots}
   status = Status(rt, cfg.log.progress_every_s)
   written: dict[int, int] = {}
   points, merged = run_checkpoint.ResumePoints(), run_checkpoint.MergedSteps()
@@ -138,13 +148,25 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
 
   last_saved = rt.syncer.rounds
 
-  def on_step(slot: Slot) -> None:
-    nonlocal last_saved
-    learner = slot.learner
-    last = learner.last_values
+  def write_learner(slot: Slot) -> None:
+    last = slot.learner.last_values
     if last is not None and written.get(slot.index) != last[0]:
       written[slot.index] = last[0]
       learner_writers[slot.index].write(last[0], dict(last[1], incarnation=slot.incarnation))
+
+  def on_done(slot: Slot) -> None:
+    try:
+      slot.learner.read_metrics()  # its last step's metrics, which no next step reads
+    except FloatingPointError as e:
+      logging.warning("learner %d: last step's metrics not written: %s", slot.index, e)
+      return
+    write_learner(slot)
+
+  rt.on_done = on_done
+
+  def on_step(slot: Slot) -> None:
+    nonlocal last_saved
+    write_learner(slot)
     if virtual and every and rt.syncer.rounds >= last_saved + every:
       # Before this step's note: its deliveries are not ticked yet, so it is replayed.
       last_saved = rt.syncer.rounds
@@ -163,24 +185,29 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
     periodic.start()
   try:
     try:
-      driver.run()
+      try:
+        driver.run()
+      finally:
+        if periodic is not None:
+          periodic.stop()
+      final = on_eval(driver.now if virtual else driver.now())
+      if every:
+        ckpt.save(snapshot_now(finished=True))
     finally:
-      if periodic is not None:
-        periodic.stop()
-    final = on_eval(driver.now if virtual else driver.now())
-    if every:
-      ckpt.save(snapshot_now(finished=True))
+      rt.recorder.close()
+      for w in learner_writers.values():
+        w.close()
+    status.maybe_print(force=True)
+    print(accounting.fidelity_line(rt.recorder.tape), flush=True)
+    summary = accounting.summary(workdir, num_fragments=rt.plan.num_fragments,
+                                 num_params=rt.num_params)
+    summary.update({"eval/loss": final, "eval/initial_loss": initial,
+                    "wall_s": time.monotonic() - started})
+    writer.track(progress(), {k: v for k, v in summary.items() if not k.startswith("eval/")})
+    export.save(workdir, rt.global_params(), cfg, step=progress(), runtime="decoupled",
+                extra={"outer/rounds": rt.syncer.rounds, "eval/loss": final})
   finally:
-    rt.recorder.close()
     writer.close()
-    for w in learner_writers.values():
-      w.close()
-  status.maybe_print(force=True)
-  print(accounting.fidelity_line(rt.recorder.tape), flush=True)
-  summary = accounting.summary(workdir, num_fragments=rt.plan.num_fragments,
-                               num_params=rt.num_params)
-  summary.update({"eval/loss": final, "eval/initial_loss": initial,
-                  "wall_s": time.monotonic() - started})
   with open(os.path.join(workdir, "accounting.json"), "w") as f:
     json.dump(summary, f, indent=2)
   records = metrics_lib.read_metrics(os.path.join(workdir, metrics_lib.METRICS_FILE))

@@ -18,11 +18,14 @@ import jax
 import numpy as np
 from absl import logging
 
+from diloco import fragments as fragments_lib
 from diloco.config_lib import Config, ConfigError
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
+from diloco.observe import tracking
 from diloco.train import checkpoint as checkpoint_lib
 from diloco.train import data as data_lib
+from diloco.train import export
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state
@@ -47,6 +50,13 @@ def _finite_or_raise(step: int, values: dict[str, float]) -> None:
                              "optim.learning_rate or check the data")
 
 
+def _device_params(params, spec: train_state.StateSpec):
+  """Nested NumPy parameters put onto the state's parameter shardings."""
+  shardings = fragments_lib.flatten_tree(spec.shardings["params"])
+  return fragments_lib.unflatten_tree({k: jax.device_put(v, shardings[k]) for k, v in
+                                       fragments_lib.flatten_tree(params).items()})
+
+
 def evaluate(eval_fn, params, batches) -> dict[str, float]:
   losses = [eval_fn(params, b) for b in batches]
   loss = float(np.mean(jax.device_get(losses)))
@@ -62,6 +72,7 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
   mesh = mesh_lib.learner_mesh(jax.devices(), cfg.mesh)
   check_batch(cfg, mesh)
   check_vocab(cfg)
+  tracking.check(cfg.log)
   logging.info("data-parallel run: %s", mesh_lib.describe(mesh))
   config_json = dataclasses.asdict(cfg)
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -80,6 +91,9 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
     logging.info("resumed from %s at step %d", ckpt.directory, latest)
   else:
     state = train_state.create(cfg.model, spec, jax.random.key(cfg.seed))
+    if cfg.train.init_from:  # fresh optimizer state, these parameters
+      state = dict(state, params=_device_params(export.load_init(
+          cfg.train.init_from, spec.abstract["params"]), spec))
   start = int(jax.device_get(state["step"]))
 
   step_fn = train_step.make_train_step(spec, cfg.optim, schedule)
@@ -87,7 +101,8 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
   tokens_sharding = batch_sharding(mesh)
   eval_set = [jax.device_put(b, tokens_sharding) for b in data_lib.eval_batches(
       cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
-  writer = metrics_lib.MetricWriter(workdir, role="dp", tensorboard=cfg.log.tensorboard)
+  writer = metrics_lib.open_writer(cfg, workdir, role="dp", log_config=True,
+                                   purge_step=start + 1 if start else None)
   progress = metrics_lib.Progress(total, cfg.log.progress_every_s, start_step=start)
   pending = None  # (step, device metrics) of the step dispatched last
   last_eval: dict[str, float] = {}
@@ -128,6 +143,13 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
           ckpt.save(step, state, data_iter, identity)
       flush()
       elapsed = time.monotonic() - t_start
+    trained = total - start
+    writer.track(total, {
+        "accounting/wall_s": elapsed, "accounting/steps": trained,
+        "accounting/tokens_per_s": trained * cfg.train.batch_size * cfg.data.seq_len
+        / max(elapsed, 1e-9)})
+    export.save(workdir, state["params"], cfg, step=total, runtime="data_parallel",
+                extra={"eval/loss": last_eval.get("eval/loss", float("nan"))})
   finally:
     writer.close()
     ckpt.close()

@@ -13,6 +13,7 @@ import numpy as np
 
 from diloco import fragments as fragments_lib
 from diloco.config_lib import Config, ConfigError
+from diloco.model import registry
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
@@ -55,12 +56,24 @@ def build_learner(cfg: Config, devices, index: int):
 
 def fragment_plan(cfg: Config, spec: train_state.StateSpec) -> fragments_lib.FragmentPlan:
   flat = fragments_lib.flatten_tree(spec.abstract["params"])
+  embedding = registry.get(cfg.model).embedding_paths
+  missing = sorted(set(embedding) - set(flat))
+  if missing:
+    raise ConfigError(f"model.arch={cfg.model.arch!r}: its embedding_paths {missing} are not "
+                      f"parameters of the model; it has {sorted(flat)[:8]}...")
   return fragments_lib.plan_fragments({k: v.shape for k, v in flat.items()},
-                                      cfg.sync.num_fragments, cfg.sync.scheme)
+                                      cfg.sync.num_fragments, cfg.sync.scheme,
+                                      embedding_paths=embedding)
 
 
-def initial_global(init_fn, seed: int) -> dict[str, np.ndarray]:
-  """The global parameters at version 0: learner init with the run's seed, flattened."""
+def initial_global(init_fn, seed: int, cfg: Config | None = None,
+                   abstract_params=None) -> dict[str, np.ndarray]:
+  """The global parameters at version 0, flattened: learner init with the run's seed, or the
+  parameters of `cfg.train.init_from` (shape-checked against `abstract_params`)."""
+  if cfg is not None and cfg.train.init_from:
+    from diloco.train import export  # pylint: disable=import-outside-toplevel
+    params = export.load_init(cfg.train.init_from, abstract_params)
+    return {k: np.asarray(v) for k, v in fragments_lib.flatten_tree(params).items()}
   init = init_fn(jax.random.key(seed))
   return {k: np.asarray(v) for k, v in
           fragments_lib.flatten_tree(jax.device_get(init["params"])).items()}

@@ -18,8 +18,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco.config_lib import ModelConfig
-from diloco.model import transformer as model_lib
+from diloco.config_lib import ConfigError, ModelConfig
+from diloco.model import registry
 from diloco.model.sharding import DEFAULT_RULES
 
 PyTree = Any
@@ -35,16 +35,33 @@ class StateSpec:
   shardings: PyTree
 
 
-def _new_model(cfg: ModelConfig, key) -> model_lib.Transformer:
+def _new_model(cfg: ModelConfig, key) -> nnx.Module:
   with nnx.use_eager_sharding(False):
-    return model_lib.Transformer(cfg, rngs=nnx.Rngs(params=key))
+    return registry.build(cfg, nnx.Rngs(params=key))
 
 
 def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
   """Graph definition and abstract parameter State (no memory allocated)."""
   with nnx.use_eager_sharding(False):
     abstract_model = nnx.eval_shape(lambda: _new_model(cfg, jax.random.key(0)))
-  return nnx.split(abstract_model)
+  graphdef, state = nnx.split(abstract_model)
+  _check_model(cfg, state)
+  return graphdef, state
+
+
+def _check_model(cfg: ModelConfig, state: nnx.State) -> None:
+  """A registered model holds only annotated nnx.Params on known logical axes."""
+  known = {name for name, _ in DEFAULT_RULES}
+  for path, var in nnx.to_flat_state(state):
+    where = "/".join(str(k) for k in path)
+    if not isinstance(var, nnx.Param):
+      raise ConfigError(f"model.arch={cfg.arch!r}: {where} is a {type(var).__name__}; a model "
+                        "may only hold nnx.Param state (see diloco/model/registry.py)")
+    names = var.get_metadata().get("out_sharding") or ()
+    unknown = [n for n in names if n is not None and n not in known]
+    if unknown:
+      raise ConfigError(f"model.arch={cfg.arch!r}: parameter {where} names logical axes "
+                        f"{unknown}; known: {sorted(known)} (diloco/model/sharding.py)")
 
 
 def make_spec(cfg: ModelConfig, tx: optax.GradientTransformation,

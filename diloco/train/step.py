@@ -26,7 +26,9 @@ def token_losses(logits_BLV: jax.Array, targets_BL: jax.Array):
 
 def _forward(graphdef, params, tokens_BL1):
   inputs_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
-  logits_BLV, aux = nnx.merge(graphdef, params)(inputs_BL)
+  out = nnx.merge(graphdef, params)(inputs_BL)
+  # A registered model returns logits, or (logits, aux loss) like the built-in transformer.
+  logits_BLV, aux = out if isinstance(out, tuple) else (out, jnp.zeros((), jnp.float32))
   ce_BL, z_BL = token_losses(logits_BLV, targets_BL)
   # Sequences are packed windows of real text: every target counts, none is padding.
   return jnp.mean(ce_BL), jnp.mean(z_BL), aux
