@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from diloco import config_lib, fragments
+from diloco import fragments
 from diloco.model.sharding import batch_sharding
 from diloco.runtime import decoupled
 from diloco.train import data as data_lib
@@ -17,20 +17,13 @@ from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step
 
-REPO = os.path.dirname(os.path.dirname(__file__))
+import run_config
+
 pytestmark = pytest.mark.slow
 
 
 def _config(preset="tiny", **dotted):
-  cfg = config_lib.load(os.path.join(REPO, "configs", "decoupled.py") + ":" + preset)
-  cfg.learners.virtual_clock = True
-  cfg.train.eval_every = 0
-  cfg.train.eval_batches = 1
-  cfg.log.progress_every_s = 1e9
-  for key, value in dotted.items():
-    group, field = key.split("__")
-    setattr(cfg[group], field, value)
-  return config_lib.from_config_dict(cfg)
+  return run_config.load(f"decoupled.py:{preset}", **{"learners__virtual_clock": True, **dotted})
 
 
 def _tape(workdir):

@@ -11,24 +11,18 @@ import os
 import numpy as np
 import pytest
 
-from diloco import config_lib, fragments, syncer as syncer_lib
+from diloco import fragments, syncer as syncer_lib
 from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
 from diloco.observe import accounting
 from diloco.runtime import decoupled
 from diloco.transport import Heartbeat, Payload
 
-REPO = os.path.dirname(os.path.dirname(__file__))
+import run_config
+
 
 
 def _config(**dotted):
-  cfg = config_lib.load(os.path.join(REPO, "configs", "decoupled.py") + ":tiny")
-  cfg.train.eval_every = 0
-  cfg.train.eval_batches = 1
-  cfg.log.progress_every_s = 1e9
-  for key, value in dotted.items():
-    group, field = key.split("__")
-    setattr(cfg[group], field, value)
-  return config_lib.from_config_dict(cfg)
+  return run_config.load(**dotted)
 
 
 def _tape(workdir):

@@ -18,25 +18,16 @@ from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state
 
+import run_config
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUSTOM = os.path.join(REPO, "tests", "custom_model.py")
 pytestmark = pytest.mark.slow
 
 
 def _config(path="decoupled.py:tiny", **dotted):
-  cfg = config_lib.load(os.path.join(REPO, "configs", path))
-  cfg.learners.virtual_clock = True
-  cfg.train.eval_every = 0
-  cfg.train.eval_batches = 1
-  cfg.log.progress_every_s = 1e9
-  cfg.log.tensorboard = False
-  for key, value in dotted.items():
-    if "__" not in key:
-      setattr(cfg, key, value)
-      continue
-    group, field = key.split("__")
-    setattr(cfg[group], field, value)
-  return config_lib.from_config_dict(cfg)
+  return run_config.load(path, **{"learners__virtual_clock": True, "log__tensorboard": False,
+                                  **dotted})
 
 
 def _flat(tree):

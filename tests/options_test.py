@@ -23,24 +23,15 @@ from diloco import transport as transport_lib
 from diloco.runtime import decoupled
 from diloco.train import island
 
-REPO = os.path.dirname(os.path.dirname(__file__))
+import run_config
+
 STEPS = 24  # train.steps: part of the compiled learner (its learning-rate schedule)
 
 
 def _config(**dotted):
   """`configs/decoupled.py:tiny` with one learner on 2 devices, on the virtual clock."""
-  cfg = config_lib.load(os.path.join(REPO, "configs", "decoupled.py") + ":tiny")
-  cfg.learners.count = 1
-  cfg.learners.devices = "2"
-  cfg.learners.virtual_clock = True
-  cfg.train.steps = STEPS
-  cfg.train.eval_every = 0
-  cfg.train.eval_batches = 1
-  cfg.log.progress_every_s = 1e9
-  for key, value in dotted.items():
-    group, field = key.split("__")
-    setattr(cfg[group], field, value)
-  return config_lib.from_config_dict(cfg)
+  return run_config.load(**{"learners__count": 1, "learners__devices": "2",
+                            "learners__virtual_clock": True, "train__steps": STEPS, **dotted})
 
 
 def _compiled_key(cfg):

@@ -14,24 +14,20 @@ import types
 import numpy as np
 import pytest
 
-from diloco import config_lib, fragments
+from diloco import fragments
 from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
 from diloco.learner import Resume
 from diloco.runtime import checkpoint as run_checkpoint
 from diloco.runtime import decoupled
 from diloco.syncer import Syncer
 
+import run_config
+
 REPO = os.path.dirname(os.path.dirname(__file__))
 
 
 def _config(preset="tiny", **dotted):
-  cfg = config_lib.load(os.path.join(REPO, "configs", "decoupled.py") + ":" + preset)
-  cfg.train.eval_batches = 1
-  cfg.log.progress_every_s = 1e9
-  for key, value in dotted.items():
-    group, field = key.split("__")
-    setattr(cfg[group], field, value)
-  return config_lib.from_config_dict(cfg)
+  return run_config.load(f"decoupled.py:{preset}", periodic_eval=True, **dotted)
 
 
 def _jsonl(path):

@@ -12,20 +12,14 @@ from diloco import config_lib
 from diloco.runtime import decoupled
 from diloco.train import data_parallel as train
 
+import run_config
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
 def _config(path="decoupled.py:tiny", **dotted):
-  cfg = config_lib.load(os.path.join(REPO, "configs", path))
-  cfg.learners.virtual_clock = True
-  cfg.train.eval_every = 0
-  cfg.train.eval_batches = 1
-  cfg.log.progress_every_s = 1e9
-  for key, value in dotted.items():
-    group, field = key.split("__")
-    setattr(cfg[group], field, value)
-  return config_lib.from_config_dict(cfg)
+  return run_config.load(path, **{"learners__virtual_clock": True, **dotted})
 
 
 def _scalars(logdir):

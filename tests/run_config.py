@@ -1,0 +1,26 @@
+"""Config presets as the runtime tests use them: quiet, one eval batch, no periodic eval
+(unless asked), with `group__field=value` overrides (a key without `__` sets a top-level
+field such as `seed`)."""
+
+import os
+
+from diloco import config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(spec: str = "decoupled.py:tiny", *, periodic_eval: bool = False,
+         **dotted) -> config_lib.Config:
+  """`configs/<spec>` (file:preset) with the overrides, validated and frozen."""
+  cfg = config_lib.load(os.path.join(REPO, "configs", spec))
+  if not periodic_eval:
+    cfg.train.eval_every = 0
+  cfg.train.eval_batches = 1
+  cfg.log.progress_every_s = 1e9
+  for key, value in dotted.items():
+    if "__" in key:
+      group, field = key.split("__")
+      setattr(cfg[group], field, value)
+    else:
+      setattr(cfg, key, value)
+  return config_lib.from_config_dict(cfg)
