@@ -1,11 +1,11 @@
 """Compares finished runs side by side: a table and the eval-loss curves, from their own files.
 
-    python -m experiments.compare runs/dp_cpu runs/decoupled_cpu [--out=runs/compare]
+    python -m experiments.compare runs/dp_cpu runs/decoupled_cpu [--report_dir=runs/compare]
 
 Each argument is a run's workdir (any runtime: data-parallel, single-controller or
 multi-process). The table has its final and initial global eval loss, tokens, wall time and,
 for Decoupled runs, the accounting figures (goodput, learners per round, grace, staleness,
-bandwidth); `--out` also gets compare.md, compare.json and eval.png (eval loss against tokens
+bandwidth); `--report_dir` also gets compare.md, compare.json and eval.png (eval loss against tokens
 and against the run clock). Nothing is typed by hand: every figure is read from the run's
 `metrics.jsonl`, `accounting.json` and `config.json`.
 """
@@ -19,7 +19,8 @@ from absl import app, flags
 
 from experiments import harness
 
-_OUT = flags.DEFINE_string("out", "", "If set, write compare.md, compare.json and eval.png here.")
+_OUT = flags.DEFINE_string("report_dir", "",
+                            "If set, write compare.md, compare.json and eval.png here.")
 _COLUMNS = ("run", "eval_loss", "initial_loss", "tokens", "wall_s", "goodput",
             "mean_learners_per_round", "median_grace_s", "staleness_mean", "wait_fraction",
             "bytes_up")
