@@ -28,6 +28,10 @@ REJECT_BAD_PAYLOAD = "bad_payload"
 REJECT_WRONG_SHAPE = "wrong_shape"
 REJECT_WRONG_DTYPE = "wrong_dtype"
 REJECT_NON_FINITE = "non_finite"
+REJECT_BAD_COUNTERS = "bad_counters"
+# Counters beyond 2**53 are not exact in float64 (the token weights square them); no real run
+# comes near it, so a larger one is a corrupt or crafted delivery.
+MAX_COUNTER = 2**53
 
 
 @dataclasses.dataclass
@@ -44,6 +48,12 @@ def _norm(tensors) -> float:
 def _is_duration(x: float) -> bool:
   """A usable time measurement: finite and not negative (others are ignored, DESIGN 2.4)."""
   return isinstance(x, (int, float)) and math.isfinite(x) and x >= 0.0
+
+
+def _is_count(x: Any, low: int) -> bool:
+  """An integer (not a bool) in [low, MAX_COUNTER]."""
+  return (isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+          and low <= x <= MAX_COUNTER)
 
 
 def _all_finite(x: np.ndarray) -> bool:
@@ -149,8 +159,15 @@ class Syncer:
             for p, entries in self._pending.items() for m, e in entries.items()}
 
   def _well_formed(self, payload: Payload) -> str | None:
-    if not 0 <= payload.fragment < self.plan.num_fragments:
+    if not (_is_count(payload.fragment, 0) and payload.fragment < self.plan.num_fragments):
       return REJECT_BAD_PAYLOAD
+    # A delivery's counters cross the trust boundary too: one out of range must be rejected
+    # here, not raise later from the token weights and take the syncer down.
+    if not (_is_count(payload.learner, 0) and _is_count(payload.incarnation, 0)
+            and _is_count(payload.local_step, 0) and _is_count(payload.steps, 0)
+            and _is_count(payload.tokens, 0) and _is_count(payload.base_version, -1)
+            and (payload.tokens > 0 or payload.steps == 0)):  # steps without tokens
+      return REJECT_BAD_COUNTERS
     expected = self.plan.fragments[payload.fragment]
     if set(payload.tensors) != set(expected) or payload.kind not in ("values", "delta"):
       return REJECT_BAD_PAYLOAD

@@ -39,3 +39,4 @@ def replace():
   def _replace(cfg, group, **fields):
     return dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **fields)})
   return _replace
+

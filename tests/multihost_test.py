@@ -16,7 +16,10 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# These tests start a syncer and learners (some over two hosts joined by gloo): the README's
+# test command runs them on their own, after the parallel tests, so that another worker's load
+# never pushes a restarted host past gloo's 30 s initialisation deadline.
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 STEPS = 60
 _TIMEOUT_S = 420

@@ -14,7 +14,10 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# These tests start a syncer and learners (some over two hosts joined by gloo): the README's
+# test command runs them on their own, after the parallel tests, so that another worker's load
+# never pushes a restarted host past gloo's 30 s initialisation deadline.
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Named faults first; the seeded random ones come after the retirement (chaos window below).

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -106,8 +107,14 @@ def _plant(store, tmp_path):
   store.put_payload(_payload(9, 0, good, step=8))                 # unknown learner
   store.put_payload(_payload(1, 0, good, step=9, incarnation=0))  # stale incarnation (1 is at 2)
   store.put_payload(_payload(0, 1 - p_of, good, step=10, base=0))  # too stale, see below
-  return {"unreadable": 2, "wrong_shape": 1, "wrong_dtype": 1, "non_finite": 1,
-          "unknown_learner": 1, "wrong_incarnation": 1, "stale": 1}
+  # Crafted counters in otherwise valid markers: a number JSON reads as infinity (int() of it
+  # raised OverflowError out of the store), and zero tokens for four steps (the syncer's).
+  for step, field, value in ((11, "steps", "1e400"), (12, "tokens", "0")):
+    store.put_payload(_payload(0, p_of, good, step=step))
+    marker = tmp_path / "payloads" / f"f{p_of}_l0_i0_s{step}.json"
+    marker.write_text(re.sub(rf'"{field}": \d+', f'"{field}": {value}', marker.read_text()))
+  return {"unreadable": 3, "wrong_shape": 1, "wrong_dtype": 1, "non_finite": 1,
+          "unknown_learner": 1, "wrong_incarnation": 1, "stale": 1, "bad_counters": 1}
 
 
 def test_merged_rounds_are_synced_to_disk_and_payloads_are_not(tmp_path, monkeypatch):
@@ -140,6 +147,11 @@ def test_every_bad_entry_kind_is_rejected_with_its_reason(tmp_path):
   link = SyncerStoreLink(store, EXPECTED)
   _beat(store, 0)
   _beat(store, 1, incarnation=2)
+  # Crafted heartbeats are skipped, not raised: a number JSON reads as infinity, a bad time.
+  (tmp_path / "heartbeats" / "l7.json").write_text(
+      '{"incarnation": 0, "seq": 1e400, "local_step": 1, "step_time": 0.1}')
+  (tmp_path / "heartbeats" / "l8.json").write_text(
+      '{"incarnation": 0, "seq": 1, "local_step": 1, "step_time": 0.1, "sent_at": "soon"}')
   assert link.poll(1.0) == ([], [], [], [])  # the first poll only takes a baseline
   _beat(store, 0, seq=2)
   _beat(store, 1, incarnation=2, seq=2)

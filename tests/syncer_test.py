@@ -92,6 +92,17 @@ def test_grace_window_admits_a_later_learner():
     (lambda p: dict(p, tensors={k: v.astype(np.float64) for k, v in p["tensors"].items()}),
      "wrong_dtype"),
     (lambda p: dict(p, tensors={"layers/0/w": p["tensors"]["layers/0/w"]}), "bad_payload"),
+    # Counters out of range (issue 12): each used to raise out of `tick`, or to overflow the
+    # token weights, and a crashed syncer process read the same delivery again after restart.
+    (lambda p: dict(p, tokens=0), "bad_counters"),
+    (lambda p: dict(p, tokens=-5), "bad_counters"),
+    (lambda p: dict(p, tokens=10**200), "bad_counters"),
+    (lambda p: dict(p, steps=10**200), "bad_counters"),
+    (lambda p: dict(p, tokens=True), "bad_counters"),
+    (lambda p: dict(p, tokens=400.0), "bad_counters"),
+    (lambda p: dict(p, local_step=-1), "bad_counters"),
+    (lambda p: dict(p, base_version=-2), "bad_counters"),
+    (lambda p: dict(p, fragment=10**30), "bad_payload"),
 ])
 def test_bad_payloads_are_rejected_and_never_enter_g(mutate, reason):
   s = _syncer(quorum=1)
@@ -102,6 +113,17 @@ def test_bad_payloads_are_rejected_and_never_enter_g(mutate, reason):
   assert merged == [] and s.rejections[reason] == 1
   for k in SHAPES:
     np.testing.assert_array_equal(s.params[k], g0[k])
+
+
+def test_a_bad_delivery_never_stops_the_good_ones():
+  """Crafted counters are rejected one by one; the same learner's next good delivery merges."""
+  s = _syncer(quorum=1)
+  bad = [_payload(0, _params(1), tokens=t) for t in (0, -1, 10**200)]
+  merged, _ = s.tick(1.0, _beats(1.0, 0), bad)
+  assert merged == [] and s.rejections["bad_counters"] == 3
+  merged, _ = s.tick(2.0, _beats(2.0, 0), [_payload(0, _params(1))])
+  assert len(merged) == 1 and merged[0].version == 1
+  assert all(np.isfinite(v).all() for v in s.params.values())
 
 
 def test_dead_and_stale_learners_are_rejected():

@@ -255,7 +255,7 @@ class Store:
       kind, paths, quant = str(meta["kind"]), list(meta["paths"]), meta["quantization"]
       transit_s = float(meta["transit_s"])
       lead_s = float(meta.get("lead_s", 0.0))
-    except (TypeError, KeyError, ValueError) as e:
+    except (TypeError, KeyError, ValueError, OverflowError) as e:  # 1e400 reads as infinity
       raise StoreError(UNREADABLE, f"payload {name}: bad commit marker ({e!r})") from None
     if (fields["fragment"], fields["learner"], fields["incarnation"],
         fields["local_step"]) != ids:
@@ -287,7 +287,7 @@ class Store:
     """Bytes a delivery claims to hold (0 if its marker is unreadable): for the ledger."""
     try:
       return int((self.read_json(f"payloads/{name}.json") or {}).get("nbytes", 0))
-    except (StoreError, TypeError, ValueError, AttributeError):
+    except (StoreError, TypeError, ValueError, AttributeError, OverflowError):
       return 0
 
   def remove_payload(self, name: str) -> None:
@@ -430,7 +430,7 @@ def _checked_array(item: Any, shape: tuple, dtype, what: str) -> np.ndarray:
 def _quantized(item: Any, quant: dict, shape: tuple, what: str) -> outer.QuantizedTensor:
   try:
     bits, block = int(quant["bits"]), int(quant["block"])
-  except (TypeError, KeyError, ValueError):
+  except (TypeError, KeyError, ValueError, OverflowError):
     raise StoreError(UNREADABLE, f"{what}: bad quantization record {quant!r}") from None
   if bits not in (16, 8, 4) or block < 1 or not isinstance(item, dict):
     raise StoreError(UNREADABLE, f"{what}: bad quantization record {quant!r}")

@@ -308,7 +308,8 @@ class SyncerStoreLink:
         state = str(record.get("state", UP))
         beat = Heartbeat(learner, key[0], int(record["local_step"]),
                          float(record["step_time"]), now)
-      except (KeyError, TypeError, ValueError):
+        sent_at = float(record.get("sent_at", 0.0))
+      except (KeyError, TypeError, ValueError, OverflowError):  # a crafted record is skipped
         continue
       if self._beats.get(learner) == key:
         continue
@@ -317,8 +318,7 @@ class SyncerStoreLink:
         if (learner, key[0]) not in self._left:
           self._left.add((learner, key[0]))
           left.append((learner, key[0]))
-      elif not self._first_poll or abs(time.time() - float(record.get("sent_at", 0.0))) < \
-          self.fresh_s:
+      elif not self._first_poll or abs(time.time() - sent_at) < self.fresh_s:
         beats.append(beat)
     if self._first_poll:  # payloads wait for the next poll, when live learners have beaten
       self._first_poll = False
