@@ -34,11 +34,14 @@ ACCOUNTING_KEYS = ("goodput", "uptime", "mean_learners_per_round", "median_grace
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """One training run: `method` labels its row, `name` its directory."""
+  """One training run: `method` labels its row, `name` its directory.
+
+  `args` are extra command-line flags, e.g. ("--role=launch",) for the multi-process runtime."""
   method: str
   config: str
   seed: int = 0
   overrides: tuple[tuple[str, object], ...] = ()
+  args: tuple[str, ...] = ()
 
   @property
   def name(self) -> str:
@@ -48,7 +51,7 @@ class Run:
     args = [sys.executable, "-m", "diloco.main", f"--config={self.config}",
             f"--workdir={workdir}", f"--config.seed={self.seed}"]
     args += [f"--config.{k}={_flag(v)}" for k, v in self.overrides]
-    return args
+    return args + list(self.args)
 
 
 def _flag(value: object) -> str:
