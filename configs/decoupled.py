@@ -40,6 +40,9 @@ def get_config(preset: str = "cpu"):
     cfg.train.batch_size = 8
     cfg.train.steps = 120
     cfg.train.eval_every = 40
+    # 16 batches of 8: the same 128 held-out windows as configs/dp.py:cpu (4 batches of 32),
+    # so that the two runs' eval losses are comparable.
+    cfg.train.eval_batches = 16
     cfg.optim.warmup_steps = 12
     # Four learners' steps and device-to-host copies share two cores here, so a delivery's
     # values reach the host ~1.8 steps after its delivery point (the `lead_s` of the tape).

@@ -21,7 +21,7 @@ from experiments import harness
 
 _OUT = flags.DEFINE_string("report_dir", "",
                             "If set, write compare.md, compare.json and eval.png here.")
-_COLUMNS = ("run", "eval_loss", "initial_loss", "tokens", "wall_s", "goodput",
+_COLUMNS = ("run", "eval_loss", "initial_loss", "tokens", "wall_s", "eval_windows", "goodput",
             "mean_learners_per_round", "median_grace_s", "staleness_mean", "wait_fraction",
             "bytes_up")
 
@@ -43,7 +43,8 @@ def row(workdir: str) -> dict:
     raise ValueError(f"{workdir}: no global evaluation in metrics.jsonl (did the run finish?)")
   out = {"run": os.path.basename(os.path.normpath(workdir)), "eval_loss": curve[-1]["eval_loss"],
          "initial_loss": curve[0]["eval_loss"], "tokens": curve[-1]["tokens"],
-         "wall_s": round(curve[-1]["time"] - curve[0]["time"], 1)}
+         "wall_s": round(curve[-1]["wall"] - curve[0]["wall"], 1),
+         "eval_windows": eval_windows(workdir)}
   accounting = _load(os.path.join(workdir, "accounting.json")) or {}
   for key in _COLUMNS:
     if f"accounting/{key}" in accounting:
@@ -53,11 +54,26 @@ def row(workdir: str) -> dict:
   return out
 
 
+def eval_windows(workdir: str) -> int:
+  """How many held-out windows the run's global evaluation scores (batch x eval batches)."""
+  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+    train = json.load(f)["train"]
+  return train["batch_size"] * train["eval_batches"]
+
+
 def compare(workdirs: list[str], out: str = "") -> str:
-  """The markdown table of `workdirs`; with `out`, also its files and the plot."""
+  """The markdown table of `workdirs`; with `out`, also its files and the plot.
+
+  Runs whose evaluations score different held-out windows (a data-parallel run's batch is
+  usually M times a learner's) are flagged under the table: their losses are not comparable
+  until `train.eval_batches` makes batch x eval batches equal."""
   rows = [row(w) for w in workdirs]
   columns = [c for c in _COLUMNS if any(c in r for r in rows)]
   text = harness.table(rows, columns)
+  windows = sorted({r["eval_windows"] for r in rows})
+  if len(windows) > 1:
+    text += (f"\n\nWarning: these runs evaluate on different held-out windows ({windows}); "
+             "set --config.train.eval_batches so that batch_size x eval_batches is equal.")
   if out:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "compare.md"), "w", encoding="utf-8") as f:

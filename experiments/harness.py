@@ -17,7 +17,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import matplotlib
 
@@ -29,7 +29,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Accounting figures copied into every row (without the "accounting/" prefix).
 ACCOUNTING_KEYS = ("goodput", "uptime", "mean_learners_per_round", "median_grace_s",
-                   "staleness_mean", "wait_fraction", "bytes_up", "bytes_down", "rounds")
+                   "staleness_mean", "wait_fraction", "bytes_up", "bytes_down", "rounds",
+                   "horizon_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +87,28 @@ def run_all(runs: Sequence[Run], outdir: str, *, devices: int = 8) -> float:
 
 
 def eval_curve(workdir: str) -> list[dict]:
-  """(step, tokens, time, eval_loss) of every global evaluation of a run, in order.
+  """(step, tokens, time, wall, eval_loss) of every global evaluation of a run, in order.
 
-  Tokens count all learners together: the run's mean local step times learners times
-  tokens per step (a data-parallel run has one learner over every device)."""
+  `time` is the run clock of the evaluation (virtual seconds on the virtual clock), `wall`
+  real seconds since the run's first record. Tokens count all learners together: the steps
+  that ended by then in `activity.jsonl` (so learners added or removed midway count), or,
+  for a data-parallel run, which has none, the step times the tokens per step."""
   cfg = json.load(open(os.path.join(workdir, "config.json"), encoding="utf-8"))
-  learners = max(cfg["learners"]["count"], 1)
-  per_step = cfg["train"]["batch_size"] * cfg["data"]["seq_len"] * learners
+  per_step = cfg["train"]["batch_size"] * cfg["data"]["seq_len"] * max(
+      cfg["learners"]["count"], 1)
+  steps = sorted((r["end"], r.get("tokens", 0))
+                 for r in read_jsonl(os.path.join(workdir, "activity.jsonl"))
+                 if r["kind"] == "step")
+  records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  t0 = records[0]["t"] if records else 0.0
   points = []
-  for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")):
-    if "eval/loss" in r and r.get("role") in ("syncer", "train", None):
-      points.append({"step": r["step"], "tokens": r["step"] * per_step,
-                     "time": r.get("time", r["t"]), "eval_loss": r["eval/loss"]})
+  for r in records:
+    if "eval/loss" in r and r.get("role") in ("syncer", "dp", "train", None):
+      time = r.get("time", r["t"] - t0)
+      tokens = (sum(n for end, n in steps if end <= time + 1e-9) if steps
+                else r["step"] * per_step)
+      points.append({"step": r["step"], "tokens": tokens, "time": time,
+                     "wall": r["t"] - t0, "eval_loss": r["eval/loss"]})
   return points
 
 
@@ -143,19 +154,20 @@ def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
   return "\n".join(lines)
 
 
-def plot_curves(curves: dict[str, list[dict]], path: str, title: str) -> None:
-  """Eval loss against tokens (left) and against wall time (right), one line per run."""
+def plot_curves(curves: dict[str, list[dict]], path: str, title: str, *,
+                time_key: str = "wall", time_label: str = "wall clock since the run's start (s)"
+                ) -> None:
+  """Eval loss against tokens (left) and against `time_key` (right), one line per run."""
   fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4))
   for label, points in sorted(curves.items()):
     if not points:
       continue
-    t0 = points[0]["time"]
     by_tokens.plot([p["tokens"] for p in points], [p["eval_loss"] for p in points], "o-",
                    label=label, ms=3)
-    by_time.plot([p["time"] - t0 for p in points], [p["eval_loss"] for p in points], "o-",
+    by_time.plot([p[time_key] for p in points], [p["eval_loss"] for p in points], "o-",
                  label=label, ms=3)
   by_tokens.set_xlabel("tokens (all learners)")
-  by_time.set_xlabel("run clock (s)")
+  by_time.set_xlabel(time_label)
   for ax in (by_tokens, by_time):
     ax.set_ylabel("global eval loss")
     ax.grid(alpha=0.3)
@@ -188,21 +200,31 @@ def summarise(rows: Sequence[dict], key: str = "eval_loss") -> list[dict]:
 
 
 def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
-           columns: Sequence[str], command: str, wall_s: float) -> dict:
+           columns: Sequence[str], command: str, wall_s: float,
+           derive: Callable[[list[dict]], list[dict]] | None = None,
+           sections: Callable[[list[dict]], Sequence[str]] | None = None,
+           plot: dict | None = None, about: str = "") -> dict:
   """Writes `folder`/results.json, eval.png and README.md from the runs in `outdir`.
 
-  README.md is regenerated whole: the config's docstring (command and expected outcome), the
-  measured tables, the plot, when/where/how long, then `analysis.md` of the same folder (the
-  authored reading of the numbers) if it exists."""
+  `derive` adds computed columns to the collected rows (e.g. a ratio to a baseline row);
+  `sections` returns more generated markdown (tables, plots) from the rows; `plot` passes
+  `time_key`/`time_label` to `plot_curves`. README.md is regenerated whole: `about` (the
+  config's docstring: setting and expected outcome), the measured tables, the plot, when/where/how
+  long, then `analysis.md` of the same folder (the authored reading of the numbers) if it
+  exists."""
   done = [run for run in runs if finished(os.path.join(outdir, run.name))]
   rows = [collect(run, os.path.join(outdir, run.name)) for run in done]
+  if derive:
+    rows = derive(rows)
   results = write_results(name, rows, os.path.join(folder, "results.json"))
   curves = {run.name: eval_curve(os.path.join(outdir, run.name)) for run in done}
-  plot_curves(curves, os.path.join(folder, "eval.png"), f"{name}: global eval loss")
+  plot_curves(curves, os.path.join(folder, "eval.png"), f"{name}: global eval loss",
+              **(plot or {}))
   analysis = os.path.join(folder, "analysis.md")
   parts = [
       f"# Experiment `{name}`", "",
       f"Command: `{command}`", "",
+      *([about.strip(), ""] if about else []),
       f"Measured {today()} at commit `{results['commit'][:12]}` on {machine()}; "
       f"the runs took {sum(r['wall_s'] for r in rows) / 60:.1f} min of wall time in all "
       f"({wall_s / 60:.1f} min in this invocation, which reuses finished runs).", "",
@@ -212,6 +234,7 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
       "## Over seeds", "", table(summarise(rows), ("method", "eval_loss_mean", "eval_loss_spread",
                                                    "seeds")), "",
       "![eval loss](eval.png)", "",
+      *(sections(rows) if sections else ()),
   ]
   if os.path.exists(analysis):
     with open(analysis, encoding="utf-8") as f:

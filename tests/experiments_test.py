@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from experiments import compare, harness
+from experiments import compare, harness, summary
 from experiments.stale import config as stale_config
 
 
@@ -68,3 +68,44 @@ def test_runs_are_collected_into_results_table_and_plot(tmp_path):
   assert os.path.getsize(tmp_path / "compare" / "eval.png") > 10_000
   with pytest.raises(ValueError, match="no config.json"):
     compare.compare([str(tmp_path)])
+
+
+def _fake_run(path, batch_size, eval_batches, losses):
+  os.makedirs(path)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump({"train": {"batch_size": batch_size, "eval_batches": eval_batches},
+               "data": {"seq_len": 4}, "learners": {"count": 0}}, f)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for step, loss in enumerate(losses):
+      f.write(json.dumps({"t": 100.0 + step, "role": "dp", "step": step,
+                          "eval/loss": loss}) + "\n")
+
+
+def test_compare_flags_runs_scored_on_different_held_out_windows(tmp_path):
+  _fake_run(tmp_path / "dp", 32, 4, [5.0, 2.0])
+  _fake_run(tmp_path / "learners", 8, 16, [5.0, 2.1])
+  _fake_run(tmp_path / "other", 8, 4, [5.0, 2.2])
+  same = compare.compare([str(tmp_path / "dp"), str(tmp_path / "learners")])
+  assert "Warning" not in same and "| dp | 2 | 5 | 128 | 1 | 128 |" in same
+  mixed = compare.compare([str(tmp_path / "dp"), str(tmp_path / "other")])
+  assert "different held-out windows ([32, 128])" in mixed
+
+
+def test_summary_table_is_generated_from_results_files(tmp_path):
+  rows = [{"method": "data-parallel", "seed": s, "eval_loss": v} for s, v in ((0, 2.0), (1, 2.2))]
+  rows += [{"method": "decoupled outer 1.0/0.0", "seed": 0, "eval_loss": 2.31}]
+  os.makedirs(tmp_path / "parity")
+  with open(tmp_path / "parity" / "results.json", "w") as f:
+    json.dump({"experiment": "parity", "commit": "ab" * 20, "rows": rows}, f)
+  readme = f"intro\n{summary.BEGIN}\nold\n{summary.END}\nrest\n"
+  new = summary.update(readme, str(tmp_path))
+  assert new.startswith("intro\n") and new.endswith("rest\n") and "old" not in new
+  assert ("| [`parity`](experiments/parity/README.md) | eval loss: data-parallel 2.100, best "
+          "Decoupled (decoupled outer 1.0/0.0) 2.310, ratio 1.100 (target <= 1.02) | 3 | "
+          "`abababab` |") in new
+  with pytest.raises(ValueError, match="markers"):
+    summary.update("no markers", str(tmp_path))
+
+
+def test_readme_results_table_is_up_to_date():
+  assert summary.main(["--check"]) == 0, "run: python -m experiments.summary"

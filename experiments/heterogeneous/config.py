@@ -1,0 +1,46 @@
+"""Heterogeneous learners: K = M vs K = 1 vs K = 1 with the grace window.
+
+Command (about 15 minutes on a 2-core CPU):
+
+    python -m experiments.heterogeneous.run
+
+Setting (the paper's): M = 4 learners of `configs/decoupled.py:tiny` on the virtual clock,
+two of them 18% slower, every step 10% longer or shorter at random (`learners.speeds`,
+`learners.step_jitter`), 128 inner steps each (equal tokens for every method). Three
+quorum policies, each with the design's outer optimiser (lr 0.7, Nesterov 0.9) and with plain
+averaging (lr 1, no momentum; see the parity experiment), three seeds:
+- K = M: every round waits for all learners (synchronous quorum, no grace);
+- K = 1: a round merges as soon as one delivery arrived (no grace);
+- K = 1 + grace: the design default (gamma = 0.8): after quorum a round keeps admitting
+  deliveries while tau leaves slack.
+
+Expected outcome (DESIGN section 5): K = M wastes the fast learners' time (lowest goodput,
+longest run); K = 1 keeps them busy but merges about one learner per round and loses
+quality; K = 1 with the grace window keeps both goodput and quality.
+"""
+
+from experiments.harness import Run
+
+NAME = "heterogeneous"
+CONFIG = "configs/decoupled.py:tiny"
+SEEDS = (0, 1, 2)
+STEPS = 128
+SETTING = (("learners.virtual_clock", True), ("learners.speeds", "1,1,1.18,1.18"),
+           ("learners.step_jitter", 0.1), ("train.steps", STEPS), ("train.eval_every", 16))
+POLICIES = (("K=M", 0, 0.0), ("K=1", 1, 0.0), ("K=1 + grace", 1, 0.8))
+# The design's outer optimiser and plain averaging (outer lr 1, no momentum).
+OUTERS = (("outer 0.7/0.9", (0.7, 0.9)), ("outer 1.0/0.0", (1.0, 0.0)))
+COLUMNS = ("method", "seed", "tokens", "eval_loss", "goodput", "horizon_s",
+           "mean_learners_per_round", "median_grace_s", "staleness_mean", "wait_fraction",
+           "bytes_down")
+
+
+def runs(seeds=SEEDS, steps: int = STEPS) -> list[Run]:
+  out = []  # seed-major, so that an interrupted experiment still compares every method
+  for seed in seeds:
+    for outer, (lr, momentum) in OUTERS:
+      for policy, quorum, gamma in POLICIES:
+        out.append(Run(f"{policy}, {outer}", CONFIG, seed, SETTING + (
+            ("sync.quorum", quorum), ("sync.gamma", gamma), ("outer.learning_rate", lr),
+            ("outer.momentum", momentum), ("train.steps", steps))))
+  return out

@@ -1,0 +1,72 @@
+"""Runs the `heterogeneous` experiment and regenerates its results.json, plots and README.md.
+
+    python -m experiments.heterogeneous.run [--seeds=3] [--steps=128]
+
+See `config.py` for the setting and the expected outcome.
+"""
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from experiments import harness  # noqa: E402
+from experiments.heterogeneous import config  # noqa: E402
+
+
+def sections(folder: str):
+  """Goodput against eval loss, one point per run, coloured by policy."""
+  def write(rows: list[dict]) -> list[str]:
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for i, (policy, _, _) in enumerate(config.POLICIES):
+      for j, (outer, _) in enumerate(config.OUTERS):
+        group = [r for r in rows if r["method"] == f"{policy}, {outer}"]
+        ax.scatter([r["goodput"] for r in group], [r["eval_loss"] for r in group],
+                   color=f"C{i}", marker="os"[j], label=f"{policy}, {outer}")
+    ax.set_xlabel("goodput (useful / allocated device time)")
+    ax.set_ylabel("final global eval loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "goodput_vs_loss.png"), dpi=120)
+    plt.close(fig)
+    means = harness.summarise(rows, "goodput")
+    return ["## Goodput over seeds", "",
+            harness.table(means, ("method", "goodput_mean", "goodput_spread", "seeds")), "",
+            "![goodput against eval loss](goodput_vs_loss.png)", ""]
+  return write
+
+
+def define_flags():
+  """The command line (defined only when run as a script, so tests can import this)."""
+  flags.DEFINE_string("outdir", "runs/experiments/heterogeneous",
+                      "Where the runs are kept.")
+  flags.DEFINE_string("results_dir", os.path.dirname(os.path.abspath(__file__)),
+                      "Where results.json, the plots and README.md are written.")
+  flags.DEFINE_integer("seeds", len(config.SEEDS), "Seeds per method.")
+  flags.DEFINE_integer("steps", config.STEPS, "Inner steps per learner.")
+  flags.DEFINE_bool("report_only", False,
+                    "Regenerate the report from the finished runs; run nothing.")
+
+
+def main(argv):
+  del argv
+  FLAGS = flags.FLAGS
+  runs = config.runs(range(FLAGS.seeds), FLAGS.steps)
+  wall = 0.0 if FLAGS.report_only else harness.run_all(runs, FLAGS.outdir)
+  os.makedirs(FLAGS.results_dir, exist_ok=True)
+  results = harness.report(config.NAME, runs, FLAGS.outdir, FLAGS.results_dir,
+                           columns=config.COLUMNS, wall_s=wall,
+                           sections=sections(FLAGS.results_dir), about=config.__doc__,
+                           plot=dict(time_key="time", time_label="virtual seconds"),
+                           command="python -m experiments.heterogeneous.run")
+  print(harness.table(harness.summarise(results["rows"]),
+                      ("method", "eval_loss_mean", "eval_loss_spread", "seeds")))
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

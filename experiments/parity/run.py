@@ -1,0 +1,109 @@
+"""Runs the `parity` experiment and regenerates its results.json, plots and README.md.
+
+    python -m experiments.parity.run [--outdir=runs/experiments/parity] [--only=decoupled]
+
+See `config.py` for the setting and the expected outcome.
+"""
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from experiments import harness  # noqa: E402
+from experiments.parity import config  # noqa: E402
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+  """Adds each row's eval loss over data-parallel's (same seed, else the seeds' mean)."""
+  dp = {r["seed"]: r["eval_loss"] for r in rows if r["method"] == "data-parallel"}
+  for r in rows:
+    base = dp.get(r["seed"], sum(dp.values()) / len(dp) if dp else None)
+    r["ratio_to_dp"] = round(r["eval_loss"] / base, 4) if base else None
+  return rows
+
+
+def sections(folder: str):
+  """The outer-optimiser sweep as a table and a bar chart of every method (seed means)."""
+  def write(rows: list[dict]) -> list[str]:
+    sweep = [dict(r, outer_lr=r["outer.learning_rate"], outer_momentum=r["outer.momentum"])
+             for r in rows if r["method"].startswith("decoupled outer") and r["seed"] == 0]
+    summary = harness.summarise(rows)
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(summary) + 1.2))
+    ax.barh([s["method"] for s in summary], [s["eval_loss_mean"] for s in summary],
+            xerr=[s["eval_loss_spread"] / 2 for s in summary], color="tab:blue")
+    dp = [s["eval_loss_mean"] for s in summary if s["method"] == "data-parallel"]
+    if dp:
+      ax.axvline(dp[0], color="k", ls="--", lw=1, label="data-parallel")
+      ax.axvline(dp[0] * 1.02, color="tab:red", ls=":", lw=1, label="data-parallel x 1.02")
+      ax.legend(fontsize=7)
+    low = min(s["eval_loss_mean"] for s in summary)
+    ax.set_xlim(low * 0.95, max(s["eval_loss_mean"] for s in summary) * 1.02)
+    ax.set_xlabel("final global eval loss (mean over seeds; bar = spread)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "methods.png"), dpi=120)
+    plt.close(fig)
+    return ["## Outer optimiser sweep (Decoupled, M = 4, seed 0)", "",
+            harness.table(sorted(sweep, key=lambda r: r["eval_loss"]),
+                          ("outer_lr", "outer_momentum", "eval_loss", "ratio_to_dp",
+                           "mean_learners_per_round")), "",
+            "## Every method", "", "![methods](methods.png)", ""]
+  return write
+
+
+def define_flags():
+  """The command line (defined only when run as a script, so tests can import this)."""
+  flags.DEFINE_string("outdir", "runs/experiments/parity", "Where the runs are kept.")
+  flags.DEFINE_string("results_dir", os.path.dirname(os.path.abspath(__file__)),
+                      "Where results.json, the plots and README.md are written.")
+  flags.DEFINE_enum("preset", "cpu", ["cpu", "tiny"], "cpu, or tiny for smoke runs.")
+  flags.DEFINE_integer("steps", 0, "Override train.steps (smoke runs); 0 keeps them.")
+  flags.DEFINE_string("only", "", "Run only the methods whose label contains this.")
+  flags.DEFINE_bool("report_only", False,
+                    "Regenerate the report from the finished runs; run nothing.")
+
+
+def tuned(outdir: str, sweep: list[harness.Run]) -> tuple[float, float]:
+  """The outer setting of the finished sweep run with the lowest final eval loss."""
+  losses = {}
+  for run in sweep:
+    workdir = os.path.join(outdir, run.name)
+    if run.method.startswith("decoupled") and harness.finished(workdir):
+      o = dict(run.overrides)
+      losses[o["outer.learning_rate"], o["outer.momentum"]] = harness.collect(
+          run, workdir)["eval_loss"]
+  return config.tuned_setting(losses)
+
+
+def all_runs(outdir: str, preset: str, steps: int, only: str = "",
+             execute: bool = True) -> tuple[list[harness.Run], float]:
+  """Runs the sweep, then the baselines at the setting it picked; returns every run."""
+  shrink = (lambda runs: config.shrink(runs, steps)) if steps else (lambda runs: runs)
+  sweep = shrink(config.sweep(preset))
+  wall = harness.run_all([r for r in sweep if only in r.method], outdir) if execute else 0.0
+  rest = shrink(config.with_tuned(tuned(outdir, sweep), preset))
+  if execute:
+    wall += harness.run_all([r for r in rest if only in r.method], outdir)
+  return sweep + rest, wall
+
+
+def main(argv):
+  del argv
+  FLAGS = flags.FLAGS
+  runs, wall = all_runs(FLAGS.outdir, FLAGS.preset, FLAGS.steps, FLAGS.only,
+                        execute=not FLAGS.report_only)
+  os.makedirs(FLAGS.results_dir, exist_ok=True)
+  results = harness.report(config.NAME, runs, FLAGS.outdir, FLAGS.results_dir,
+                           columns=config.COLUMNS, wall_s=wall, derive=with_ratios,
+                           sections=sections(FLAGS.results_dir), about=config.__doc__,
+                           command="python -m experiments.parity.run")
+  print(harness.table(results["rows"], config.COLUMNS))
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

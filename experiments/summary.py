@@ -1,0 +1,110 @@
+"""Writes the top-level README's table of experiment results from their own results.json.
+
+    python -m experiments.summary [--check]
+
+One row per experiment folder with a results.json: what it compares, its headline figures
+computed from the rows (never typed), the commit it was measured at and a link to its
+README. The table replaces what lies between the README's `experiments:begin` and
+`experiments:end` markers; `--check` exits 1 if the README is out of date instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from experiments import harness
+
+BEGIN, END = "<!-- experiments:begin -->", "<!-- experiments:end -->"
+
+
+def _mean(rows: Sequence[dict], method: str, key: str = "eval_loss") -> float | None:
+  values = [r[key] for r in rows if r["method"] == method and r.get(key) is not None]
+  return sum(values) / len(values) if values else None
+
+
+def _by_method(rows: Sequence[dict], key: str = "eval_loss", fmt: str = "{:.3f}") -> str:
+  """'method value' for every method (mean over seeds), best first."""
+  means = sorted(harness.summarise([r for r in rows if r.get(key) is not None], key),
+                 key=lambda s: s[f"{key}_mean"])
+  return "; ".join(f"{s['method']} {fmt.format(s[f'{key}_mean'])}" for s in means)
+
+
+def parity(rows: Sequence[dict]) -> str:
+  dp = _mean(rows, "data-parallel")
+  decoupled = sorted((s for s in harness.summarise(rows)
+                      if s["method"].startswith("decoupled outer")),
+                     key=lambda s: s["eval_loss_mean"])
+  if not dp or not decoupled:
+    return _by_method(rows)
+  best = decoupled[0]
+  return (f"eval loss: data-parallel {dp:.3f}, best Decoupled ({best['method']}) "
+          f"{best['eval_loss_mean']:.3f}, ratio {best['eval_loss_mean'] / dp:.3f} "
+          f"(target <= 1.02)")
+
+
+def heterogeneous(rows: Sequence[dict]) -> str:
+  parts = []
+  for s in harness.summarise(rows):
+    goodput = _mean(rows, s["method"], "goodput")
+    parts.append(f"{s['method']}: loss {s['eval_loss_mean']:.3f}, goodput {goodput:.2f}")
+  return "; ".join(parts)
+
+
+def scavenging(rows: Sequence[dict]) -> str:
+  parts = []
+  for method in ("fixed M=2", "scavenging", "fixed M=4"):
+    speedup = _mean(rows, method, "speedup")
+    loss = _mean(rows, method)
+    if loss is not None:
+      parts.append(f"{method}: loss {loss:.3f}"
+                   + (f", {speedup:.2f}x faster to M=2's loss" if speedup else ""))
+  return "; ".join(parts)
+
+
+HEADLINES: dict[str, Callable[[Sequence[dict]], str]] = {
+    "parity": parity, "heterogeneous": heterogeneous, "scavenging": scavenging}
+
+
+def table(root: str) -> str:
+  lines = ["| experiment | headline (from results.json) | runs | commit |", "|---|---|---|---|"]
+  for name in sorted(os.listdir(root)):
+    path = os.path.join(root, name, "results.json")
+    if not os.path.exists(path):
+      continue
+    with open(path, encoding="utf-8") as f:
+      results = json.load(f)
+    headline = HEADLINES.get(results["experiment"], _by_method)(results["rows"])
+    lines.append(f"| [`{name}`](experiments/{name}/README.md) | {headline} | "
+                 f"{len(results['rows'])} | `{results['commit'][:8]}` |")
+  return "\n".join(lines)
+
+
+def update(readme: str, root: str) -> str:
+  """`readme` with the table between the markers replaced; ValueError if a marker is missing."""
+  if BEGIN not in readme or END not in readme:
+    raise ValueError(f"README.md: no {BEGIN} ... {END} markers to put the table between")
+  head, rest = readme.split(BEGIN, 1)
+  _, tail = rest.split(END, 1)
+  return f"{head}{BEGIN}\n{table(root)}\n{END}{tail}"
+
+
+def main(argv: list[str]) -> int:
+  readme_path = os.path.join(harness.REPO, "README.md")
+  with open(readme_path, encoding="utf-8") as f:
+    readme = f.read()
+  new = update(readme, os.path.join(harness.REPO, "experiments"))
+  if "--check" in argv:
+    if new != readme:
+      print("README.md's experiment table is out of date: python -m experiments.summary")
+      return 1
+    return 0
+  with open(readme_path, "w", encoding="utf-8") as f:
+    f.write(new)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

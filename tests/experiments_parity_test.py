@@ -1,0 +1,72 @@
+"""The parity experiment's run list and its pipeline end to end at a tiny size."""
+
+import json
+import os
+
+import pytest
+
+from experiments import harness
+from experiments.parity import config, run as parity_run
+
+
+def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():
+  tuned = (1.4, 0.0)
+  runs = config.sweep("cpu") + config.with_tuned(tuned, "cpu")
+  assert len({r.name for r in runs}) == len(runs)
+  methods = {r.method for r in runs}
+  for needed in ("data-parallel", "data-parallel B=8", "decoupled outer 0.7/0.9",
+                 "diloco outer 1.4/0.0", "streaming outer 1.4/0.0",
+                 "decoupled M=1 outer 1.4/0.0", "decoupled outer 1.4/0.0"):
+    assert needed in methods
+  for r in runs:
+    o = dict(r.overrides)
+    learners = o.get("learners.count", 1)
+    # Batch x eval batches = the same 128 held-out windows for every run.
+    assert o["train.batch_size"] * o["train.eval_batches"] == config.EVAL_WINDOWS
+    if r.method == "data-parallel" or learners == 4:
+      assert learners * o["train.batch_size"] == config.DP_BATCH  # equal tokens per step
+  assert config.DESIGN in config.SWEEP
+
+
+def test_the_sweep_picks_the_setting_of_lowest_loss():
+  assert config.tuned_setting({(1.0, 0.0): 1.80, (0.7, 0.9): 1.90, (1.4, 0.0): 1.75}) == (
+      1.4, 0.0)
+  assert config.tuned_setting({}) == config.DESIGN
+
+
+def test_ratios_are_taken_against_data_parallel_of_the_same_seed():
+  rows = [{"method": "data-parallel", "seed": 0, "eval_loss": 2.0},
+          {"method": "data-parallel", "seed": 1, "eval_loss": 1.0},
+          {"method": "x", "seed": 1, "eval_loss": 1.5}, {"method": "x", "seed": 7,
+                                                         "eval_loss": 3.0}]
+  ratios = [r["ratio_to_dp"] for r in parity_run.with_ratios(rows)]
+  assert ratios == [1.0, 1.0, 1.5, 2.0]  # seed 7 has no data-parallel row: the mean (1.5)
+
+
+@pytest.mark.slow
+def test_pipeline_writes_results_readme_and_plots(tmp_path):
+  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "results")
+  os.makedirs(folder)
+  # Two runs of the sweep at 4 steps of the tiny model; the sweep's only finished Decoupled
+  # run then sets the outer setting of the rest.
+  first = [r for r in config.shrink(config.sweep("tiny"), 4)
+           if r.method in ("data-parallel", "decoupled outer 0.7/0.9")]
+  wall = harness.run_all(first, outdir)
+  runs, _ = parity_run.all_runs(outdir, "tiny", 4, execute=False)
+  assert len(runs) == len(config.SWEEP) + 1 + len(config.with_tuned((1, 0)))
+  assert "diloco outer 0.7/0.9" in {r.method for r in runs}
+  results = harness.report("parity", runs, outdir, folder, columns=config.COLUMNS, wall_s=wall,
+                           derive=parity_run.with_ratios, sections=parity_run.sections(folder),
+                           about=config.__doc__, command="python -m experiments.parity.run")
+  assert json.load(open(os.path.join(folder, "results.json"))) == results
+  rows = {r["method"]: r for r in results["rows"]}
+  assert rows["data-parallel"]["ratio_to_dp"] == 1.0
+  dec = rows["decoupled outer 0.7/0.9"]
+  assert dec["tokens"] == rows["data-parallel"]["tokens"] == 4 * 32 * 64
+  assert dec["ratio_to_dp"] == pytest.approx(dec["eval_loss"] / rows["data-parallel"]["eval_loss"],
+                                             abs=1e-4)
+  readme = open(os.path.join(folder, "README.md")).read()
+  assert "## Outer optimiser sweep" in readme and "| 0.7 | 0.9 |" in readme
+  assert "Expected outcome" in readme  # the config's docstring heads the report
+  for plot in ("eval.png", "methods.png"):
+    assert os.path.getsize(os.path.join(folder, plot)) > 10_000
