@@ -60,8 +60,18 @@ def _flag(value: object) -> str:
 
 
 def finished(workdir: str) -> bool:
-  return os.path.exists(os.path.join(workdir, "accounting.json")) or os.path.exists(
-      os.path.join(workdir, "final.json"))
+  """A Decoupled run ends with accounting.json; a data-parallel one with its final evaluation
+  (at `train.steps`) in metrics.jsonl and its export."""
+  if os.path.exists(os.path.join(workdir, "accounting.json")) or os.path.exists(
+      os.path.join(workdir, "final.json")):
+    return True
+  config_path = os.path.join(workdir, "config.json")
+  if not os.path.isdir(os.path.join(workdir, "export")) or not os.path.exists(config_path):
+    return False
+  with open(config_path, encoding="utf-8") as f:
+    steps = json.load(f)["train"]["steps"]
+  return any("eval/loss" in r and r.get("step") == steps
+             for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")))
 
 
 def run_all(runs: Sequence[Run], outdir: str, *, devices: int = 8) -> float:
@@ -113,9 +123,20 @@ def eval_curve(workdir: str) -> list[dict]:
 
 
 def collect(run: Run, workdir: str) -> dict:
-  """One flat row of a finished run: method, seed, tokens, eval_loss, accounting figures."""
-  acc = json.load(open(os.path.join(workdir, "accounting.json"), encoding="utf-8"))
-  cfg = json.load(open(os.path.join(workdir, "config.json"), encoding="utf-8"))
+  """One flat row of a finished run: method, seed, tokens, eval_loss, accounting figures.
+
+  A data-parallel run has no accounting.json: its losses and wall time come from its
+  evaluations in metrics.jsonl."""
+  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+    cfg = json.load(f)
+  accounting_path = os.path.join(workdir, "accounting.json")
+  if os.path.exists(accounting_path):
+    with open(accounting_path, encoding="utf-8") as f:
+      acc = json.load(f)
+  else:
+    curve = eval_curve(workdir)
+    acc = {"eval/loss": curve[-1]["eval_loss"], "eval/initial_loss": curve[0]["eval_loss"],
+           "wall_s": curve[-1]["wall"]}
   activity = read_jsonl(os.path.join(workdir, "activity.jsonl"))
   if activity:
     tokens = sum(r.get("tokens", 0) for r in activity if r["kind"] == "step")
