@@ -10,7 +10,8 @@ from experiments.parity import config, run as parity_run
 
 
 def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():
-  tuned = (1.4, 0.0)
+  tuned = config.SWEEP[3]
+  assert tuned[0] == "outer 1.4/0.0"
   runs = config.sweep("cpu") + config.with_tuned(tuned, "cpu")
   assert len({r.name for r in runs}) == len(runs)
   methods = {r.method for r in runs}
@@ -25,13 +26,17 @@ def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():
     assert o["train.batch_size"] * o["train.eval_batches"] == config.EVAL_WINDOWS
     if r.method == "data-parallel" or learners == 4:
       assert learners * o["train.batch_size"] == config.DP_BATCH  # equal tokens per step
-  assert config.DESIGN in config.SWEEP
+  by_method = {r.method: dict(r.overrides) for r in runs}
+  assert by_method["diloco outer 1.4/0.0"]["sync.period"] == 24  # the same H as Decoupled
+  h8 = dict(config.SWEEP)["H=8 outer 1.0/0.0"]
+  assert "sync.num_fragments" not in dict(config.diloco("cpu", "diloco", ("x", h8)).overrides)
 
 
 def test_the_sweep_picks_the_setting_of_lowest_loss():
-  assert config.tuned_setting({(1.0, 0.0): 1.80, (0.7, 0.9): 1.90, (1.4, 0.0): 1.75}) == (
-      1.4, 0.0)
-  assert config.tuned_setting({}) == config.DESIGN
+  best = config.tuned_setting({"outer 1.0/0.0": 1.80, "outer 0.7/0.9": 1.90,
+                               "outer 1.4/0.0": 1.75})
+  assert best == ("outer 1.4/0.0", (("outer.learning_rate", 1.4), ("outer.momentum", 0.0)))
+  assert config.tuned_setting({})[0] == "outer 0.7/0.9"  # the design's
 
 
 def test_ratios_are_taken_against_data_parallel_of_the_same_seed():
@@ -53,7 +58,7 @@ def test_pipeline_writes_results_readme_and_plots(tmp_path):
            if r.method in ("data-parallel", "decoupled outer 0.7/0.9")]
   wall = harness.run_all(first, outdir)
   runs, _ = parity_run.all_runs(outdir, "tiny", 4, execute=False)
-  assert len(runs) == len(config.SWEEP) + 1 + len(config.with_tuned((1, 0)))
+  assert len(runs) == len(config.SWEEP) + 1 + len(config.with_tuned(config.SWEEP[0]))
   assert "diloco outer 0.7/0.9" in {r.method for r in runs}
   results = harness.report("parity", runs, outdir, folder, columns=config.COLUMNS, wall_s=wall,
                            derive=parity_run.with_ratios, sections=parity_run.sections(folder),
@@ -66,7 +71,7 @@ def test_pipeline_writes_results_readme_and_plots(tmp_path):
   assert dec["ratio_to_dp"] == pytest.approx(dec["eval_loss"] / rows["data-parallel"]["eval_loss"],
                                              abs=1e-4)
   readme = open(os.path.join(folder, "README.md")).read()
-  assert "## Outer optimiser sweep" in readme and "| 0.7 | 0.9 |" in readme
+  assert "## Sweep of Decoupled settings" in readme and "| outer 0.7/0.9 |" in readme
   assert "Expected outcome" in readme  # the config's docstring heads the report
   for plot in ("eval.png", "methods.png"):
     assert os.path.getsize(os.path.join(folder, plot)) > 10_000

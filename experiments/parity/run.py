@@ -29,8 +29,9 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 def sections(folder: str):
   """The outer-optimiser sweep as a table and a bar chart of every method (seed means)."""
   def write(rows: list[dict]) -> list[str]:
-    sweep = [dict(r, outer_lr=r["outer.learning_rate"], outer_momentum=r["outer.momentum"])
-             for r in rows if r["method"].startswith("decoupled outer") and r["seed"] == 0]
+    sweep = [dict(r, setting=r["method"].removeprefix("decoupled "))
+             for r in rows if r["method"].removeprefix("decoupled ") in dict(config.SWEEP)
+             and r["seed"] == 0]
     summary = harness.summarise(rows)
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(summary) + 1.2))
     ax.barh([s["method"] for s in summary], [s["eval_loss_mean"] for s in summary],
@@ -47,10 +48,10 @@ def sections(folder: str):
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "methods.png"), dpi=120)
     plt.close(fig)
-    return ["## Outer optimiser sweep (Decoupled, M = 4, seed 0)", "",
+    return ["## Sweep of Decoupled settings (M = 4, seed 0), best first", "",
             harness.table(sorted(sweep, key=lambda r: r["eval_loss"]),
-                          ("outer_lr", "outer_momentum", "eval_loss", "ratio_to_dp",
-                           "mean_learners_per_round")), "",
+                          ("setting", "eval_loss", "ratio_to_dp", "mean_learners_per_round",
+                           "bytes_up")), "",
             "## Every method", "", "![methods](methods.png)", ""]
   return write
 
@@ -67,15 +68,13 @@ def define_flags():
                     "Regenerate the report from the finished runs; run nothing.")
 
 
-def tuned(outdir: str, sweep: list[harness.Run]) -> tuple[float, float]:
-  """The outer setting of the finished sweep run with the lowest final eval loss."""
+def tuned(outdir: str, sweep: list[harness.Run]):
+  """The SWEEP setting whose finished Decoupled run has the lowest final eval loss."""
   losses = {}
   for run in sweep:
     workdir = os.path.join(outdir, run.name)
-    if run.method.startswith("decoupled") and harness.finished(workdir):
-      o = dict(run.overrides)
-      losses[o["outer.learning_rate"], o["outer.momentum"]] = harness.collect(
-          run, workdir)["eval_loss"]
+    if run.method.startswith("decoupled ") and harness.finished(workdir):
+      losses[run.method.removeprefix("decoupled ")] = harness.collect(run, workdir)["eval_loss"]
   return config.tuned_setting(losses)
 
 
