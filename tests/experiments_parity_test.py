@@ -24,9 +24,17 @@ def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():
     learners = o.get("learners.count", 1)
     # Batch x eval batches = the same 128 held-out windows for every run.
     assert o["train.batch_size"] * o["train.eval_batches"] == config.EVAL_WINDOWS
+    if r.method.startswith("decoupled warm"):
+      continue
     if r.method == "data-parallel" or learners == 4:
       assert learners * o["train.batch_size"] == config.DP_BATCH  # equal tokens per step
   by_method = {r.method: dict(r.overrides) for r in runs}
+  warm = by_method["decoupled warm start outer 1.4/0.0"]
+  assert warm["train.init_from"] == "runs/experiments/parity/data-parallel__s1/checkpoints/40"
+  assert warm["train.steps"] == 80 and warm["outer.learning_rate"] == 1.4
+  # Equal tokens: 40 data-parallel steps of 32 sequences + 80 steps of 4 learners x 8.
+  assert (config.WARM_STEPS * config.DP_BATCH + warm["train.steps"] * 4 * 8
+          == config.STEPS * config.DP_BATCH)
   assert by_method["diloco outer 1.4/0.0"]["sync.period"] == 24  # the same H as Decoupled
   h8 = dict(config.SWEEP)["H=8 outer 1.0/0.0"]
   assert "sync.num_fragments" not in dict(config.diloco("cpu", "diloco", ("x", h8)).overrides)
@@ -44,8 +52,12 @@ def test_ratios_are_taken_against_data_parallel_of_the_same_seed():
           {"method": "data-parallel", "seed": 1, "eval_loss": 1.0},
           {"method": "x", "seed": 1, "eval_loss": 1.5}, {"method": "x", "seed": 7,
                                                          "eval_loss": 3.0}]
-  ratios = [r["ratio_to_dp"] for r in parity_run.with_ratios(rows)]
-  assert ratios == [1.0, 1.0, 1.5, 2.0]  # seed 7 has no data-parallel row: the mean (1.5)
+  rows.append({"method": "w", "seed": 1, "eval_loss": 1.0, "tokens": 10,
+               "train.init_from": "dp/checkpoints/40"})
+  out = parity_run.with_ratios(rows)
+  ratios = [r["ratio_to_dp"] for r in out]
+  assert ratios == [1.0, 1.0, 1.5, 2.0, 1.0]  # seed 7 has no data-parallel row: the mean (1.5)
+  assert out[-1]["tokens"] == 10 + 40 * 32 * 128
 
 
 @pytest.mark.slow

@@ -20,8 +20,10 @@ The runs, in the order they are run:
 - with the swept setting of lowest eval loss, picked by the runner from those runs (not
   typed here), and its H: synchronous DiLoCo (P = 1, K = M), Streaming DiLoCo (P fragments,
   K = M, alpha = 0.5), data-parallel at one learner's batch (8 sequences, a quarter of the tokens)
-  against Decoupled with M = 1 (the same batch: a check of the outer loop), and a second
-  seed of data-parallel and Decoupled.
+  against Decoupled with M = 1 (the same batch: a check of the outer loop), a second seed of
+  data-parallel and Decoupled, and Decoupled warm-started from that data-parallel run's
+  step-40 checkpoint for the remaining 80 steps (the DiLoCo paper starts from a
+  data-parallel checkpoint; its row counts the 40 data-parallel steps' tokens too).
 
 Expected outcome: with the design's outer optimiser, Decoupled lands far above data-parallel
 at this length (the issue measured 1.92 vs 1.63, on different held-out windows); the outer
@@ -34,6 +36,10 @@ from experiments.harness import Run
 NAME = "parity"
 EVAL_WINDOWS = 128
 DP_BATCH, LEARNER_BATCH = 32, 8
+SEQ_LEN, STEPS = 128, 120  # the cpu presets'
+# The warm start: data-parallel trains the first WARM_STEPS steps (its checkpoint every 40
+# steps), Decoupled the remaining STEPS - WARM_STEPS with the same tokens per step.
+WARM_STEPS = 40
 VC = (("learners.virtual_clock", True),)
 DESIGN = (0.7, 0.9)  # the design's outer learning rate and Nesterov momentum
 
@@ -85,11 +91,20 @@ def sweep(preset: str = "cpu") -> list[Run]:
   return [dp(preset)] + [diloco(preset, "decoupled", s) for s in SWEEP]
 
 
-def with_tuned(tuned, preset: str = "cpu") -> list[Run]:
-  """The baselines and checks at the tuned setting (its outer optimiser and H)."""
+def with_tuned(tuned, preset: str = "cpu", outdir: str = "runs/experiments/parity") -> list[Run]:
+  """The baselines and checks at the tuned setting (its outer optimiser and H), then
+  Decoupled warm-started from the second data-parallel run's checkpoint at WARM_STEPS."""
+  label, overrides = tuned
+  warm = Run(f"decoupled warm start {label}", f"configs/decoupled.py:{preset}", 1,
+             diloco(preset, "decoupled", tuned).overrides + (
+                 ("train.init_from", f"{outdir}/data-parallel__s1/checkpoints/{WARM_STEPS}"),
+                 ("train.steps", STEPS - WARM_STEPS)))
+  dp_seed1 = dp(preset, seed=1)
+  dp_seed1 = Run(dp_seed1.method, dp_seed1.config, 1, dp_seed1.overrides + (
+      ("checkpoint.max_to_keep", STEPS // WARM_STEPS),))  # keep the step-40 checkpoint
   return [diloco(preset, "diloco", tuned), diloco(preset, "streaming", tuned),
           dp(preset, batch=LEARNER_BATCH), diloco(preset, "decoupled", tuned, learners=1),
-          dp(preset, seed=1), diloco(preset, "decoupled", tuned, seed=1)]
+          dp_seed1, diloco(preset, "decoupled", tuned, seed=1), warm]
 
 
 def tuned_setting(losses: dict[str, float]):

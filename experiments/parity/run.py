@@ -18,7 +18,11 @@ from experiments.parity import config  # noqa: E402
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-  """Adds each row's eval loss over data-parallel's (same seed, else the seeds' mean)."""
+  """Adds each row's eval loss over data-parallel's (same seed, else the seeds' mean), and to a
+  warm-started run's tokens those of the data-parallel steps it started from."""
+  for r in rows:
+    if r.get("train.init_from"):
+      r["tokens"] += config.WARM_STEPS * config.DP_BATCH * config.SEQ_LEN
   dp = {r["seed"]: r["eval_loss"] for r in rows if r["method"] == "data-parallel"}
   for r in rows:
     base = dp.get(r["seed"], sum(dp.values()) / len(dp) if dp else None)
@@ -84,7 +88,7 @@ def all_runs(outdir: str, preset: str, steps: int, only: str = "",
   shrink = (lambda runs: config.shrink(runs, steps)) if steps else (lambda runs: runs)
   sweep = shrink(config.sweep(preset))
   wall = harness.run_all([r for r in sweep if only in r.method], outdir) if execute else 0.0
-  rest = shrink(config.with_tuned(tuned(outdir, sweep), preset))
+  rest = shrink(config.with_tuned(tuned(outdir, sweep), preset, outdir))
   if execute:
     wall += harness.run_all([r for r in rest if only in r.method], outdir)
   return sweep + rest, wall
