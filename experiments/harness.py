@@ -96,13 +96,29 @@ def run_all(runs: Sequence[Run], outdir: str, *, devices: int = 8) -> float:
   return time.monotonic() - started
 
 
+def init_tokens(cfg: dict) -> int:
+  """Tokens already trained by the checkpoint a run starts from (`train.init_from` naming a
+  run's `checkpoints/STEP`), so that a warm start counts them; 0 otherwise."""
+  source = os.path.normpath(os.path.join(REPO, cfg["train"].get("init_from") or "."))
+  head, step = os.path.split(source)
+  run_dir, kind = os.path.split(head)
+  config_path = os.path.join(run_dir, "config.json")
+  if kind != "checkpoints" or not step.isdigit() or not os.path.exists(config_path):
+    return 0
+  with open(config_path, encoding="utf-8") as f:
+    source_cfg = json.load(f)
+  return int(step) * source_cfg["train"]["batch_size"] * source_cfg["data"]["seq_len"] * max(
+      source_cfg["learners"]["count"], 1)
+
+
 def eval_curve(workdir: str) -> list[dict]:
   """(step, tokens, time, wall, eval_loss) of every global evaluation of a run, in order.
 
   `time` is the run clock of the evaluation (virtual seconds on the virtual clock), `wall`
   real seconds since the run's first record. Tokens count all learners together: the steps
   that ended by then in `activity.jsonl` (so learners added or removed midway count), or,
-  for a data-parallel run, which has none, the step times the tokens per step."""
+  for a data-parallel run, which has none, the step times the tokens per step; plus those of
+  the checkpoint it started from (`init_tokens`)."""
   cfg = json.load(open(os.path.join(workdir, "config.json"), encoding="utf-8"))
   per_step = cfg["train"]["batch_size"] * cfg["data"]["seq_len"] * max(
       cfg["learners"]["count"], 1)
@@ -111,12 +127,13 @@ def eval_curve(workdir: str) -> list[dict]:
                  if r["kind"] == "step")
   records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   t0 = records[0]["t"] if records else 0.0
+  start = init_tokens(cfg)
   points = []
   for r in records:
     if "eval/loss" in r and r.get("role") in ("syncer", "dp", "train", None):
       time = r.get("time", r["t"] - t0)
-      tokens = (sum(n for end, n in steps if end <= time + 1e-9) if steps
-                else r["step"] * per_step)
+      tokens = start + (sum(n for end, n in steps if end <= time + 1e-9) if steps
+                        else r["step"] * per_step)
       points.append({"step": r["step"], "tokens": tokens, "time": time,
                      "wall": r["t"] - t0, "eval_loss": r["eval/loss"]})
   return points
@@ -142,6 +159,7 @@ def collect(run: Run, workdir: str) -> dict:
     tokens = sum(r.get("tokens", 0) for r in activity if r["kind"] == "step")
   else:
     tokens = cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
+  tokens += init_tokens(cfg)
   row = {"method": run.method, "seed": run.seed, "tokens": int(tokens),
          "eval_loss": float(acc["eval/loss"]), "initial_loss": float(acc["eval/initial_loss"]),
          "wall_s": round(float(acc.get("wall_s", 0.0)), 1)}

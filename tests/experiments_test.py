@@ -109,3 +109,15 @@ def test_summary_table_is_generated_from_results_files(tmp_path):
 
 def test_readme_results_table_is_up_to_date():
   assert summary.main(["--check"]) == 0, "run: python -m experiments.summary"
+
+
+def test_a_warm_start_counts_the_tokens_of_its_checkpoint(tmp_path):
+  source = tmp_path / "dp_run"
+  os.makedirs(source / "checkpoints" / "40")
+  with open(source / "config.json", "w") as f:
+    json.dump({"train": {"batch_size": 32}, "data": {"seq_len": 128},
+               "learners": {"count": 0}}, f)
+  warm = {"train": {"init_from": str(source / "checkpoints" / "40")}}
+  assert harness.init_tokens(warm) == 40 * 32 * 128
+  assert harness.init_tokens({"train": {"init_from": ""}}) == 0
+  assert harness.init_tokens({"train": {"init_from": str(tmp_path / "export")}}) == 0

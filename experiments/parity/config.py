@@ -36,7 +36,7 @@ from experiments.harness import Run
 NAME = "parity"
 EVAL_WINDOWS = 128
 DP_BATCH, LEARNER_BATCH = 32, 8
-SEQ_LEN, STEPS = 128, 120  # the cpu presets'
+STEPS = 120  # the cpu presets'
 # The warm start: data-parallel trains the first WARM_STEPS steps (its checkpoint every 40
 # steps), Decoupled the remaining STEPS - WARM_STEPS with the same tokens per step.
 WARM_STEPS = 40

@@ -18,11 +18,7 @@ from experiments.parity import config  # noqa: E402
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-  """Adds each row's eval loss over data-parallel's (same seed, else the seeds' mean), and to a
-  warm-started run's tokens those of the data-parallel steps it started from."""
-  for r in rows:
-    if r.get("train.init_from"):
-      r["tokens"] += config.WARM_STEPS * config.DP_BATCH * config.SEQ_LEN
+  """Adds each row's eval loss over data-parallel's (same seed, else the seeds' mean)."""
   dp = {r["seed"]: r["eval_loss"] for r in rows if r["method"] == "data-parallel"}
   for r in rows:
     base = dp.get(r["seed"], sum(dp.values()) / len(dp) if dp else None)
