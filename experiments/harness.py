@@ -17,7 +17,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import matplotlib
 
@@ -28,6 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Accounting figures copied into every row (without the "accounting/" prefix).
+# Written by `run_all` next to a finished run: its wall time as the harness measured it.
+HARNESS_FILE = "harness.json"
 ACCOUNTING_KEYS = ("goodput", "uptime", "mean_learners_per_round", "median_grace_s",
                    "staleness_mean", "wait_fraction", "bytes_up", "bytes_down", "rounds")
 
@@ -81,7 +83,10 @@ def run_all(runs: Sequence[Run], outdir: str, *, devices: int = 8) -> float:
                              env=env, cwd=REPO)
     if code:
       raise RuntimeError(f"run {run.name} failed with exit code {code}; see {workdir}/run.log")
-    print(f"    done in {time.monotonic() - t0:.0f} s", flush=True)
+    wall = time.monotonic() - t0
+    with open(os.path.join(workdir, HARNESS_FILE), "w", encoding="utf-8") as f:
+      json.dump({"wall_s": wall}, f)  # the launcher's accounting.json has no wall time
+    print(f"    done in {wall:.0f} s", flush=True)
   return time.monotonic() - started
 
 
@@ -112,12 +117,20 @@ def collect(run: Run, workdir: str) -> dict:
     tokens = cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
   row = {"method": run.method, "seed": run.seed, "tokens": int(tokens),
          "eval_loss": float(acc["eval/loss"]), "initial_loss": float(acc["eval/initial_loss"]),
-         "wall_s": round(float(acc.get("wall_s", 0.0)), 1)}
+         "wall_s": round(float(acc.get("wall_s", _harness_wall(workdir))), 1)}
   for key in ACCOUNTING_KEYS:
     if f"accounting/{key}" in acc:
       row[key] = float(acc[f"accounting/{key}"])
   row.update({k: v for k, v in run.overrides})
   return row
+
+
+def _harness_wall(workdir: str) -> float:
+  path = os.path.join(workdir, HARNESS_FILE)
+  if not os.path.exists(path):
+    return 0.0
+  with open(path, encoding="utf-8") as f:
+    return float(json.load(f)["wall_s"])
 
 
 def commit() -> str:
@@ -188,14 +201,22 @@ def summarise(rows: Sequence[dict], key: str = "eval_loss") -> list[dict]:
 
 
 def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
-           columns: Sequence[str], command: str, wall_s: float) -> dict:
+           columns: Sequence[str], command: str, wall_s: float,
+           extra: Callable[[Run, str], dict] | None = None,
+           sections: Sequence[str] = ()) -> dict:
   """Writes `folder`/results.json, eval.png and README.md from the runs in `outdir`.
+
+  `extra(run, workdir)` adds an experiment's own figures to each row; `sections` are more
+  markdown blocks (tables, plots) placed after the eval plot.
 
   README.md is regenerated whole: the config's docstring (command and expected outcome), the
   measured tables, the plot, when/where/how long, then `analysis.md` of the same folder (the
   authored reading of the numbers) if it exists."""
   done = [run for run in runs if finished(os.path.join(outdir, run.name))]
   rows = [collect(run, os.path.join(outdir, run.name)) for run in done]
+  if extra is not None:
+    for run, row in zip(done, rows):
+      row.update(extra(run, os.path.join(outdir, run.name)))
   results = write_results(name, rows, os.path.join(folder, "results.json"))
   curves = {run.name: eval_curve(os.path.join(outdir, run.name)) for run in done}
   plot_curves(curves, os.path.join(folder, "eval.png"), f"{name}: global eval loss")
@@ -212,6 +233,7 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
       "## Over seeds", "", table(summarise(rows), ("method", "eval_loss_mean", "eval_loss_spread",
                                                    "seeds")), "",
       "![eval loss](eval.png)", "",
+      *[block for section in sections for block in (section.strip(), "")],
   ]
   if os.path.exists(analysis):
     with open(analysis, encoding="utf-8") as f:
