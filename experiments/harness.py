@@ -85,7 +85,9 @@ def run_all(runs: Sequence[Run], outdir: str, *, devices: int = 8) -> float:
       raise RuntimeError(f"run {run.name} failed with exit code {code}; see {workdir}/run.log")
     wall = time.monotonic() - t0
     with open(os.path.join(workdir, HARNESS_FILE), "w", encoding="utf-8") as f:
-      json.dump({"wall_s": wall}, f)  # the launcher's accounting.json has no wall time
+      # The launcher's accounting.json has no wall time; the host's load average at the end
+      # says how much other work shared the machine with a real-time run.
+      json.dump({"wall_s": wall, "loadavg": list(os.getloadavg())}, f)
     print(f"    done in {wall:.0f} s", flush=True)
   return time.monotonic() - started
 
@@ -117,7 +119,8 @@ def collect(run: Run, workdir: str) -> dict:
     tokens = cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
   row = {"method": run.method, "seed": run.seed, "tokens": int(tokens),
          "eval_loss": float(acc["eval/loss"]), "initial_loss": float(acc["eval/initial_loss"]),
-         "wall_s": round(float(acc.get("wall_s", _harness_wall(workdir))), 1)}
+         "wall_s": round(float(acc.get("wall_s", _harness_record(workdir).get("wall_s", 0.0))),
+                         1)}
   for key in ACCOUNTING_KEYS:
     if f"accounting/{key}" in acc:
       row[key] = float(acc[f"accounting/{key}"])
@@ -125,12 +128,12 @@ def collect(run: Run, workdir: str) -> dict:
   return row
 
 
-def _harness_wall(workdir: str) -> float:
+def _harness_record(workdir: str) -> dict:
   path = os.path.join(workdir, HARNESS_FILE)
   if not os.path.exists(path):
-    return 0.0
+    return {}
   with open(path, encoding="utf-8") as f:
-    return float(json.load(f)["wall_s"])
+    return json.load(f)
 
 
 def commit() -> str:

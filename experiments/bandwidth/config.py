@@ -40,7 +40,7 @@ SYNC = (("sync.num_fragments", 1), ("sync.quorum", 0), ("sync.gamma", 0.0),
         ("sync.period", 24))
 COLUMNS = ("method", "seed", "wan_mbps", "wan_latency_ms", "steps_per_s", "wait_fraction",
            "eval_loss", "goodput", "mean_learners_per_round", "rounds", "tokens", "bytes_up",
-           "bytes_down", "wall_s")
+           "bytes_down", "wall_s", "load_1m")
 
 
 def throttle(num_params: int, num_fragments: int, step_s: float) -> tuple[float, float]:

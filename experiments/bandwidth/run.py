@@ -61,7 +61,15 @@ def figures(run: harness.Run, workdir: str) -> dict:
           "wan_latency_ms": overrides.get("store.wan_latency_ms", 0.0),
           "steps_per_s": rates["steps_per_s"], "step_s": round(rates["step_s"], 4),
           "round_bytes_up_peak": int(acc["accounting/round_bytes_up_peak"]),
-          "round_bytes_down_peak": int(acc["accounting/round_bytes_down_peak"])}
+          "round_bytes_down_peak": int(acc["accounting/round_bytes_down_peak"]),
+          "load_1m": _load(workdir)}
+
+
+def _load(workdir: str) -> float | None:
+  """The host's 1-minute load average when the run ended (recorded by the harness)."""
+  path = os.path.join(workdir, harness.HARNESS_FILE)
+  loadavg = json.load(open(path, encoding="utf-8")).get("loadavg") if os.path.exists(path) else None
+  return round(loadavg[0], 1) if loadavg else None
 
 
 def reference(num_params: int, learners: int, cfg: dict, step_s: float) -> list[dict]:
@@ -78,11 +86,12 @@ def reference(num_params: int, learners: int, cfg: dict, step_s: float) -> list[
 
 
 def measured(run: harness.Run, workdir: str, step_s: float) -> list[dict]:
-  """Per-learner Gbit/s of a run, over the learners' training time (first step to last);
-  its largest round (all learners) as if sent within one step of `step_s`."""
+  """Per-learner Gbit/s of a run, over the learners' training time (first step to last); and
+  its largest round (all learners) sent within tau steps of `step_s`: what the syncer's link
+  must take in for that round to arrive in time."""
   cfg = json.load(open(os.path.join(workdir, "config.json"), encoding="utf-8"))
   acc = json.load(open(os.path.join(workdir, "accounting.json"), encoding="utf-8"))
-  m = cfg["learners"]["count"]
+  m, tau = cfg["learners"]["count"], cfg["sync"]["tau"]
   train_s = step_rates(workdir)["train_s"]
   steps = train_s / step_s
   up, down = acc["accounting/bytes_up"] / m, acc["accounting/bytes_down"] / m
@@ -91,8 +100,8 @@ def measured(run: harness.Run, workdir: str, step_s: float) -> list[dict]:
            "gbps": up * 8 / train_s / GBIT, "bytes_per_step": up / steps},
           {"what": f"{run.method}: measured download per learner (mean)",
            "gbps": down * 8 / train_s / GBIT, "bytes_per_step": down / steps},
-          {"what": f"{run.method}: largest round's upload (all learners) within one step",
-           "gbps": peak * 8 / step_s / GBIT, "bytes_per_step": peak}]
+          {"what": f"{run.method}: largest round's upload (all learners) within tau steps",
+           "gbps": peak * 8 / (tau * step_s) / GBIT, "bytes_per_step": peak / tau}]
 
 
 def plot_ledger(rows: list[dict], path: str, step_s: float) -> None:
@@ -103,6 +112,7 @@ def plot_ledger(rows: list[dict], path: str, step_s: float) -> None:
   ax.set_yticks(range(len(rows)), [r["what"] for r in rows], fontsize=7)
   ax.invert_yaxis()
   ax.set_xscale("log")
+  ax.set_xlim(left=min(r["gbps"] for r in rows) * 1e3 / 3)
   ax.set_xlabel(f"Mbit/s per island at the measured step time ({step_s:.3f} s), log scale")
   ax.grid(alpha=0.3, axis="x")
   fig.tight_layout()

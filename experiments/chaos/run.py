@@ -133,14 +133,18 @@ def main(argv):
       sections += [f"`{run.name}`:", "", f"![timeline {run.name}]({name})", ""]
   results = harness.report(config.NAME, runs, _OUTDIR.value, folder, columns=config.COLUMNS,
                            wall_s=wall, command="python -m experiments.chaos.run",
-                           extra=figures, sections=["\n".join(sections),
-                                                    "## Rates with a learner out", "",
-                                                    harness.table(
-                                                        _rates(done, _OUTDIR.value),
-                                                        RATE_COLUMNS)])
+                           extra=figures,
+                           sections=["\n".join(sections), RATES_NOTE,
+                                     harness.table(_rates(done, _OUTDIR.value), RATE_COLUMNS)])
   print(harness.table(results["rows"], config.COLUMNS))
 
 
+RATES_NOTE = """## Rates with a learner out
+
+Steps (all learners together) and syncer rounds per second of the run clock, split by whether
+some learner was out (killed and not stepping again yet) or none was. `outage_s`: seconds with
+some learner out. On this 2-core host a restarting process's import and compilation also take
+CPU from the survivors."""
 RATE_COLUMNS = ("method", "seed", "outage_s", "steps_per_s_all_up", "steps_per_s_some_out",
                 "rounds_per_s_all_up", "rounds_per_s_some_out")
 
