@@ -62,9 +62,9 @@ def test_experiments_cover_their_methods():
   assert all(r.args == ("--role=launch",) for r in chaos_runs)
   sync = dict(chaos_runs[2].overrides)
   assert sync["sync.num_fragments"] == 1 and sync["sync.quorum"] == 0
-  # One fragment of 1000 float32 parameters in 8 fragments crossing in half a 0.2 s step.
+  # One fragment of 1000 float32 parameters in 8 fragments crossing in one 0.2 s step.
   mbps, latency = bandwidth_config.throttle(1000, 8, 0.2)
-  assert mbps == pytest.approx(1000 * 32 / 8 / 0.1 / 1e6, rel=1e-3) and latency == 50.0
+  assert mbps == pytest.approx(1000 * 32 / 8 / 0.2 / 1e6, rel=1e-3) and latency == 50.0
   methods = [r.method for r in bandwidth_config.runs(1000, 8, 0.2)]
   assert methods == ["decoupled", "sync DiLoCo", "decoupled, WAN", "sync DiLoCo, WAN"]
 
