@@ -28,6 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Accounting figures copied into every row (without the "accounting/" prefix).
+# Written by `run_all` next to a finished run: its wall time as the harness measured it.
+HARNESS_FILE = "harness.json"
 ACCOUNTING_KEYS = ("goodput", "uptime", "mean_learners_per_round", "median_grace_s",
                    "staleness_mean", "wait_fraction", "bytes_up", "bytes_down", "rounds",
                    "horizon_s")
@@ -92,7 +94,12 @@ def run_all(runs: Sequence[Run], outdir: str, *, devices: int = 8) -> float:
                              env=env, cwd=REPO)
     if code:
       raise RuntimeError(f"run {run.name} failed with exit code {code}; see {workdir}/run.log")
-    print(f"    done in {time.monotonic() - t0:.0f} s", flush=True)
+    wall = time.monotonic() - t0
+    with open(os.path.join(workdir, HARNESS_FILE), "w", encoding="utf-8") as f:
+      # The launcher's accounting.json has no wall time; the host's load average at the end
+      # says how much other work shared the machine with a real-time run.
+      json.dump({"wall_s": wall, "loadavg": list(os.getloadavg())}, f)
+    print(f"    done in {wall:.0f} s", flush=True)
   return time.monotonic() - started
 
 
@@ -162,12 +169,21 @@ def collect(run: Run, workdir: str) -> dict:
   tokens += init_tokens(cfg)
   row = {"method": run.method, "seed": run.seed, "tokens": int(tokens),
          "eval_loss": float(acc["eval/loss"]), "initial_loss": float(acc["eval/initial_loss"]),
-         "wall_s": round(float(acc.get("wall_s", 0.0)), 1)}
+         "wall_s": round(float(acc.get("wall_s", _harness_record(workdir).get("wall_s", 0.0))),
+                         1)}
   for key in ACCOUNTING_KEYS:
     if f"accounting/{key}" in acc:
       row[key] = float(acc[f"accounting/{key}"])
   row.update({k: v for k, v in run.overrides})
   return row
+
+
+def _harness_record(workdir: str) -> dict:
+  path = os.path.join(workdir, HARNESS_FILE)
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
 
 
 def commit() -> str:
@@ -238,21 +254,31 @@ def summarise(rows: Sequence[dict], key: str = "eval_loss") -> list[dict]:
   return out
 
 
+def _sections(sections, rows: list[dict]) -> list[str]:
+  generated = sections(rows) if callable(sections) else sections
+  return [generated] if isinstance(generated, str) else list(generated)
+
+
 def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
            columns: Sequence[str], command: str, wall_s: float,
            derive: Callable[[list[dict]], list[dict]] | None = None,
-           sections: Callable[[list[dict]], Sequence[str]] | None = None,
+           extra: Callable[[Run, str], dict] | None = None,
+           sections: Callable[[list[dict]], str | Sequence[str]] | Sequence[str] = (),
            plot: dict | None = None, about: str = "") -> dict:
   """Writes `folder`/results.json, eval.png and README.md from the runs in `outdir`.
 
-  `derive` adds computed columns to the collected rows (e.g. a ratio to a baseline row);
-  `sections` returns more generated markdown (tables, plots) from the rows; `plot` passes
-  `time_key`/`time_label` to `plot_curves`. README.md is regenerated whole: `about` (the
-  config's docstring: setting and expected outcome), the measured tables, the plot, when/where/how
-  long, then `analysis.md` of the same folder (the authored reading of the numbers) if it
-  exists."""
+  `extra(run, workdir)` adds an experiment's own figures to each row; `derive(rows)` adds
+  columns computed across rows (e.g. a ratio to a baseline row); `sections` are more markdown
+  blocks (tables, plots) placed after the eval plot, or a function of the rows returning them;
+  `plot` passes `time_key`/`time_label` to `plot_curves`. README.md is regenerated whole:
+  `about` (the config's docstring: setting and expected outcome), the measured tables, the
+  plot, when/where/how long, the sections, then `analysis.md` of the same folder (the authored
+  reading of the numbers) if it exists."""
   done = [run for run in runs if finished(os.path.join(outdir, run.name))]
   rows = [collect(run, os.path.join(outdir, run.name)) for run in done]
+  if extra is not None:
+    for run, row in zip(done, rows):
+      row.update(extra(run, os.path.join(outdir, run.name)))
   if derive:
     rows = derive(rows)
   results = write_results(name, rows, os.path.join(folder, "results.json"))
@@ -273,7 +299,7 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
       "## Over seeds", "", table(summarise(rows), ("method", "eval_loss_mean", "eval_loss_spread",
                                                    "seeds")), "",
       "![eval loss](eval.png)", "",
-      *(sections(rows) if sections else ()),
+      *[block for section in _sections(sections, rows) for block in (section.strip(), "")],
   ]
   if os.path.exists(analysis):
     with open(analysis, encoding="utf-8") as f:
