@@ -29,6 +29,12 @@ def params(size: str) -> str:
       f"{text} ({counts['active'] / 1e9:.2f}B active)")
 
 
+def _table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+  """harness.table with the axes a point does not have (dp's M, K, H, P) left blank."""
+  return harness.table([{k: "" if v is None else v for k, v in r.items()} for r in rows],
+                       columns)
+
+
 def summary_table(rows: Sequence[dict]) -> str:
   """Per size and method: points run, best eval loss and where, mean over the points."""
   groups: dict[tuple[str, str], list[dict]] = {}
@@ -55,13 +61,18 @@ def plot_points(rows: Sequence[dict], path: str) -> None:
     labels = [r["point"].removeprefix(size + " ") for r in group]
     ax.barh(range(len(group)), [r["eval_loss"] for r in group],
             color=[COLORS[r["method"]] for r in group])
+    for i, r in enumerate(group):
+      ax.text(r["eval_loss"], i, f" {r['eval_loss']:.3f}", va="center", fontsize=7)
     ax.set_yticks(range(len(group)), labels, fontsize=7)
     ax.invert_yaxis()
     low = min(r["eval_loss"] for r in group)
-    ax.set_xlim(low * 0.9, max(r["eval_loss"] for r in group) * 1.02)
+    ax.set_xlim(low * 0.9, max(r["eval_loss"] for r in group) * 1.06)
     ax.set_xlabel("final global eval loss (lower is better)")
     ax.set_title(f"{size}: {group[0]['tokens']:,} tokens per run")
     ax.grid(axis="x", alpha=0.3)
+  methods = list(dict.fromkeys(r["method"] for r in rows))
+  fig.legend([harness.plt.Rectangle((0, 0), 1, 1, color=COLORS[m]) for m in methods], methods,
+             loc="lower right", fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   harness.plt.close(fig)
@@ -96,7 +107,7 @@ def report(points: Sequence[Point], runs: Sequence[harness.Run], rendered: Seque
       "and may run several at once). Runs use the virtual clock, so their losses and "
       "accounting do not depend on the machine's load.", "",
       "## The grid", "", config.__doc__.strip(), "",
-      "## Points run on CPU", "", harness.table(rows, config.COLUMNS), "",
+      "## Points run on CPU", "", _table(rows, config.COLUMNS), "",
       *([f"Not run yet: {', '.join(missing)}.", ""] if missing else []),
       "## By size and method", "", summary_table(rows) if rows else "(no runs yet)", "",
       *[line for plot in plots for line in (plot, "")],
@@ -105,8 +116,8 @@ def report(points: Sequence[Point], runs: Sequence[harness.Run], rendered: Seque
       "(scripts/make_jobset.py, one slice per learner) and `commands.sh`, which reproduces "
       "them and holds the data-parallel commands. Image, bucket and data path are "
       "placeholders (the runner's --image, --bucket, --data_path).", "",
-      harness.table([{**r, "launch": f"[{r['launch']}](launch/{r['launch']})"}
-                     for r in results["rendered"]], RENDERED_COLUMNS), "",
+      _table([{**r, "launch": f"[{r['launch']}](launch/{r['launch']})"}
+              for r in results["rendered"]], RENDERED_COLUMNS), "",
   ]
   analysis = os.path.join(folder, "analysis.md")
   if os.path.exists(analysis):
