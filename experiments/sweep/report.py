@@ -72,8 +72,8 @@ def plot_points(rows: Sequence[dict], path: str) -> None:
     ax.grid(axis="x", alpha=0.3)
   methods = list(dict.fromkeys(r["method"] for r in rows))
   fig.legend([harness.plt.Rectangle((0, 0), 1, 1, color=COLORS[m]) for m in methods], methods,
-             loc="lower right", fontsize=7)
-  fig.tight_layout()
+             loc="upper center", ncol=len(methods), fontsize=7, frameon=False)
+  fig.tight_layout(rect=(0, 0, 1, 0.92))
   fig.savefig(path, dpi=120)
   harness.plt.close(fig)
 
