@@ -1,8 +1,9 @@
 """The grid sweep: model size x method x M x K x H from one config (issue 16, item 7).
 
-Command (the CPU grid; about 45 minutes on a 2-core CPU that other jobs share, resumable:
-rerun it and finished points are reused; `--only=size=tiny,method=dp,method=decoupled` runs
-a part of it):
+Command (the CPU grid: 17 tiny runs of about a minute and 5 small runs of 4-7 minutes, about
+45 minutes on an idle 2-core CPU, hours on a shared one; resumable: rerun it and finished
+points are reused; `--only=size=tiny,method=dp,method=decoupled` runs a part of it, `--jobs=2`
+two runs at a time):
 
     python -m experiments.sweep.run
 
