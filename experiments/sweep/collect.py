@@ -1,26 +1,18 @@
-"""Runs the CPU points (resumably, optionally a few at a time) and reads them back as rows.
-
-`experiments.harness` reads Decoupled runs: they write accounting.json and evaluate as the
-syncer. A data-parallel run writes neither (its records say role "dp" and it ends with an
-export), so this module also recognises a finished data-parallel run, its eval curve and its
-row, which carries no accounting figures.
-"""
+"""Runs the CPU points (resumably, optionally a few at a time) and reads them back as rows
+through `experiments.harness` (which reads Decoupled and data-parallel runs alike)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import time
 from collections.abc import Sequence
 
-from diloco.observe.accounting import read_jsonl
 from experiments import harness
 from experiments.sweep.grid import Point
 
-
-def finished(workdir: str) -> bool:
-  return harness.finished(workdir) or os.path.isdir(os.path.join(workdir, "export"))
+finished = harness.finished
+eval_curve = harness.eval_curve
 
 
 def run_all(runs: Sequence[harness.Run], outdir: str, jobs: int = 1) -> float:
@@ -33,31 +25,9 @@ def run_all(runs: Sequence[harness.Run], outdir: str, jobs: int = 1) -> float:
   return time.monotonic() - started
 
 
-def eval_curve(workdir: str) -> list[dict]:
-  curve = harness.eval_curve(workdir)
-  if curve:
-    return curve
-  cfg = json.load(open(os.path.join(workdir, "config.json"), encoding="utf-8"))
-  per_step = cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
-  return [{"step": r["step"], "tokens": r["step"] * per_step, "time": r.get("time", r["t"]),
-           "eval_loss": r["eval/loss"]}
-          for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-          if "eval/loss" in r and r.get("role") == "dp"]
-
-
 def row(point: Point, run: harness.Run, workdir: str) -> dict:
   """One flat row: the point's axes, method, seed, tokens, eval_loss, accounting figures."""
-  if os.path.exists(os.path.join(workdir, "accounting.json")):
-    out = harness.collect(run, workdir)
-  else:  # data-parallel
-    curve = eval_curve(workdir)
-    cfg = json.load(open(os.path.join(workdir, "config.json"), encoding="utf-8"))
-    out = {"seed": run.seed,
-           "tokens": cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"],
-           "eval_loss": float(curve[-1]["eval_loss"]),
-           "initial_loss": float(curve[0]["eval_loss"]),
-           "wall_s": round(curve[-1]["time"] - curve[0]["time"], 1)}
-    out.update(dict(run.overrides))
+  out = harness.collect(run, workdir)  # data-parallel rows carry no accounting figures
   axes = {"point": point.label, "size": point.size, "method": point.method, "M": point.M,
           "K": point.K, "H": point.H, "P": point.P}
   return {**axes, **{k: v for k, v in out.items() if k not in axes}}

@@ -114,6 +114,8 @@ def run_of(point: Point, seed: int = 0, steps: int | None = None) -> Run:
           ("train.steps", steps), ("train.eval_every", s["eval_every"] if steps == s["steps"]
                                    else max(steps // 2, 1)),
           ("train.batch_size", s["global_batch"] // learners),
+          # batch x eval batches: every point of a size scores the same held-out windows.
+          ("train.eval_batches", 4 * learners),
           ("optim.warmup_steps", min(s["warmup"], steps // 2))]
   if point.method != "dp":
     over += [("learners.count", point.M), ("sync.period", point.H),
