@@ -17,7 +17,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import matplotlib
 
@@ -29,19 +29,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Accounting figures copied into every row (without the "accounting/" prefix).
 ACCOUNTING_KEYS = ("goodput", "uptime", "mean_learners_per_round", "median_grace_s",
-                   "staleness_mean", "wait_fraction", "bytes_up", "bytes_down", "rounds")
+                   "staleness_mean", "wait_fraction", "bytes_up", "bytes_down", "rounds",
+                   "round_bytes_up_peak", "round_bytes_down_peak")
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
   """One training run: `method` labels its row, `name` its directory.
 
-  `args` are extra command-line flags, e.g. ("--role=launch",) for the multi-process runtime."""
+  `args` are extra command-line flags, e.g. ("--role=launch",) for the multi-process runtime.
+  `labels` are copied into the run's row as they are (e.g. the factor an ablation varies); they
+  change neither the command nor the run's name."""
   method: str
   config: str
   seed: int = 0
   overrides: tuple[tuple[str, object], ...] = ()
   args: tuple[str, ...] = ()
+  labels: tuple[tuple[str, object], ...] = ()
 
   @property
   def name(self) -> str:
@@ -110,7 +114,7 @@ def collect(run: Run, workdir: str) -> dict:
     tokens = sum(r.get("tokens", 0) for r in activity if r["kind"] == "step")
   else:
     tokens = cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
-  row = {"method": run.method, "seed": run.seed, "tokens": int(tokens),
+  row = {"method": run.method, **dict(run.labels), "seed": run.seed, "tokens": int(tokens),
          "eval_loss": float(acc["eval/loss"]), "initial_loss": float(acc["eval/initial_loss"]),
          "wall_s": round(float(acc.get("wall_s", 0.0)), 1)}
   for key in ACCOUNTING_KEYS:
@@ -188,11 +192,13 @@ def summarise(rows: Sequence[dict], key: str = "eval_loss") -> list[dict]:
 
 
 def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
-           columns: Sequence[str], command: str, wall_s: float) -> dict:
+           columns: Sequence[str], command: str, wall_s: float,
+           sections: Callable[[list[dict]], str] | None = None) -> dict:
   """Writes `folder`/results.json, eval.png and README.md from the runs in `outdir`.
 
   README.md is regenerated whole: the config's docstring (command and expected outcome), the
-  measured tables, the plot, when/where/how long, then `analysis.md` of the same folder (the
+  measured tables, the plot, when/where/how long, the markdown that `sections(rows)` generates
+  (an experiment's own tables and plots, if given), then `analysis.md` of the same folder (the
   authored reading of the numbers) if it exists."""
   done = [run for run in runs if finished(os.path.join(outdir, run.name))]
   rows = [collect(run, os.path.join(outdir, run.name)) for run in done]
@@ -213,6 +219,8 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
                                                    "seeds")), "",
       "![eval loss](eval.png)", "",
   ]
+  if sections is not None:
+    parts += [sections(rows).strip(), ""]
   if os.path.exists(analysis):
     with open(analysis, encoding="utf-8") as f:
       parts += [f.read().strip(), ""]
