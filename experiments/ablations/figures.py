@@ -81,8 +81,8 @@ def plot_factor(summary: Sequence[dict], factor: str, path: str) -> None:
 def factor_sections(rows: Sequence[dict], folder: str) -> str:
   """Markdown: one table and one bar chart (written to `folder`) per factor."""
   parts = ["## Per factor", "",
-           "Each table repeats the shared baseline; `vs_baseline` is the mean eval loss minus "
-           "the baseline's (negative is better).", ""]
+           ("Each table repeats the shared baseline; `vs_baseline` is the mean eval loss minus "
+            "the baseline's (negative is better)."), ""]
   for factor in config.FACTORS:
     summary = level_summary(rows, factor)
     if not summary:
