@@ -1,7 +1,7 @@
 """One factor at a time around the Decoupled DiLoCo defaults (issue 16, item 5).
 
-Command (19 runs of 60-90 CPU seconds each, most of it start-up; about an hour on a 2-core CPU
-shared with other jobs; finished runs are reused; `--seeds=2` adds seed 1 of every run):
+Command (19 runs of about 80 CPU seconds each as measured, most of it start-up and compiling,
+so about 25 CPU minutes in all; finished runs are reused; `--seeds=2` adds seed 1 of each run):
 
     python -m experiments.ablations.run
 
