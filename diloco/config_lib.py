@@ -176,7 +176,8 @@ class OuterConfig:
   # at the current G (DESIGN 2.4). "rebase": it is the learner's own progress G_base - theta,
   # scaled by 1 / (1 + staleness), so it no longer undoes the rounds it missed.
   stale: str = "paper"
-  # 0 sends float32 values; 16 / 8 / 4 send a quantised delta from the base version.
+  # 0 sends float32 values; 16 / 8 / 4 / 2 / 1 send a quantised delta from the base version
+  # (bf16; int8, int4, int2 max-abs codes per block; 1 = sign times the block's mean |x|).
   quantize_bits: int = 0
   quantize_block: int = 128
   error_feedback: bool = False
@@ -429,7 +430,7 @@ WEIGHT_SCHEMES = ("tokens2_per_step", "uniform", "tokens")
 MERGE_METHODS = ("rda", "mean")
 ANCHORS = ("syncer", "base")
 STALE_RULES = ("paper", "rebase")
-QUANTIZE_BITS = (0, 16, 8, 4)
+QUANTIZE_BITS = (0, 16, 8, 4, 2, 1)
 
 
 def parse_floats(text: str, field: str) -> list[float]:

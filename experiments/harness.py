@@ -32,19 +32,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS_FILE = "harness.json"
 ACCOUNTING_KEYS = ("goodput", "uptime", "mean_learners_per_round", "median_grace_s",
                    "staleness_mean", "wait_fraction", "bytes_up", "bytes_down", "rounds",
-                   "horizon_s")
+                   "horizon_s", "round_bytes_up_peak", "round_bytes_down_peak")
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
   """One training run: `method` labels its row, `name` its directory.
 
-  `args` are extra command-line flags, e.g. ("--role=launch",) for the multi-process runtime."""
+  `args` are extra command-line flags, e.g. ("--role=launch",) for the multi-process runtime.
+  `labels` are copied into the run's row as they are (e.g. the factor an ablation varies); they
+  change neither the command nor the run's name."""
   method: str
   config: str
   seed: int = 0
   overrides: tuple[tuple[str, object], ...] = ()
   args: tuple[str, ...] = ()
+  labels: tuple[tuple[str, object], ...] = ()
 
   @property
   def name(self) -> str:
@@ -167,7 +170,7 @@ def collect(run: Run, workdir: str) -> dict:
   else:
     tokens = cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
   tokens += init_tokens(cfg)
-  row = {"method": run.method, "seed": run.seed, "tokens": int(tokens),
+  row = {"method": run.method, **dict(run.labels), "seed": run.seed, "tokens": int(tokens),
          "eval_loss": float(acc["eval/loss"]), "initial_loss": float(acc["eval/initial_loss"]),
          "wall_s": round(float(acc.get("wall_s", _harness_record(workdir).get("wall_s", 0.0))),
                          1)}

@@ -47,10 +47,17 @@ def _with(preset="tiny", **dotted):
     ({"store__on_sigterm": "ignore"}, r"store.on_sigterm: must be 'retire' or 'restart'"),
     ({"launch__hosts_per_learner": 0}, r"launch.hosts_per_learner: must be >= 1"),
     ({"launch__hosts_per_learner": 3}, r"launch.hosts_per_learner: must divide every learner"),
+    ({"outer__quantize_bits": 3}, r"outer.quantize_bits: must be one of \(0, 16, 8, 4, 2, 1\)"),
 ])
 def test_invalid_values_name_the_field(dotted, message):
   with pytest.raises(ConfigError, match=message):
     config_lib.from_config_dict(_with(**dotted))
+
+
+@pytest.mark.parametrize("bits", [2, 1])
+def test_two_and_one_bit_payloads_are_accepted(bits):
+  cfg = config_lib.from_config_dict(_with(outer__quantize_bits=bits, outer__error_feedback=True))
+  assert cfg.outer.quantize_bits == bits
 
 
 def test_wrong_type_and_unknown_field():

@@ -491,7 +491,7 @@ def test_map_blocks_keeps_order_and_raises(monkeypatch):
 
 # ---- Quantisers. ----
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("block,size", [(32, 1000), (64, 64), (7, 99), (128, 5)])
 def test_int_quantiser_error_within_half_a_step(bits, block, size):
   rng = np.random.default_rng(bits * 1000 + size)
@@ -504,7 +504,7 @@ def test_int_quantiser_error_within_half_a_step(bits, block, size):
   padded = np.zeros(num_blocks * block)
   padded[:size] = x
   maxabs = np.abs(padded.reshape(num_blocks, block)).max(axis=1)
-  np.testing.assert_allclose(q.scales, maxabs / (127 if bits == 8 else 7), rtol=1e-6)
+  np.testing.assert_allclose(q.scales, maxabs / {8: 127, 4: 7, 2: 1}[bits], rtol=1e-6)
   per_elem_scale = np.repeat(q.scales.astype(np.float64), block)[:size]
   err = np.abs(x.astype(np.float64) - y)
   assert np.all(err <= per_elem_scale / 2 * (1 + 1e-5) + 1e-6 * np.abs(x))
@@ -539,15 +539,15 @@ def test_bf16_relative_error():
 def test_quantise_edge_cases():
   z = outer.dequantize(outer.quantize(np.zeros((3, 5), np.float32), 8, 4))
   np.testing.assert_array_equal(z, np.zeros((3, 5)))
-  with pytest.raises(ValueError, match="16, 8, 4"):
-    outer.quantize(np.ones(4), 2, 4)
+  with pytest.raises(ValueError, match=r"unsupported bits 3; allowed: \(16, 8, 4, 2, 1\)"):
+    outer.quantize(np.ones(4), 3, 4)
   with pytest.raises(ValueError, match="block"):
     outer.quantize(np.ones(4), 8, 0)
   with pytest.raises(ValueError, match="non-finite"):
     outer.quantize(np.array([1.0, np.nan]), 8, 2)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 def test_error_feedback_tracks_cumulative_sum(bits):
   rng = np.random.default_rng(bits)
   block = 16
@@ -566,3 +566,101 @@ def test_error_feedback_tracks_cumulative_sum(bits):
   np.testing.assert_allclose(true_sum - sent_sum, residual, atol=1e-5)
   # Without feedback the error accumulates well beyond one step.
   assert np.abs(true_sum - plain_sum).max() > 2 * np.abs(true_sum - sent_sum).max()
+
+
+# ---- 2-bit and 1-bit payloads against an oracle written from their definitions. ----
+
+def oracle_low_bit(x, bits, block):
+  """float64 reconstruction, element by element: 2 bits round x / (max|x| of its block) to
+  {-1, 0, 1}; 1 bit is sign(x) (zero counts as +) times the mean |x| of the block's elements."""
+  x = np.asarray(x, np.float64).reshape(-1)
+  out = np.zeros_like(x)
+  for lo in range(0, x.size, block):
+    part = x[lo:lo + block]
+    if bits == 2:
+      step = np.abs(part).max()
+      out[lo:lo + block] = [0.0 if step == 0 else min(max(np.rint(v / step), -1), 1) * step
+                            for v in part]
+    else:
+      mean = np.abs(part).mean()
+      out[lo:lo + block] = [mean if v >= 0 else -mean for v in part]
+  return out
+
+
+def oracle_codes(values, bits):
+  """Codes from the packed bytes, read bit by bit (bit i of byte j is element j * 8 + i)."""
+  flat_bits = np.unpackbits(np.asarray(values, np.uint8), bitorder="little").astype(np.int64)
+  if bits == 1:
+    return 2 * flat_bits - 1
+  fields = flat_bits.reshape(-1, bits) @ (1 << np.arange(bits))
+  return np.where(fields >= 1 << (bits - 1), fields - (1 << bits), fields)
+
+
+@pytest.mark.parametrize("bits", [2, 1])
+@pytest.mark.parametrize("block,size", [(32, 1000), (64, 64), (7, 99), (128, 5), (3, 1)])
+def test_low_bit_round_trip_matches_oracle(bits, block, size):
+  rng = np.random.default_rng(bits * 7 + size)
+  x = (rng.standard_normal(size) * rng.uniform(0.01, 100, size)).astype(np.float32)
+  x[::11] = 0.0  # zeros: 2 bits keep them, 1 bit sends +mean
+  q = outer.quantize(x.reshape(-1, 1), bits, block)
+  y = outer.dequantize(q)
+  assert y.shape == (size, 1) and y.dtype == np.float32
+  assert q.values.dtype == np.uint8 and q.scales.shape == (-(-size // block),)
+  np.testing.assert_allclose(y.reshape(-1), oracle_low_bit(x, bits, block), rtol=1e-6, atol=0)
+  # The packed codes alone, read by the oracle, times the scales give the same tensor.
+  codes = oracle_codes(q.values, bits)[:size]
+  per_elem_scale = np.repeat(q.scales.astype(np.float64), block)[:size]
+  np.testing.assert_allclose(codes * per_elem_scale, y.reshape(-1), rtol=1e-6)
+  if bits == 1:  # signSGD with a scale keeps each block's L1 norm
+    for lo in range(0, size, block):
+      np.testing.assert_allclose(np.abs(y[lo:lo + block]).sum(),
+                                 np.abs(x[lo:lo + block]).sum(), rtol=1e-5)
+
+
+def test_low_bit_codes_pack_four_and_eight_per_byte():
+  x = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
+  q4, q2, q1 = (outer.quantize(x, b, 128) for b in (4, 2, 1))
+  assert q2.values.size == 1024 and q1.values.size == 512
+  assert q2.nbytes == 1024 + 32 * 4  # 2.25 bits per value with the float32 scales
+  assert q1.nbytes == 512 + 32 * 4  # 1.25 bits per value
+  assert q1.nbytes < q2.nbytes < q4.nbytes < x.nbytes
+  for bits, size, packed in ((2, 15, 4), (1, 15, 2), (1, 40, 5), (2, 1, 2)):  # tail padded
+    q = outer.quantize(np.arange(size, dtype=np.float32) - 7, bits, 5)
+    assert q.values.size == packed == outer.packed_size(-(-size // 5) * 5, bits)
+  # A hand-packed byte: 2-bit codes 1, -1, 0, 1 are 0b01_00_11_01, first code lowest.
+  q = outer.quantize(np.array([1.0, -1.0, 0.0, 1.0], np.float32), 2, 4)
+  assert q.values.tolist() == [0b01001101]
+  q = outer.quantize(np.array([1, -1, -1, 2, -3, 0, 5, -1], np.float32), 1, 8)
+  assert q.values.tolist() == [0b01101001]
+
+
+def test_low_bit_payloads_are_counted_at_their_true_size():
+  from diloco.transport import Payload
+  x = np.ones((64, 64), np.float32)
+  sizes = {b: Payload(0, 0, 0, 1, 1, 1, 0, "delta", {"w": outer.quantize(x, b, 128)}, 0.0).nbytes
+           for b in (8, 4, 2, 1)}
+  assert sizes == {8: 4096 + 128, 4: 2048 + 128, 2: 1024 + 128, 1: 512 + 128}
+
+
+@pytest.mark.parametrize("bits", [2, 1])
+def test_low_bit_error_feedback_accumulates_the_residual(bits):
+  rng = np.random.default_rng(10 + bits)
+  block, n = 16, 256
+  true_sum, sent_sum, plain_sum = np.zeros(n), np.zeros(n), np.zeros(n)
+  residual = None
+  for _ in range(60):
+    x = (rng.standard_normal(n) * 0.01 + 0.003).astype(np.float32)
+    target = x.astype(np.float64) + (0 if residual is None else residual)
+    q, new_residual = outer.quantize_with_feedback(x, residual, bits, block)
+    sent = outer.dequantize(q).astype(np.float64)
+    # The payload quantises x plus the carried residual; the new residual is what it missed.
+    np.testing.assert_allclose(sent, oracle_low_bit(target.astype(np.float32), bits, block),
+                               rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(new_residual, target - sent, atol=1e-6)
+    residual = new_residual
+    true_sum += x
+    sent_sum += sent
+    plain_sum += outer.dequantize(outer.quantize(x, bits, block))
+  np.testing.assert_allclose(true_sum - sent_sum, residual, atol=1e-5)
+  # The residual stays bounded while plain quantisation drifts from the sum it should send.
+  assert np.abs(true_sum - sent_sum).max() < 0.5 * np.abs(true_sum - plain_sum).max()

@@ -70,6 +70,18 @@ def test_payload_round_trip_values_and_quantized(tmp_path):
     np.testing.assert_array_equal(outer.dequantize(got.tensors[k]), outer.dequantize(q[k]))
 
 
+@pytest.mark.parametrize("bits", [16, 8, 4, 2, 1])
+def test_quantized_payloads_of_every_precision_round_trip(tmp_path, bits):
+  store = Store(tmp_path)
+  values = _params(bits)
+  q = {k: outer.quantize(values[k], bits, 8) for k in PLAN.fragments[1]}
+  written = store.put_payload(Payload(1, 0, 1, 5, 5, 500, 0, "delta", q, 0.0))
+  assert written == sum(t.nbytes for t in q.values())
+  got = store.read_payload(store.committed_payloads()[0], EXPECTED)
+  for k in PLAN.fragments[1]:
+    np.testing.assert_array_equal(outer.dequantize(got.tensors[k]), outer.dequantize(q[k]))
+
+
 def test_json_records_are_replaced_atomically(tmp_path):
   store = Store(tmp_path)
   store.write_json("registry.json", {"a": 1})

@@ -432,12 +432,15 @@ def _quantized(item: Any, quant: dict, shape: tuple, what: str) -> outer.Quantiz
     bits, block = int(quant["bits"]), int(quant["block"])
   except (TypeError, KeyError, ValueError, OverflowError):
     raise StoreError(UNREADABLE, f"{what}: bad quantization record {quant!r}") from None
-  if bits not in (16, 8, 4) or block < 1 or not isinstance(item, dict):
+  if bits not in outer.QUANT_BITS or block < 1 or not isinstance(item, dict):
     raise StoreError(UNREADABLE, f"{what}: bad quantization record {quant!r}")
   size = int(np.prod(shape))
   blocks = -(-size // block)
-  code_dtype, codes = {16: (ml_dtypes.bfloat16, size), 8: (np.int8, blocks * block),
-                       4: (np.uint8, (blocks * block + 1) // 2)}[bits]
+  if bits == 16:
+    code_dtype, codes = ml_dtypes.bfloat16, size
+  else:
+    code_dtype = np.int8 if bits == 8 else np.uint8
+    codes = outer.packed_size(blocks * block, bits)
   values = _checked_array(item.get("values"), (codes,), code_dtype, what)
   if bits == 16:
     scales = np.zeros(0, np.float32)

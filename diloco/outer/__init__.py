@@ -28,6 +28,7 @@ from diloco.outer.quantize import (
     QUANT_BITS,
     QuantizedTensor,
     dequantize,
+    packed_size,
     quantize,
     quantize_with_feedback,
 )
@@ -35,6 +36,6 @@ from diloco.outer.quantize import (
 __all__ = [
     "MERGE_METHODS", "QUANT_BITS", "RDA_DIRECTION_EPS", "WEIGHT_SCHEMES", "QuantizedTensor",
     "dequantize", "merge_and_step", "merge_fragment", "nesterov_step", "outer_gradient",
-    "quantize", "quantize_with_feedback", "radial_directional_average", "rebase_delta",
+    "packed_size", "quantize", "quantize_with_feedback", "radial_directional_average", "rebase_delta",
     "token_weights", "weighted_mean",
 ]

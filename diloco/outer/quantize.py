@@ -1,5 +1,7 @@
-"""Quantised payloads: bf16, or int8/int4 symmetric max-abs codes with a per-block scale
-(`quantize`, `dequantize`), optionally with error feedback (`quantize_with_feedback`)."""
+"""Quantised payloads: bf16; int8/int4/int2 symmetric max-abs codes with a per-block scale; or
+1-bit signs times the block's mean magnitude (`quantize`, `dequantize`), optionally with error
+feedback (`quantize_with_feedback`). Codes narrower than a byte are packed, so a payload's
+`nbytes` is what the precision really costs on the wire."""
 
 from __future__ import annotations
 
@@ -12,19 +14,23 @@ import numpy as np
 from diloco.outer import kernels
 
 
-QUANT_BITS = (16, 8, 4)
+QUANT_BITS = (16, 8, 4, 2, 1)
+# Bits whose codes share a byte, first code in the lowest bits.
+_PACKED_BITS = (4, 2, 1)
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class QuantizedTensor:
   """A quantised payload.
 
   Attributes:
-    values: bf16 values (bits 16), int8 codes (bits 8) or uint8 bytes holding two int4 codes
-      each, low nibble first (bits 4); flat.
-    scales: float32 scale per block (empty for bits 16).
+    values: bf16 values (bits 16), int8 codes (bits 8), or uint8 bytes holding 8 // bits codes
+      each, first code in the lowest bits (bits 4, 2, 1); flat. 4- and 2-bit codes are two's
+      complement; a 1-bit code is 1 for +scale and 0 for -scale.
+    scales: float32 scale per block (empty for bits 16): the quantisation step, or for bits 1
+      the block's mean absolute value.
     shape: shape of the original tensor.
     dtype: name of the original dtype (what `dequantize` returns).
-    bits: 16, 8 or 4.
+    bits: 16, 8, 4, 2 or 1.
     block: consecutive elements of the flattened tensor that share a scale.
   """
   values: np.ndarray
@@ -40,14 +46,43 @@ class QuantizedTensor:
     return int(self.values.nbytes + self.scales.nbytes)
 
 def _qmax(bits: int) -> int:
-  return (1 << (bits - 1)) - 1  # 127 for int8, 7 for int4: symmetric, -qmax..qmax
+  return (1 << (bits - 1)) - 1  # 127, 7, 1 for 8, 4, 2 bits: symmetric, -qmax..qmax
+
+def packed_size(codes: int, bits: int) -> int:
+  """Bytes that `codes` codes of `bits` bits take (the store checks payloads against it)."""
+  per_byte = 8 // bits if bits in _PACKED_BITS else 1
+  return -(-codes // per_byte)
+
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+  """Packs int8 codes into bytes, 8 // bits per byte, the first code in the lowest bits."""
+  per_byte = 8 // bits
+  fields = (codes.astype(np.uint8) & ((1 << bits) - 1))  # two's complement, truncated
+  fields = np.concatenate([fields, np.zeros(-fields.size % per_byte, np.uint8)])
+  fields = fields.reshape(-1, per_byte)
+  packed = np.zeros(fields.shape[0], np.uint8)
+  for i in range(per_byte):
+    packed |= fields[:, i] << np.uint8(i * bits)
+  return packed
+
+def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+  """The int8 codes of `_pack`, sign-extended (all of them, padding included)."""
+  per_byte = 8 // bits
+  mask = np.uint8((1 << bits) - 1)
+  fields = np.stack([(packed >> np.uint8(i * bits)) & mask for i in range(per_byte)], axis=1)
+  codes = fields.reshape(-1).astype(np.int8)
+  if bits == 1:
+    return 2 * codes - 1  # 1 -> +1, 0 -> -1
+  return np.where(codes >= 1 << (bits - 1), codes - (1 << bits), codes).astype(np.int8)
 
 def quantize(x: np.ndarray, bits: int, block: int = 128) -> QuantizedTensor:
-  """Quantises `x` to bf16, or to int8/int4 with a symmetric max-abs scale per block.
+  """Quantises `x` to bf16, int8/int4/int2 with a symmetric max-abs scale per block, or signs.
 
-  For int8/int4 the flattened tensor is cut into blocks of `block` elements (the tail padded with
-  zeros), `scale = max|x| / qmax` per block (qmax 127 or 7) and `q = round(x / scale)`, so that
-  `|x - q * scale| <= scale / 2`. int4 codes are packed two per byte.
+  For 8, 4 and 2 bits the flattened tensor is cut into blocks of `block` elements (the tail
+  padded with zeros), `scale = max|x| / qmax` per block (qmax 127, 7 or 1) and
+  `q = round(x / scale)`, so that `|x - q * scale| <= scale / 2`; 2 bits are thus the ternary
+  levels {-scale, 0, +scale}. 1 bit is signSGD with a scale: `sign(x) * mean|x|` over the
+  block's real elements (zero counts as positive), which keeps each block's L1 norm. Codes
+  narrower than a byte are packed, 2, 4 or 8 per byte.
 
   Raises:
     ValueError: unsupported bits, block < 1, or non-finite values.
@@ -69,18 +104,22 @@ def quantize(x: np.ndarray, bits: int, block: int = 128) -> QuantizedTensor:
   padded = np.zeros(num_blocks * block, work)
   padded[:flat.size] = flat
   blocks = padded.reshape(num_blocks, block)
-  qmax = _qmax(bits)
-  maxabs = np.max(np.abs(blocks), axis=1) if num_blocks else np.zeros((0,), work)
-  if not np.all(np.isfinite(maxabs)):
+  if bits == 1:
+    real = np.minimum(block, flat.size - block * np.arange(num_blocks))  # the tail is shorter
+    scales = (np.sum(np.abs(blocks), axis=1) / np.maximum(real, 1)).astype(np.float32)
+  else:
+    maxabs = np.max(np.abs(blocks), axis=1) if num_blocks else np.zeros((0,), work)
+    scales = (maxabs / _qmax(bits)).astype(np.float32)
+  if not np.all(np.isfinite(scales)):  # a NaN or Inf anywhere in a block reaches its scale
     raise ValueError("cannot quantise non-finite values")
-  scales = (maxabs / qmax).astype(np.float32)
-  safe = np.where(scales > 0, scales, 1).astype(work)
-  q = np.clip(np.rint(blocks / safe[:, None]), -qmax, qmax).astype(np.int8).reshape(-1)
-  if bits == 4:
-    if q.size % 2:
-      q = np.concatenate([q, np.zeros(1, np.int8)])
-    nib = (q & 0x0F).astype(np.uint8)
-    q = nib[0::2] | (nib[1::2] << 4)
+  if bits == 1:
+    q = (blocks >= 0).astype(np.int8).reshape(-1)
+  else:
+    safe = np.where(scales > 0, scales, 1).astype(work)
+    qmax = _qmax(bits)
+    q = np.clip(np.rint(blocks / safe[:, None]), -qmax, qmax).astype(np.int8).reshape(-1)
+  if bits in _PACKED_BITS:
+    q = _pack(q, bits)
   return QuantizedTensor(q, scales, shape, dtype, bits, int(block))
 
 def dequantize(q: QuantizedTensor) -> np.ndarray:
@@ -89,13 +128,7 @@ def dequantize(q: QuantizedTensor) -> np.ndarray:
   if q.bits == 16:
     return q.values.astype(q.dtype).reshape(q.shape)
   work = kernels.acc_dtype(np.dtype(q.dtype))
-  if q.bits == 4:
-    codes = np.empty(q.values.size * 2, np.int8)
-    codes[0::2] = (q.values & 0x0F).astype(np.int8)
-    codes[1::2] = (q.values >> 4).astype(np.int8)
-    codes[codes >= 8] -= 16  # sign-extend the nibbles
-  else:
-    codes = q.values
+  codes = _unpack(q.values, q.bits) if q.bits in _PACKED_BITS else q.values
   codes = codes[:q.scales.size * q.block].reshape(q.scales.size, q.block)
   x = codes.astype(work) * q.scales.astype(work)[:, None]
   return x.reshape(-1)[:size].astype(q.dtype).reshape(q.shape)
@@ -111,7 +144,7 @@ def quantize_with_feedback(x: np.ndarray, residual: np.ndarray | None, bits: int
   Args:
     x: the payload to send.
     residual: the residual carried from the previous payload, or None (zeros).
-    bits: 16, 8 or 4.
+    bits: 16, 8, 4, 2 or 1.
     block: elements per scale.
 
   Returns:
