@@ -88,6 +88,10 @@ def test_export_then_init_from_continues_exactly(tmp_path):
   abstract = rt_a.slots[0].spec.abstract["params"]
   for k, v in _flat(export.load_init(os.path.join(a_dir, "run_checkpoints"), abstract)).items():
     np.testing.assert_array_equal(v, g_a[k])
+  # A path relative to the working directory (as typed on a command line) reads the same.
+  relative = os.path.relpath(os.path.join(a_dir, "run_checkpoints"))
+  for k, v in _flat(export.load_init(relative, abstract)).items():
+    np.testing.assert_array_equal(v, g_a[k])
 
   cfg_b = _config(learners__count=2, train__steps=4, checkpoint__every_rounds=0,
                   train__init_from=a_dir, seed=1)

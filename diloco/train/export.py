@@ -153,6 +153,7 @@ def load_init(path: str, abstract: PyTree) -> PyTree:
   dtypes: an export, or the parameters of a train-state or durable-run checkpoint."""
   if not path or not os.path.exists(path):
     raise ConfigError(f"train.init_from: {path!r} does not exist")
+  path = os.path.abspath(path)  # Orbax reads a relative checkpoint path's metadata wrongly
   if export_dir(path) is not None:
     params, meta = load(path)
     source = f"export {export_dir(path)} (step {meta.get('step')})"
