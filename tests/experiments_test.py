@@ -100,9 +100,9 @@ def test_summary_table_is_generated_from_results_files(tmp_path):
   readme = f"intro\n{summary.BEGIN}\nold\n{summary.END}\nrest\n"
   new = summary.update(readme, str(tmp_path))
   assert new.startswith("intro\n") and new.endswith("rest\n") and "old" not in new
-  assert ("| [`parity`](experiments/parity/README.md) | eval loss: data-parallel 2.100, best "
-          "Decoupled (decoupled outer 1.0/0.0) 2.310, ratio 1.100 (target <= 1.02) | 3 | "
-          "`abababab` |") in new
+  assert ("| [`parity`](experiments/parity/README.md) | eval loss: data-parallel 2.100; best "
+          "Decoupled from scratch (decoupled outer 1.0/0.0) 2.310, ratio 1.100 (target <= 1.02) "
+          "| 3 | `abababab` |") in new
   with pytest.raises(ValueError, match="markers"):
     summary.update("no markers", str(tmp_path))
 
