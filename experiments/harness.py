@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import matplotlib
+from absl import flags
 
 from diloco.observe.accounting import read_jsonl
 
@@ -58,6 +59,22 @@ class Run:
             f"--workdir={workdir}", f"--config.seed={self.seed}"]
     args += [f"--config.{k}={_flag(v)}" for k, v in self.overrides]
     return args + list(self.args)
+
+
+def define_flags(name: str, folder: str, *, seeds: int | None = None,
+                 steps: int | None = None) -> None:
+  """The flags every experiment's runner takes: --outdir, --results_dir, --report_only, and
+  --seeds / --steps when it has them. Called only when the runner runs as a script, so that
+  tests can import several runners."""
+  flags.DEFINE_string("outdir", f"runs/experiments/{name}", "Where the runs are kept.")
+  flags.DEFINE_string("results_dir", folder,
+                      "Where results.json, the plots and README.md are written.")
+  flags.DEFINE_bool("report_only", False,
+                    "Regenerate the report from the finished runs; run nothing.")
+  if seeds is not None:
+    flags.DEFINE_integer("seeds", seeds, "Seeds per method.")
+  if steps is not None:
+    flags.DEFINE_integer("steps", steps, "Inner steps per learner.")
 
 
 def _flag(value: object) -> str:

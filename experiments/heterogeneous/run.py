@@ -40,18 +40,6 @@ def sections(folder: str):
   return write
 
 
-def define_flags():
-  """The command line (defined only when run as a script, so tests can import this)."""
-  flags.DEFINE_string("outdir", "runs/experiments/heterogeneous",
-                      "Where the runs are kept.")
-  flags.DEFINE_string("results_dir", os.path.dirname(os.path.abspath(__file__)),
-                      "Where results.json, the plots and README.md are written.")
-  flags.DEFINE_integer("seeds", len(config.SEEDS), "Seeds per method.")
-  flags.DEFINE_integer("steps", config.STEPS, "Inner steps per learner.")
-  flags.DEFINE_bool("report_only", False,
-                    "Regenerate the report from the finished runs; run nothing.")
-
-
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
@@ -68,5 +56,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  define_flags()
+  harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)),
+                       seeds=len(config.SEEDS), steps=config.STEPS)
   app.run(main)

@@ -58,14 +58,10 @@ def sections(folder: str):
 
 def define_flags():
   """The command line (defined only when run as a script, so tests can import this)."""
-  flags.DEFINE_string("outdir", "runs/experiments/parity", "Where the runs are kept.")
-  flags.DEFINE_string("results_dir", os.path.dirname(os.path.abspath(__file__)),
-                      "Where results.json, the plots and README.md are written.")
+  harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)))
   flags.DEFINE_enum("preset", "cpu", ["cpu", "tiny"], "cpu, or tiny for smoke runs.")
   flags.DEFINE_integer("steps", 0, "Override train.steps (smoke runs); 0 keeps them.")
   flags.DEFINE_string("only", "", "Run only the methods whose label contains this.")
-  flags.DEFINE_bool("report_only", False,
-                    "Regenerate the report from the finished runs; run nothing.")
 
 
 def tuned(outdir: str, sweep: list[harness.Run]):

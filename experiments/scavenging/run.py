@@ -44,18 +44,6 @@ def with_time_to_target(outdir: str, runs):
   return derive
 
 
-def define_flags():
-  """The command line (defined only when run as a script, so tests can import this)."""
-  flags.DEFINE_string("outdir", "runs/experiments/scavenging",
-                      "Where the runs are kept.")
-  flags.DEFINE_string("results_dir", os.path.dirname(os.path.abspath(__file__)),
-                      "Where results.json, the plots and README.md are written.")
-  flags.DEFINE_integer("seeds", len(config.SEEDS), "Seeds per method.")
-  flags.DEFINE_integer("steps", config.STEPS, "Inner steps per initial learner.")
-  flags.DEFINE_bool("report_only", False,
-                    "Regenerate the report from the finished runs; run nothing.")
-
-
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
@@ -72,5 +60,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  define_flags()
+  harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)),
+                       seeds=len(config.SEEDS), steps=config.STEPS)
   app.run(main)
