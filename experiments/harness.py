@@ -28,9 +28,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Accounting figures copied into every row (without the "accounting/" prefix).
 # Written by `run_all` next to a finished run: its wall time as the harness measured it.
 HARNESS_FILE = "harness.json"
+# Accounting figures copied into every row (without the "accounting/" prefix).
 ACCOUNTING_KEYS = ("goodput", "uptime", "mean_learners_per_round", "median_grace_s",
                    "staleness_mean", "wait_fraction", "bytes_up", "bytes_down", "rounds",
                    "horizon_s", "round_bytes_up_peak", "round_bytes_down_peak")
