@@ -69,8 +69,19 @@ def scavenging(rows: Sequence[dict]) -> str:
   return "; ".join(parts)
 
 
+def sweep(rows: Sequence[dict]) -> str:
+  """The best point of each method (a method's points differ in M, K and H)."""
+  best: dict[str, dict] = {}
+  for r in rows:
+    if r["method"] not in best or r["eval_loss"] < best[r["method"]]["eval_loss"]:
+      best[r["method"]] = r
+  return "best point per method: " + "; ".join(
+      f"{r.get('point', r['method'])} {r['eval_loss']:.3f}"
+      for r in sorted(best.values(), key=lambda r: r["eval_loss"]))
+
+
 HEADLINES: dict[str, Callable[[Sequence[dict]], str]] = {
-    "parity": parity, "heterogeneous": heterogeneous, "scavenging": scavenging}
+    "parity": parity, "heterogeneous": heterogeneous, "scavenging": scavenging, "sweep": sweep}
 
 
 def table(root: str) -> str:
