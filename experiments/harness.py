@@ -274,6 +274,17 @@ def summarise(rows: Sequence[dict], key: str = "eval_loss") -> list[dict]:
   return out
 
 
+def write_readme(folder: str, parts: Sequence[str]) -> None:
+  """`folder`/README.md: the generated `parts`, then the folder's authored analysis.md."""
+  parts = list(parts)
+  analysis = os.path.join(folder, "analysis.md")
+  if os.path.exists(analysis):
+    with open(analysis, encoding="utf-8") as f:
+      parts += [f.read().strip(), ""]
+  with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
+    f.write("\n".join(parts))
+
+
 def _sections(sections, rows: list[dict]) -> list[str]:
   generated = sections(rows) if callable(sections) else sections
   return [generated] if isinstance(generated, str) else list(generated)
@@ -305,7 +316,6 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
   curves = {run.name: eval_curve(os.path.join(outdir, run.name)) for run in done}
   plot_curves(curves, os.path.join(folder, "eval.png"), f"{name}: global eval loss",
               **(plot or {}))
-  analysis = os.path.join(folder, "analysis.md")
   parts = [
       f"# Experiment `{name}`", "",
       f"Command: `{command}`", "",
@@ -321,9 +331,5 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
       "![eval loss](eval.png)", "",
       *[block for section in _sections(sections, rows) for block in (section.strip(), "")],
   ]
-  if os.path.exists(analysis):
-    with open(analysis, encoding="utf-8") as f:
-      parts += [f.read().strip(), ""]
-  with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
-    f.write("\n".join(parts))
+  write_readme(folder, parts)
   return results

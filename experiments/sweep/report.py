@@ -119,10 +119,5 @@ def report(points: Sequence[Point], runs: Sequence[harness.Run], rendered: Seque
       _table([{**r, "launch": f"[{r['launch']}](launch/{r['launch']})"}
               for r in results["rendered"]], RENDERED_COLUMNS), "",
   ]
-  analysis = os.path.join(folder, "analysis.md")
-  if os.path.exists(analysis):
-    with open(analysis, encoding="utf-8") as f:
-      parts += [f.read().strip(), ""]
-  with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
-    f.write("\n".join(parts))
+  harness.write_readme(folder, parts)
   return results
