@@ -20,18 +20,12 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco import outer, policy
+from diloco import intake, outer, policy
 from diloco.config_lib import OuterConfig, SyncConfig
 from diloco.transport import Heartbeat, Merged, Payload
 
-REJECT_BAD_PAYLOAD = "bad_payload"
-REJECT_WRONG_SHAPE = "wrong_shape"
-REJECT_WRONG_DTYPE = "wrong_dtype"
-REJECT_NON_FINITE = "non_finite"
-REJECT_BAD_COUNTERS = "bad_counters"
-# Counters beyond 2**53 are not exact in float64 (the token weights square them); no real run
-# comes near it, so a larger one is a corrupt or crafted delivery.
-MAX_COUNTER = 2**53
+_is_duration = intake.is_duration
+_all_finite = intake.all_finite
 
 
 @dataclasses.dataclass
@@ -40,29 +34,21 @@ class _Pending:
   arrived_at: float
 
 
-def _norm(tensors) -> float:
-  """L2 norm over tensors, for the tape: float32 dot products (BLAS), no temporaries."""
-  return math.sqrt(sum(float(np.dot(t.ravel(), t.ravel())) for t in tensors))
+def _fragment_norm(tensors) -> float:
+  """L2 norm over a fragment's tensors: float32 dot products (BLAS), no temporaries; inf if
+  one overflows float32's sum of squares."""
+  return math.sqrt(sum(intake.sum_of_squares(t) for t in tensors))
 
 
-def _is_duration(x: float) -> bool:
-  """A usable time measurement: finite and not negative (others are ignored, DESIGN 2.4)."""
-  return isinstance(x, (int, float)) and math.isfinite(x) and x >= 0.0
+def _nbytes(payload: Payload) -> int:
+  try:
+    return payload.nbytes
+  except Exception:  # noqa: BLE001  (a malformed delivery's tensors)
+    return 0
 
 
-def _is_count(x: Any, low: int) -> bool:
-  """An integer (not a bool) in [low, MAX_COUNTER]."""
-  return (isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-          and low <= x <= MAX_COUNTER)
-
-
-def _all_finite(x: np.ndarray) -> bool:
-  """`np.isfinite(x).all()` without its full-size temporary in the common case: a sum of squares
-  is finite unless x holds a NaN/Inf (or overflows, when the exact check decides)."""
-  flat = x.ravel()
-  with np.errstate(over="ignore", invalid="ignore"):
-    sum_sq = float(np.dot(flat, flat))
-  return math.isfinite(sum_sq) or bool(np.isfinite(flat).all())
+class _RoundRejected(Exception):
+  """No delivery of a round can be merged."""
 
 
 class Syncer:
@@ -94,17 +80,34 @@ class Syncer:
     self._departed: dict[int, int] = {}  # learner -> incarnation that left with deliveries
     self._delta_pool: dict[tuple, np.ndarray] = {}
     self.rejections: collections.Counter = collections.Counter()
+    # Deliveries whose ingestion or merge raised: (fragment, learner, incarnation, local_step,
+    # reason, detail), for the runtime to quarantine (`take_faults`).
+    self._faults: list[tuple] = []
+    # Per fragment, the norms of G and the momentum (the overflow bound of the next merge).
+    self._norms = [self._measure(p) for p in range(plan.num_fragments)]
     self._keep_history = (outer_cfg.anchor == "base" or outer_cfg.quantize_bits > 0
                           or outer_cfg.stale == "rebase")
     self._history: dict[int, dict[int, dict[str, np.ndarray]]] = {
         p: {0: self.fragment_values(p)} for p in range(plan.num_fragments)
     } if self._keep_history else {}
     self._sync_delay = sync_delay_s
+    self._shapes = {k: v.shape for k, v in self.params.items()}
     self._on_round = on_round
     self.rounds = 0
     self._closed_here = self._admitted_here = 0  # since this process started (status lines)
     self.last_quorum = 0
     self.last_grace = 0.0
+
+  def _measure(self, p: int) -> tuple[float, float]:
+    paths = self.plan.fragments[p]
+    return (_fragment_norm(self.params[k] for k in paths),
+            _fragment_norm(self.momentum[k] for k in paths))
+
+  def take_faults(self) -> list[tuple]:
+    """Deliveries whose ingestion or merge raised since the last call, as (fragment, learner,
+    incarnation, local_step, reason, detail)."""
+    faults, self._faults = self._faults, []
+    return faults
 
   def fragment_values(self, p: int) -> dict[str, np.ndarray]:
     return {path: self.params[path].copy() for path in self.plan.fragments[p]}
@@ -117,6 +120,9 @@ class Syncer:
 
   # Ingestion.
   def _heartbeat(self, beat: Heartbeat) -> None:
+    if not intake.check_heartbeat(beat):
+      self.reject(0, beat.learner, beat.incarnation, intake.REJECT_BAD_HEARTBEAT, 0, beat.time)
+      return
     known = self.registry.get(beat.learner)
     if known is not None and beat.incarnation < known.incarnation:
       return  # a late message of a dead incarnation
@@ -129,16 +135,21 @@ class Syncer:
         step_time=self._step_ema[beat.learner].value)
 
   def _reject(self, payload: Payload, reason: str, now: float) -> None:
-    self.reject(payload.fragment, payload.learner, payload.incarnation, reason, payload.nbytes,
+    self.reject(payload.fragment, payload.learner, payload.incarnation, reason, _nbytes(payload),
                 now)
 
   def reject(self, fragment: int, learner: int, incarnation: int, reason: str, nbytes: int,
              now: float) -> None:
-    """Counts a rejected delivery; it is listed in the next tape record of its fragment."""
+    """Counts a rejected delivery; it is listed in the next tape record of its fragment.
+
+    Ids that are not counters (a crafted delivery's) are recorded as -1.
+    """
+    fragment, learner, incarnation = (x if intake.is_count(x, 0) else -1
+                                      for x in (fragment, learner, incarnation))
     self.rejections[reason] += 1
     p = fragment if 0 <= fragment < self.plan.num_fragments else 0
     self._rejected[p].append({
-        "learner": learner, "incarnation": incarnation, "reason": reason,
+        "learner": int(learner), "incarnation": int(incarnation), "reason": reason,
         "payload_bytes": int(nbytes), "arrived_at": now})
     logging.info("syncer: rejected fragment %d from learner %d: %s", fragment, learner, reason)
 
@@ -158,34 +169,22 @@ class Syncer:
     return {(p, m, e.payload.incarnation, e.payload.local_step)
             for p, entries in self._pending.items() for m, e in entries.items()}
 
-  def _well_formed(self, payload: Payload) -> str | None:
-    if not (_is_count(payload.fragment, 0) and payload.fragment < self.plan.num_fragments):
-      return REJECT_BAD_PAYLOAD
-    # A delivery's counters cross the trust boundary too: one out of range must be rejected
-    # here, not raise later from the token weights and take the syncer down.
-    if not (_is_count(payload.learner, 0) and _is_count(payload.incarnation, 0)
-            and _is_count(payload.local_step, 0) and _is_count(payload.steps, 0)
-            and _is_count(payload.tokens, 0) and _is_count(payload.base_version, -1)
-            and (payload.tokens > 0 or payload.steps == 0)):  # steps without tokens
-      return REJECT_BAD_COUNTERS
-    expected = self.plan.fragments[payload.fragment]
-    if set(payload.tensors) != set(expected) or payload.kind not in ("values", "delta"):
-      return REJECT_BAD_PAYLOAD
-    for path, tensor in payload.tensors.items():
-      values = outer.dequantize(tensor) if payload.kind == "delta" else tensor
-      if not isinstance(values, np.ndarray):
-        return REJECT_BAD_PAYLOAD
-      if values.shape != self.params[path].shape:
-        return REJECT_WRONG_SHAPE
-      if values.dtype != np.float32:
-        return REJECT_WRONG_DTYPE
-      if not _all_finite(values):
-        return REJECT_NON_FINITE
-    return None
+  def _fault(self, payload: Payload, reason: str, error: Exception, now: float) -> None:
+    """A delivery whose handling raised: rejected, and listed for quarantine."""
+    logging.exception("syncer: %s on a delivery of learner %r", reason, payload.learner)
+    self._reject(payload, reason, now)
+    self._faults.append((payload.fragment, payload.learner, payload.incarnation,
+                         payload.local_step, reason, f"{type(error).__name__}: {error}"[:500]))
 
   def _payload(self, payload: Payload, now: float) -> None:
+    try:
+      self._admit(payload, now)
+    except Exception as e:  # noqa: BLE001  (one delivery never stops the syncer)
+      self._fault(payload, intake.REJECT_INGEST_ERROR, e, now)
+
+  def _admit(self, payload: Payload, now: float) -> None:
     p = payload.fragment
-    problem = self._well_formed(payload)
+    problem = intake.check_payload(payload, self.plan.fragments, self._shapes)
     if problem:
       self._reject(payload, problem, now)
       return
@@ -243,7 +242,9 @@ class Syncer:
           quorum_time=self._quorum_ema.get(), sync_time=self._sync_ema.get(),
           lead_time=self._lead_ema.get())
       if decision.close:
-        published.append(self._close(p, decision, now, sorted(alive)))
+        merged = self._close(p, decision, now, sorted(alive))
+        if merged is not None:
+          published.append(merged)
       elif decision.deadline is not None:
         deadlines.append(decision.deadline)
     for p in [p for p, e in self._pending.items() if not e]:
@@ -296,19 +297,60 @@ class Syncer:
       out[k] = self._delta_pool[key]
     return out
 
-  def _close(self, p: int, decision: policy.RoundDecision, now: float, alive: list[int]) -> Merged:
+  def _bounded(self, p: int, entries: list, now: float) -> tuple[list, list, list[float]]:
+    """The round's deliveries whose outer gradients keep G and the momentum within
+    `intake.MAX_NORM` (the others are rejected): (entries, outer gradients, their norms)."""
+    anchor_now = {k: self.params[k] for k in self.plan.fragments[p]}
+    g_norm, b_norm = self._norms[p]
+    kept, deltas, norms = [], [], []
+    for m, e in entries:
+      try:
+        delta = self._outer_gradient(e.payload, anchor_now, len(kept))
+      except Exception as err:  # noqa: BLE001  (the others still merge)
+        self._fault(e.payload, intake.REJECT_MERGE_ERROR, err, now)
+        continue
+      norm = _fragment_norm(delta.values())
+      if not intake.merge_bound(g_norm, b_norm, norm, self.outer_cfg.learning_rate,
+                                self.outer_cfg.momentum) <= intake.MAX_NORM:
+        self._reject(e.payload, intake.REJECT_OVERFLOW, now)
+        continue
+      kept.append((m, e))
+      deltas.append(delta)
+      norms.append(norm)
+    return kept, deltas, norms
+
+  def _close(self, p: int, decision: policy.RoundDecision, now: float,
+             alive: list[int]) -> Merged | None:
+    """Merges the round's deliveries into G_p; None if none could be merged (the round is
+    rejected whole: G_p, its momentum and its version stay as they were)."""
     started = time.perf_counter()
-    entries = sorted(self._pending.pop(p).items())
+    entries, deltas, delta_norms = self._bounded(p, sorted(self._pending.pop(p).items()), now)
     paths = self.plan.fragments[p]
-    anchor_now = {k: self.params[k] for k in paths}
-    deltas = [self._outer_gradient(e.payload, anchor_now, i) for i, (_, e) in enumerate(entries)]
-    weights = outer.token_weights([e.payload.tokens for _, e in entries],
-                                  [e.payload.steps for _, e in entries], self.outer_cfg.weights)
-    mask = {k: self.plan.is_embedding(k) for k in paths}
-    # Merge and Nesterov step in place on G and the momentum (published values are copies).
-    step_sq = outer.merge_and_step(
-        self.params, self.momentum, deltas, weights, mask, self.outer_cfg.learning_rate,
-        self.outer_cfg.momentum, method=self.outer_cfg.merge, workspace=self._merge_workspace)
+    try:
+      if not entries:
+        raise _RoundRejected()
+      weights = outer.token_weights([e.payload.tokens for _, e in entries],
+                                    [e.payload.steps for _, e in entries], self.outer_cfg.weights)
+      mask = {k: self.plan.is_embedding(k) for k in paths}
+      # Merge and Nesterov step in place on G and the momentum (published values are copies);
+      # `merge_and_step` checks everything before it updates anything.
+      step_sq = outer.merge_and_step(
+          self.params, self.momentum, deltas, weights, mask, self.outer_cfg.learning_rate,
+          self.outer_cfg.momentum, method=self.outer_cfg.merge, workspace=self._merge_workspace)
+    except _RoundRejected:
+      self._opened_at.pop(p, None)
+      return None
+    except Exception as err:  # noqa: BLE001  (the syncer survives the round)
+      for _, e in entries:
+        self._fault(e.payload, intake.REJECT_MERGE_ERROR, err, now)
+      self._opened_at.pop(p, None)
+      return None
+    # The bound above keeps G and the momentum finite; checked here in the pass that also
+    # measures them for the next round's bound. Failing it is a bug in the bound, not bad input.
+    self._norms[p] = self._measure(p)
+    if not all(math.isfinite(x) and x <= intake.MAX_NORM for x in self._norms[p]):
+      raise FloatingPointError(f"syncer: fragment {p} left its bound after a merge: norms of G "
+                               f"and momentum {self._norms[p]} (bound {intake.MAX_NORM:g})")
     update_norm = float(np.sqrt(sum(step_sq.values())))
     old_version = self.versions[p]
     self.versions[p] += 1
@@ -345,9 +387,8 @@ class Syncer:
             "local_step": e.payload.local_step, "steps": e.payload.steps,
             "tokens": e.payload.tokens, "base_version": e.payload.base_version,
             "staleness": old_version - e.payload.base_version, "weight": float(w),
-            "delta_norm": _norm(d.values()),
-            "payload_bytes": e.payload.nbytes, "arrived_at": e.arrived_at,
-        } for (m, e), w, d in zip(entries, weights, deltas)],
+            "delta_norm": d, "payload_bytes": e.payload.nbytes, "arrived_at": e.arrived_at,
+        } for (m, e), w, d in zip(entries, weights, delta_norms)],
         "rejected": self._rejected.pop(p, []),
         "update_norm": update_norm, "sync_s": sync_s, "merge_wall_s": measured,
         "published_bytes": merged.nbytes, "receivers": alive,
@@ -397,6 +438,7 @@ class Syncer:
     self._sync_ema = policy.Ema(decay, state.get("sync_ema"))
     self._lead_ema = policy.Ema(decay, state.get("lead_ema"))
     self.rejections = collections.Counter(state.get("rejections", {}))
+    self._norms = [self._measure(p) for p in range(self.plan.num_fragments)]
     self.last_quorum = int(state.get("last_quorum", 0))
     self.last_grace = float(state.get("last_grace", 0.0))
 

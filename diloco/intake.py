@@ -1,0 +1,148 @@
+"""What the syncer accepts from learners: checks of every field that crosses the trust boundary.
+
+A delivery or heartbeat comes from another process (or a file in the store) and may be corrupt
+or crafted. Each check here runs before the field is used, returns one fixed reason word per
+kind of problem (counted and written to the tape by the syncer) and never raises: a value of a
+wrong type is a rejection like any other. The checks are O(1) per field plus the one pass over
+each tensor that the syncer needs anyway (finiteness and magnitude from one sum of squares).
+
+Magnitudes are bounded so that the merge can never overflow float32: every tensor set the
+syncer holds (G, the momentum, a delivery, an outer gradient) keeps an L2 norm of at most
+`MAX_NORM`, far beyond any real model (norms of 1e2-1e4) and far below float32's overflow of a
+sum of squares (about 1.8e19 squared). `merge_bound` says, before a round touches G, how large
+G and the momentum could become; a delivery that could push them past `MAX_NORM` is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from diloco import outer
+
+REJECT_BAD_PAYLOAD = "bad_payload"
+REJECT_WRONG_SHAPE = "wrong_shape"
+REJECT_WRONG_DTYPE = "wrong_dtype"
+REJECT_NON_FINITE = "non_finite"
+REJECT_BAD_COUNTERS = "bad_counters"
+REJECT_BAD_TIME = "bad_time"
+REJECT_TOO_LARGE = "too_large"  # a delivery's values alone exceed MAX_NORM
+REJECT_OVERFLOW = "overflow"  # merging it could take G or the momentum past MAX_NORM
+REJECT_BAD_HEARTBEAT = "bad_heartbeat"
+# A delivery whose ingestion or merge raised: the syncer survives it (and the multi-process
+# runtime moves its store entry to quarantine, so a restarted syncer never reads it again).
+REJECT_INGEST_ERROR = "ingest_error"
+REJECT_MERGE_ERROR = "merge_error"
+
+# Counters beyond 2**53 are not exact in float64 (the token weights square them); no real run
+# comes near it, so a larger one is a corrupt or crafted delivery.
+MAX_COUNTER = 2**53
+# A duration longer than a week (transit, lead, step time) is a broken clock or a crafted value.
+MAX_DURATION_S = 7 * 24 * 3600.0
+MAX_NORM = 1e18
+
+
+def is_count(x: Any, low: int) -> bool:
+  """An integer (not a bool) in [low, MAX_COUNTER]."""
+  return (isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+          and low <= x <= MAX_COUNTER)
+
+
+def is_duration(x: Any) -> bool:
+  """A usable time measurement: a real number, finite, in [0, MAX_DURATION_S]."""
+  return (isinstance(x, (int, float, np.floating, np.integer))
+          and not isinstance(x, (bool, np.bool_)) and math.isfinite(x)
+          and 0.0 <= x <= MAX_DURATION_S)
+
+
+def sum_of_squares(x: np.ndarray) -> float:
+  """`sum(x**2)` with float32 dot products (BLAS): inf when x holds a NaN/Inf or overflows."""
+  flat = x.ravel()
+  with np.errstate(over="ignore", invalid="ignore"):
+    return float(np.dot(flat, flat))
+
+
+def all_finite(x: np.ndarray) -> bool:
+  """`np.isfinite(x).all()` without its full-size temporary in the common case: a sum of squares
+  is finite unless x holds a NaN/Inf (or overflows, when the exact check decides)."""
+  return math.isfinite(sum_of_squares(x)) or bool(np.isfinite(x.ravel()).all())
+
+
+def check_heartbeat(beat: Any) -> bool:
+  """Whether a heartbeat's ids are counters; its step time is checked where it is used."""
+  return (is_count(beat.learner, 0) and is_count(beat.incarnation, 0)
+          and is_count(beat.local_step, 0))
+
+
+def check_payload(payload: Any, fragments: list[list[str]],
+                  shapes: dict[str, tuple]) -> str | None:
+  """The reason a delivery must be rejected, or None if every field is usable.
+
+  `fragments[p]` lists fragment p's parameter paths and `shapes` their shapes.
+  """
+  if not (is_count(payload.fragment, 0) and payload.fragment < len(fragments)):
+    return REJECT_BAD_PAYLOAD
+  if not (is_count(payload.learner, 0) and is_count(payload.incarnation, 0)
+          and is_count(payload.local_step, 0) and is_count(payload.steps, 0)
+          and is_count(payload.tokens, 0) and is_count(payload.base_version, -1)
+          and (payload.tokens > 0 or payload.steps == 0)):  # steps without tokens
+    return REJECT_BAD_COUNTERS
+  if not (is_duration(payload.transit_s) and is_duration(payload.lead_s)):
+    return REJECT_BAD_TIME
+  if (not isinstance(payload.tensors, dict) or payload.kind not in ("values", "delta")
+      or set(payload.tensors) != set(fragments[payload.fragment])):
+    return REJECT_BAD_PAYLOAD
+  sum_sq = 0.0
+  for path, tensor in payload.tensors.items():
+    if payload.kind == "delta":
+      if not _well_formed_quantized(tensor, shapes[path]):
+        return REJECT_BAD_PAYLOAD
+      values = outer.dequantize(tensor)
+    else:
+      values = tensor
+    if not isinstance(values, np.ndarray):
+      return REJECT_BAD_PAYLOAD
+    if values.shape != tuple(shapes[path]):
+      return REJECT_WRONG_SHAPE
+    if values.dtype != np.float32:
+      return REJECT_WRONG_DTYPE
+    sq = sum_of_squares(values)
+    if not math.isfinite(sq):
+      return REJECT_TOO_LARGE if np.isfinite(values.ravel()).all() else REJECT_NON_FINITE
+    sum_sq += sq
+  if math.sqrt(sum_sq) > MAX_NORM:
+    return REJECT_TOO_LARGE
+  return None
+
+
+def _well_formed_quantized(q: Any, shape: tuple) -> bool:
+  """A quantised tensor whose fields `outer.dequantize` can use without raising."""
+  if not isinstance(q, outer.QuantizedTensor):
+    return False
+  if (q.bits not in outer.QUANT_BITS or not is_count(q.block, 1)
+      or tuple(q.shape) != tuple(shape) or q.dtype != "float32"):
+    return False
+  if not (isinstance(q.values, np.ndarray) and isinstance(q.scales, np.ndarray)):
+    return False
+  size = int(np.prod(shape))
+  blocks = -(-size // q.block)
+  if q.bits == 16:
+    return q.values.dtype == ml_dtypes.bfloat16 and q.values.size == size
+  codes = np.int8 if q.bits == 8 else np.uint8
+  return (q.values.dtype == codes and q.scales.dtype == np.float32 and q.scales.size == blocks
+          and q.values.size == outer.packed_size(blocks * q.block, q.bits))
+
+
+def merge_bound(g_norm: float, b_norm: float, delta_norm: float, lr: float, mu: float) -> float:
+  """An upper bound on the norms of everything a merge computes (DESIGN 2.4 steps 5-6).
+
+  The merged outer gradient is a convex combination of directions scaled by a weighted mean of
+  norms (RDA) or a weighted mean (embedding), so its norm is at most the largest delivery's
+  `delta_norm`; then `b' = mu b + g` and `G' = G - lr (g + mu b')` by the triangle inequality.
+  """
+  b_new = abs(mu) * b_norm + delta_norm
+  step = abs(lr) * (delta_norm + abs(mu) * b_new)
+  return max(delta_norm, b_new, step, g_norm + step)
