@@ -120,13 +120,14 @@ def _plant(store, tmp_path):
   store.put_payload(_payload(1, 0, good, step=9, incarnation=0))  # stale incarnation (1 is at 2)
   store.put_payload(_payload(0, 1 - p_of, good, step=10, base=0))  # too stale, see below
   # Crafted counters in otherwise valid markers: a number JSON reads as infinity (int() of it
-  # raised OverflowError out of the store), and zero tokens for four steps (the syncer's).
+  # raised OverflowError out of the store; now refused by the store), and zero tokens for four
+  # steps (refused by the syncer).
   for step, field, value in ((11, "steps", "1e400"), (12, "tokens", "0")):
     store.put_payload(_payload(0, p_of, good, step=step))
     marker = tmp_path / "payloads" / f"f{p_of}_l0_i0_s{step}.json"
     marker.write_text(re.sub(rf'"{field}": \d+', f'"{field}": {value}', marker.read_text()))
-  return {"unreadable": 3, "wrong_shape": 1, "wrong_dtype": 1, "non_finite": 1,
-          "unknown_learner": 1, "wrong_incarnation": 1, "stale": 1, "bad_counters": 1}
+  return {"unreadable": 2, "wrong_shape": 1, "wrong_dtype": 1, "non_finite": 1,
+          "unknown_learner": 1, "wrong_incarnation": 1, "stale": 1, "bad_counters": 2}
 
 
 def test_merged_rounds_are_synced_to_disk_and_payloads_are_not(tmp_path, monkeypatch):
@@ -178,6 +179,10 @@ def test_every_bad_entry_kind_is_rejected_with_its_reason(tmp_path):
   link.release(s.pending_keys())
   link.close()  # deletes run in the background; this waits for them
   assert store.committed_payloads() == []  # everything read was released
+  # What the store could not use was moved aside with its reason, never deleted.
+  assert sorted(r["reason"] for r in store.quarantined().values()) == sorted(
+      r.reason for r in rejected)
+  assert len(rejected) == 5 and os.path.isdir(tmp_path / "quarantine" / rejected[0].name)
   assert store.uncommitted_payloads() == ["f1_l0_i0_s2"]  # never trusted, never read
   assert store.collect_uncommitted(max_age_s=3600) == 0
   assert store.collect_uncommitted(max_age_s=-1) == 1 and store.uncommitted_payloads() == []

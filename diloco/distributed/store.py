@@ -10,6 +10,8 @@ and fixed words, never from what an entry contains):
   merged/f{p}_v{v}.json             commit marker: syncer state and the round's tape record
   payloads/f{p}_l{m}_i{i}_s{t}/     Orbax: a learner's delivery of fragment p at local step t
   payloads/f{p}_l{m}_i{i}_s{t}.json commit marker: the delivery's counters
+  quarantine/f{p}_l{m}_i{i}_s{t}/   a delivery that could not be used (moved aside, never read)
+  quarantine/f{p}_l{m}_i{i}_s{t}.reason.json   why: {"reason", "detail", "time"}
   heartbeats/l{m}.json              the latest heartbeat of learner m
   incarnations/l{m}.json            the last incarnation number handed out to learner m
   learners/l{m}/                    learner m's own checkpoints (Orbax CheckpointManager)
@@ -39,7 +41,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from diloco import outer
-from diloco.distributed import npy_handler
+from diloco.distributed import entry_check, npy_handler
+from diloco.distributed.entry_check import StoreError
 from diloco.transport import Merged, Payload
 
 _PAYLOAD_NAME = re.compile(r"^f(\d{1,6})_l(\d{1,6})_i(\d{1,9})_s(\d{1,12})$")
@@ -52,14 +55,6 @@ WRONG_SHAPE = "wrong_shape"
 WRONG_DTYPE = "wrong_dtype"
 # Not a rejection: the entry was deleted after it was listed (it is nobody's delivery now).
 GONE = "gone"
-
-
-class StoreError(RuntimeError):
-  """A store entry that exists but cannot be used; `reason` is a fixed word for metrics."""
-
-  def __init__(self, reason: str, message: str):
-    super().__init__(message)
-    self.reason = reason
 
 
 def _checked_int(value: int, what: str) -> int:
@@ -245,25 +240,23 @@ class Store:
     ids = parse_payload_name(name)
     if ids is None:
       raise StoreError(UNREADABLE, f"payload {name!r}: not a payload name")
-    fragment, learner, incarnation, local_step = ids
+    fragment = ids[0]
     meta = self.read_json(f"payloads/{name}.json")
     if meta is None:
       raise StoreError(GONE, f"payload {name}: deleted since it was listed")
-    try:
-      fields = {k: int(meta[k]) for k in ("learner", "incarnation", "fragment", "local_step",
-                                          "steps", "tokens", "base_version")}
-      kind, paths, quant = str(meta["kind"]), list(meta["paths"]), meta["quantization"]
-      transit_s = float(meta["transit_s"])
-      lead_s = float(meta.get("lead_s", 0.0))
-    except (TypeError, KeyError, ValueError, OverflowError) as e:  # 1e400 reads as infinity
-      raise StoreError(UNREADABLE, f"payload {name}: bad commit marker ({e!r})") from None
+    fields = entry_check.marker_fields(meta, f"payload {name}")
+    kind, paths, quant = fields["kind"], fields["paths"], fields["quantization"]
+    transit_s, lead_s = fields["transit_s"], fields["lead_s"]
     if (fields["fragment"], fields["learner"], fields["incarnation"],
         fields["local_step"]) != ids:
       raise StoreError(UNREADABLE, f"payload {name}: marker disagrees with the entry name")
     if fragment not in expected or sorted(paths) != sorted(expected[fragment]):
       raise StoreError(UNREADABLE, f"payload {name}: not the parameters of fragment {fragment}")
-    if kind not in ("values", "delta") or (kind == "delta") != (quant is not None):
-      raise StoreError(UNREADABLE, f"payload {name}: unknown kind {kind!r}")
+    # Files, `_METADATA` and size are checked before Orbax opens anything.
+    entry_check.check_entry(
+        self.root / "payloads" / name, entry_check.leaf_keys(len(paths), quant),
+        entry_check.expected_bytes([tuple(expected[fragment][k]) for k in paths], quant),
+        self.local, f"payload {name}")
     try:
       tree = self._load_tree(f"payloads/{name}")
     except Exception as e:  # Orbax and NumPy raise many types on damaged data
@@ -289,6 +282,36 @@ class Store:
       return int((self.read_json(f"payloads/{name}.json") or {}).get("nbytes", 0))
     except (StoreError, TypeError, ValueError, AttributeError, OverflowError):
       return 0
+
+  def quarantine_payload(self, name: str, reason: str, detail: str) -> None:
+    """Moves a delivery to `quarantine/` with a record of why, so it is never read again.
+
+    The reason record comes first and the commit marker last: until the marker moves, the
+    entry is still listed (and quarantined again by a restarted syncer).
+    """
+    if parse_payload_name(name) is None:
+      raise ValueError(f"store: not a payload name {name!r}")
+    folder = self.root / "quarantine"
+    folder.mkdir(parents=True, exist_ok=True)
+    self.write_json(f"quarantine/{name}.reason.json",
+                    {"reason": reason, "detail": detail[:2000], "time": time.time()})
+    for rel in (name, f"{name}.json"):
+      source, target = self.root / "payloads" / rel, folder / rel
+      if not source.exists():
+        continue
+      if target.is_dir():
+        target.rmtree()
+      source.rename(target)
+
+  def quarantined(self) -> dict[str, dict]:
+    """Quarantined deliveries: name -> {"reason", "detail", "time"}."""
+    out = {}
+    folder = self.root / "quarantine"
+    for path in folder.glob("*.reason.json") if folder.exists() else ():
+      name = path.name[:-len(".reason.json")]
+      if parse_payload_name(name) is not None:
+        out[name] = self.read_json(f"quarantine/{path.name}")
+    return out
 
   def remove_payload(self, name: str) -> None:
     self.remove(f"payloads/{name}.json")  # marker first: a reader never sees it half-deleted

@@ -24,6 +24,8 @@ from diloco.distributed.store import GONE, Store, StoreError, parse_payload_name
 from diloco.transport import Heartbeat, Merged, Payload
 
 UP, RETIRED, DONE = "up", "retired", "done"
+# An entry whose read raised something other than a StoreError (a poison pill): quarantined.
+READ_ERROR = "read_error"
 # A merged version the index still names but that cannot be read this many polls in a row is
 # broken, not merely collected between the index read and the entry read.
 _MAX_READ_FAILURES = 20
@@ -292,6 +294,7 @@ class SyncerStoreLink:
     self._done = set(already_merged)
     self._first_poll = True
     self._released: set[str] = set()  # handed to the deleter; never read again
+    self._quarantining: dict[str, tuple[str, str]] = {}  # name -> (reason, detail)
     self._deleter = _Deleter()
 
   def poll(self, now: float) -> tuple[list[Heartbeat], list[Payload], list[Rejected],
@@ -331,7 +334,10 @@ class SyncerStoreLink:
     for name in listed:
       if name in self._released:
         if not self._deleter.queued(name):  # its delete failed, or raced this listing
-          self._remove_payload(name)
+          if name in self._quarantining:
+            self._quarantine(name, *self._quarantining[name])
+          else:
+            self._remove_payload(name)
         continue
       if name in self._held:
         continue
@@ -346,14 +352,33 @@ class SyncerStoreLink:
         read_s = time.monotonic() - started
         payloads.append(dataclasses.replace(payload, transit_s=payload.transit_s + read_s))
         self._held[name] = ids
+        continue
       except StoreError as e:
         if e.reason == GONE:
           continue
-        logging.warning("syncer: rejected store entry %s: %s", name, e)
-        rejected.append(Rejected(name, ids[0], ids[1], ids[2], e.reason,
-                                 self.store.payload_bytes(name)))
-        self._remove_payload(name)
+        reason, detail = e.reason, str(e)
+      except Exception as e:  # noqa: BLE001  (a poison pill never takes the syncer down)
+        logging.exception("syncer: reading store entry %s raised", name)
+        reason, detail = READ_ERROR, f"{type(e).__name__}: {e}"
+      logging.warning("syncer: rejected store entry %s: %s", name, detail)
+      rejected.append(Rejected(name, ids[0], ids[1], ids[2], reason,
+                               self.store.payload_bytes(name)))
+      self._quarantine(name, reason, detail)
     return beats, payloads, rejected, left
+
+  def quarantine(self, faults: list[tuple]) -> None:
+    """Moves held deliveries whose ingestion or merge raised (`Syncer.take_faults`) to the
+    store's quarantine, so that no syncer reads them again."""
+    for fragment, learner, incarnation, local_step, reason, detail in faults:
+      key = (fragment, learner, incarnation, local_step)
+      for name in [n for n, ids in self._held.items() if ids == key]:
+        del self._held[name]
+        self._quarantine(name, reason, detail)
+
+  def _quarantine(self, name: str, reason: str, detail: str) -> None:
+    self._released.add(name)
+    self._quarantining[name] = (reason, detail)
+    self._deleter.submit(name, lambda: self.store.quarantine_payload(name, reason, detail))
 
   def release(self, pending: set[tuple[int, int, int, int]]) -> None:
     """Deletes held payload entries that are no longer pending (merged, replaced, rejected).
