@@ -80,8 +80,8 @@ class Syncer:
     self._departed: dict[int, int] = {}  # learner -> incarnation that left with deliveries
     self._delta_pool: dict[tuple, np.ndarray] = {}
     self.rejections: collections.Counter = collections.Counter()
-    # Deliveries whose ingestion or merge raised: (fragment, learner, incarnation, local_step,
-    # reason, detail), for the runtime to quarantine (`take_faults`).
+    # Malformed deliveries and those whose ingestion or merge raised: (fragment, learner,
+    # incarnation, local_step, reason, detail), for the runtime to quarantine (`take_faults`).
     self._faults: list[tuple] = []
     # Per fragment, the norms of G and the momentum (the overflow bound of the next merge).
     self._norms = [self._measure(p) for p in range(plan.num_fragments)]
@@ -104,8 +104,8 @@ class Syncer:
             _fragment_norm(self.momentum[k] for k in paths))
 
   def take_faults(self) -> list[tuple]:
-    """Deliveries whose ingestion or merge raised since the last call, as (fragment, learner,
-    incarnation, local_step, reason, detail)."""
+    """Deliveries that failed the intake checks or whose ingestion or merge raised, since the
+    last call, as (fragment, learner, incarnation, local_step, reason, detail)."""
     faults, self._faults = self._faults, []
     return faults
 
@@ -187,6 +187,8 @@ class Syncer:
     problem = intake.check_payload(payload, self.plan.fragments, self._shapes)
     if problem:
       self._reject(payload, problem, now)
+      self._faults.append((payload.fragment, payload.learner, payload.incarnation,
+                           payload.local_step, problem, "failed the syncer's intake checks"))
       return
     if self._keep_history and payload.base_version not in self._history[p]:
       self._reject(payload, policy.REJECT_STALE, now)

@@ -1,0 +1,125 @@
+"""Poison pills in a live multi-process run: bad entries planted in the store while a syncer and
+two learners train. The syncer must keep merging, the learners keep stepping, and every planted
+entry must end in the store's quarantine with its reason (so that no syncer reads it again)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from diloco.distributed.store import Store
+from diloco.transport import Payload
+
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TIMEOUT_S = 600
+
+
+def _wait_for_rounds(store_root, proc, rounds):
+  """Blocks until the run has committed `rounds` versions of fragment 0 (or fails)."""
+  index = os.path.join(store_root, "merged", "index.json")
+  deadline = time.monotonic() + _TIMEOUT_S / 2
+  while time.monotonic() < deadline:
+    assert proc.poll() is None, "the run ended before the planting"
+    try:
+      with open(index) as f:
+        if json.load(f).get("0", 0) >= rounds:
+          return
+    except (FileNotFoundError, json.JSONDecodeError):
+      pass
+    time.sleep(0.5)
+  raise AssertionError(f"no {rounds} rounds of fragment 0 within {_TIMEOUT_S / 2} s")
+
+
+def _plant(store_root):
+  """Writes one bad delivery of each kind as learner 0's current incarnation; returns
+  {entry name: expected reason} and the run-clock time of the planting."""
+  store = Store(store_root)
+  version = store.merged_index()[0]
+  values = store.read_merged(0, version)[0].tensors
+  with open(os.path.join(store_root, "heartbeats", "l0.json")) as f:
+    incarnation = json.load(f)["incarnation"]
+  planted, step = {}, 10**6
+
+  def put(tensors, reason, edit=None):
+    nonlocal step
+    step += 1
+    payload = Payload(0, incarnation, 0, step, 4, 400, version, "values", tensors, 0.0)
+    store.put_payload(payload)
+    name = f"f0_l0_i{incarnation}_s{step}"
+    if edit is not None:
+      edit(os.path.join(store_root, "payloads", name))
+    planted[name] = reason
+
+  def marker(field, value):
+    def edit(entry):
+      with open(entry + ".json") as f:
+        text = f.read()
+      with open(entry + ".json", "w") as f:
+        f.write(re.sub(rf'"{field}": [^,}}]+', f'"{field}": {value}', text))
+    return edit
+
+  def escape(entry):  # Orbax would read ../../x.npy, outside the entry
+    with open(os.path.join(entry, "_METADATA")) as f:
+      text = f.read()
+    with open(os.path.join(entry, "_METADATA"), "w") as f:
+      f.write(text.replace('"t0000"', '"../../x"'))
+
+  def pad(entry):  # the first tensor file grows far past the fragment's bytes
+    with open(os.path.join(entry, "t0000.npy"), "ab") as f:
+      f.write(b"\0" * (1 << 20))
+
+  # Bad-input kinds are generated here, at planting time: nothing read from the repository.
+  huge = {k: np.full_like(v, 3e38) for k, v in values.items()}
+  put(values, "bad_counters", marker("steps", "1e400"))
+  put(values, "bad_time", marker("transit_s", "NaN"))
+  put(values, "bad_metadata", escape)
+  put(values, "oversize", pad)
+  put(huge, "too_large")
+  with open(os.path.join(store_root, "run.json")) as f:
+    origin = json.load(f)["start"]
+  return planted, time.time() - origin
+
+
+def test_planted_bad_entries_are_quarantined_while_training_goes_on(tmp_path):
+  workdir = str(tmp_path / "run")
+  store_root = os.path.join(workdir, "store")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "diloco.main", "--config=configs/multiprocess.py:tiny",
+       f"--workdir={workdir}", "--role=launch", "--config.learners.count=2",
+       "--config.train.steps=120", f"--config.launch.timeout_s={_TIMEOUT_S}"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    _wait_for_rounds(store_root, proc, rounds=2)
+    planted, planted_at = _plant(store_root)
+    out, _ = proc.communicate(timeout=_TIMEOUT_S)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 0, out[-4000:]
+  quarantine = Store(store_root).quarantined()
+  assert {n: quarantine.get(n, {}).get("reason") for n in planted} == planted
+  assert not any(n in os.listdir(os.path.join(store_root, "payloads")) for n in planted)
+  with open(os.path.join(workdir, "tape.jsonl")) as f:
+    tape = [json.loads(line) for line in f if line.strip()]
+  after = [r for r in tape if r["closed_at"] > planted_at + 1.0 and r["admitted"]]
+  assert len(after) >= 3, "the syncer stopped merging after the planting"
+  with open(os.path.join(workdir, "activity.jsonl")) as f:
+    steps = [json.loads(line) for line in f if line.strip()]
+  for learner in (0, 1):
+    mine = [r["local_step"] for r in steps if r["learner"] == learner and r["kind"] == "step"
+            and r["end"] > planted_at + 1.0]
+    assert mine and max(mine) > min(mine), f"learner {learner} stopped stepping"
+  with open(os.path.join(store_root, "registry.json")) as f:
+    counted = json.load(f)["rejected"]
+  for reason in set(planted.values()):
+    assert counted.get(reason, 0) >= 1, (reason, counted)
+  assert all(os.path.exists(os.path.join(store_root, "quarantine", n)) for n in planted)
