@@ -42,9 +42,9 @@ def _syncer(params=None, quorum=1, **outer_cfg):
 
 
 def _good(learner=0, step=4, **fields):
-  base = dict(learner=learner, incarnation=0, fragment=0, local_step=step, steps=4, tokens=400,
-              base_version=0, kind="values", tensors=_params(10 + step),
-              transit_s=0.01, lead_s=0.0)
+  base = {"learner": learner, "incarnation": 0, "fragment": 0, "local_step": step, "steps": 4,
+          "tokens": 400, "base_version": 0, "kind": "values", "tensors": _params(10 + step),
+          "transit_s": 0.01, "lead_s": 0.0}
   return Payload(**dict(base, **fields))
 
 
@@ -86,23 +86,23 @@ def _quantized(**fields):
 
 
 @pytest.mark.parametrize("fields, reason", [
-    (dict(transit_s=float("nan")), "bad_time"),
-    (dict(transit_s=float("inf")), "bad_time"),
-    (dict(transit_s=-1.0), "bad_time"),
-    (dict(transit_s=1e12), "bad_time"),
-    (dict(lead_s=float("nan")), "bad_time"),
-    (dict(transit_s="soon"), "bad_time"),
-    (dict(tensors={k: np.full(s, 3e38, np.float32) for k, s in SHAPES.items()}), "too_large"),
-    (dict(tensors={k: np.full(s, 1e18, np.float32) for k, s in SHAPES.items()}), "too_large"),
-    (dict(tensors=None), "bad_payload"),
-    (dict(tensors={1: np.zeros(3, np.float32)}), "bad_payload"),
-    (dict(kind=5), "bad_payload"),
-    (dict(kind="delta"), "bad_payload"),  # values sent as a delta
-    (dict(learner=-3), "bad_counters"),
-    (dict(learner="0"), "bad_counters"),
-    (dict(incarnation=float("nan")), "bad_counters"),
-    (dict(steps=np.float64(4)), "bad_counters"),
-    (dict(tensors=_Exploding(_params(5), 1)), "ingest_error"),
+    ({"transit_s": float("nan")}, "bad_time"),
+    ({"transit_s": float("inf")}, "bad_time"),
+    ({"transit_s": -1.0}, "bad_time"),
+    ({"transit_s": 1e12}, "bad_time"),
+    ({"lead_s": float("nan")}, "bad_time"),
+    ({"transit_s": "soon"}, "bad_time"),
+    ({"tensors": {k: np.full(s, 3e38, np.float32) for k, s in SHAPES.items()}}, "too_large"),
+    ({"tensors": {k: np.full(s, 1e18, np.float32) for k, s in SHAPES.items()}}, "too_large"),
+    ({"tensors": None}, "bad_payload"),
+    ({"tensors": {1: np.zeros(3, np.float32)}}, "bad_payload"),
+    ({"kind": 5}, "bad_payload"),
+    ({"kind": "delta"}, "bad_payload"),  # values sent as a delta
+    ({"learner": -3}, "bad_counters"),
+    ({"learner": "0"}, "bad_counters"),
+    ({"incarnation": float("nan")}, "bad_counters"),
+    ({"steps": np.float64(4)}, "bad_counters"),
+    ({"tensors": _Exploding(_params(5), 1)}, "ingest_error"),
 ])
 def test_bad_delivery_is_rejected_and_a_later_round_merges(fields, reason):
   s, records = _syncer()
@@ -116,12 +116,12 @@ def test_bad_delivery_is_rejected_and_a_later_round_merges(fields, reason):
 
 
 @pytest.mark.parametrize("fields, reason", [
-    (dict(scales=np.full(6, 3e38, np.float32)), "non_finite"),  # dequantises to inf
-    (dict(scales=np.ones(2, np.float32)), "bad_payload"),  # fewer scales than blocks
-    (dict(values=np.zeros(3, np.int8)), "bad_payload"),  # fewer codes than elements
-    (dict(bits=3), "bad_payload"),
-    (dict(block=0), "bad_payload"),
-    (dict(shape=(99,)), "bad_payload"),
+    ({"scales": np.full(6, 3e38, np.float32)}, "non_finite"),  # dequantises to inf
+    ({"scales": np.ones(2, np.float32)}, "bad_payload"),  # fewer scales than blocks
+    ({"values": np.zeros(3, np.int8)}, "bad_payload"),  # fewer codes than elements
+    ({"bits": 3}, "bad_payload"),
+    ({"block": 0}, "bad_payload"),
+    ({"shape": (99,)}, "bad_payload"),
 ])
 def test_bad_quantised_delivery_is_rejected(fields, reason):
   s, records = _syncer(quantize_bits=8, quantize_block=4)
@@ -219,7 +219,7 @@ def test_nan_or_absurd_times_never_reach_the_emas():
     assert math.isfinite(deadline)
     merged, _ = s.tick(deadline, _beats(deadline, 0, 1, 2), ())
   assert len(merged) == 1
-  for ema in (s._sync_ema, s._lead_ema, s._quorum_ema, *s._step_ema.values()):  # noqa: SLF001
+  for ema in (s._sync_ema, s._lead_ema, s._quorum_ema, *s._step_ema.values()):
     assert ema.value is None or math.isfinite(ema.value)
   merged, deadline = s.tick(5.0, _beats(5.0, 0, 1, 2), [_good(0, step=12), _good(1, step=12)])
   assert merged or math.isfinite(deadline)
