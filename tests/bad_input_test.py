@@ -270,6 +270,9 @@ _ENTRY_CASES = {
     "quantization bits 3": (
         lambda e: _edit_marker(e, kind="delta", quantization={"bits": 3, "block": 4}),
         "unreadable"),
+    "quantization bits true": (
+        lambda e: _edit_marker(e, kind="delta", quantization={"bits": True, "block": 4}),
+        "unreadable"),
     "_METADATA names ../../x": (lambda e: _edit_metadata(e, '"t0000"', '"../../x"'),
                                 "bad_metadata"),
     "_METADATA names t0000/../../x": (lambda e: _edit_metadata(e, '"t0001"', '"t0000/../../x"'),

@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from diloco import outer
+from diloco import intake, outer
 from diloco.distributed import entry_check, npy_handler
 from diloco.distributed.entry_check import StoreError
 from diloco.transport import Merged, Payload
@@ -279,9 +279,10 @@ class Store:
   def payload_bytes(self, name: str) -> int:
     """Bytes a delivery claims to hold (0 if its marker is unreadable): for the ledger."""
     try:
-      return int((self.read_json(f"payloads/{name}.json") or {}).get("nbytes", 0))
-    except (StoreError, TypeError, ValueError, AttributeError, OverflowError):
+      nbytes = (self.read_json(f"payloads/{name}.json") or {}).get("nbytes", 0)
+    except (StoreError, AttributeError):
       return 0
+    return nbytes if intake.is_count(nbytes, 0) else 0  # a crafted count never reaches the ledger
 
   def quarantine_payload(self, name: str, reason: str, detail: str) -> None:
     """Moves a delivery to `quarantine/` with a record of why, so it is never read again.
