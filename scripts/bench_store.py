@@ -190,7 +190,7 @@ def _learner_loop(m: int, store: Store, args, num_fragments: int, admitted: dict
                  for k, v in base.tensors.items()}
       link.heartbeat(Heartbeat(m, incarnation, step, 0.0, time.time()))
       link.deliver(Payload(m, incarnation, p, step, 1, 1000, base.version, "values", tensors,
-                           time.time()))
+                           0.0))  # transit_s is a duration (the syncer refuses a clock reading)
       deadline = time.monotonic() + args.wait_s
       need, seen = base.version + 1, None
       while time.monotonic() < deadline:
