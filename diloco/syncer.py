@@ -81,8 +81,9 @@ class Syncer:
     self._delta_pool: dict[tuple, np.ndarray] = {}
     self.rejections: collections.Counter = collections.Counter()
     # Malformed deliveries and those whose ingestion or merge raised: (fragment, learner,
-    # incarnation, local_step, reason, detail), for the runtime to quarantine (`take_faults`).
-    self._faults: list[tuple] = []
+    # incarnation, local_step, reason, detail), for the runtime to quarantine (`take_faults`;
+    # bounded, since the single-controller runtime never takes them).
+    self._faults: collections.deque = collections.deque(maxlen=4096)
     # Per fragment, the norms of G and the momentum (the overflow bound of the next merge).
     self._norms = [self._measure(p) for p in range(plan.num_fragments)]
     self._keep_history = (outer_cfg.anchor == "base" or outer_cfg.quantize_bits > 0
@@ -106,7 +107,8 @@ class Syncer:
   def take_faults(self) -> list[tuple]:
     """Deliveries that failed the intake checks or whose ingestion or merge raised, since the
     last call, as (fragment, learner, incarnation, local_step, reason, detail)."""
-    faults, self._faults = self._faults, []
+    faults = list(self._faults)
+    self._faults.clear()
     return faults
 
   def fragment_values(self, p: int) -> dict[str, np.ndarray]:
