@@ -28,7 +28,11 @@ REJECT_WRONG_SHAPE = "wrong_shape"
 REJECT_WRONG_DTYPE = "wrong_dtype"
 REJECT_NON_FINITE = "non_finite"
 REJECT_BAD_COUNTERS = "bad_counters"
-REJECT_BAD_TIME = "bad_time"
+REJECT_BAD_TIME = "bad_time"  # a time field that is not a number at all
+# A time that is a number but no usable measurement (NaN, inf, negative, over a week) is not a
+# reason to drop a delivery's progress: DESIGN 2.4 says such measurements are ignored. The
+# syncer counts them under this word (`Syncer.ignored`) and leaves them out of its EMAs.
+IGNORED_TIME = "bad_time_ignored"
 REJECT_TOO_LARGE = "too_large"  # a delivery's values alone exceed MAX_NORM
 REJECT_OVERFLOW = "overflow"  # merging it could take G or the momentum past MAX_NORM
 REJECT_BAD_HEARTBEAT = "bad_heartbeat"
@@ -51,11 +55,15 @@ def is_count(x: Any, low: int) -> bool:
           and low <= x <= MAX_COUNTER)
 
 
+def is_number(x: Any) -> bool:
+  """A real number (int or float, not a bool), of any value."""
+  return (isinstance(x, (int, float, np.floating, np.integer))
+          and not isinstance(x, (bool, np.bool_)))
+
+
 def is_duration(x: Any) -> bool:
   """A usable time measurement: a real number, finite, in [0, MAX_DURATION_S]."""
-  return (isinstance(x, (int, float, np.floating, np.integer))
-          and not isinstance(x, (bool, np.bool_)) and math.isfinite(x)
-          and 0.0 <= x <= MAX_DURATION_S)
+  return is_number(x) and math.isfinite(x) and 0.0 <= x <= MAX_DURATION_S
 
 
 def sum_of_squares(x: np.ndarray) -> float:
@@ -90,7 +98,7 @@ def check_payload(payload: Any, fragments: list[list[str]],
           and is_count(payload.tokens, 0) and is_count(payload.base_version, -1)
           and (payload.tokens > 0 or payload.steps == 0)):  # steps without tokens
     return REJECT_BAD_COUNTERS
-  if not (is_duration(payload.transit_s) and is_duration(payload.lead_s)):
+  if not (is_number(payload.transit_s) and is_number(payload.lead_s)):
     return REJECT_BAD_TIME
   if (not isinstance(payload.tensors, dict) or payload.kind not in ("values", "delta")
       or set(payload.tensors) != set(fragments[payload.fragment])):

@@ -80,6 +80,7 @@ class Syncer:
     self._departed: dict[int, int] = {}  # learner -> incarnation that left with deliveries
     self._delta_pool: dict[tuple, np.ndarray] = {}
     self.rejections: collections.Counter = collections.Counter()
+    self.ignored: collections.Counter = collections.Counter()  # unusable measurements
     # Malformed deliveries and those whose ingestion or merge raised: (fragment, learner,
     # incarnation, local_step, reason, detail), for the runtime to quarantine (`take_faults`;
     # bounded, since the single-controller runtime never takes them).
@@ -132,6 +133,8 @@ class Syncer:
       self._step_ema[beat.learner] = policy.Ema(self.policy.ema_decay)
     if _is_duration(beat.step_time) and beat.step_time > 0:
       self._step_ema[beat.learner] = self._step_ema[beat.learner].update(beat.step_time)
+    elif not _is_duration(beat.step_time):
+      self.ignored[intake.IGNORED_TIME] += 1
     self.registry[beat.learner] = policy.LearnerStatus(
         learner_id=beat.learner, incarnation=beat.incarnation, last_heartbeat=beat.time,
         step_time=self._step_ema[beat.learner].value)
@@ -192,6 +195,8 @@ class Syncer:
       self._faults.append((payload.fragment, payload.learner, payload.incarnation,
                            payload.local_step, problem, "failed the syncer's intake checks"))
       return
+    if not (_is_duration(payload.transit_s) and _is_duration(payload.lead_s)):
+      self.ignored[intake.IGNORED_TIME] += 1  # left out of the EMAs where they are used
     if self._keep_history and payload.base_version not in self._history[p]:
       self._reject(payload, policy.REJECT_STALE, now)
       return
@@ -452,4 +457,5 @@ class Syncer:
   def state_summary(self) -> dict[str, Any]:
     return {"rounds": self.rounds, "last_quorum": self.last_quorum,
             "learners_per_round": self._admitted_here / max(self._closed_here, 1),
-            "last_grace_s": self.last_grace, "rejected": dict(self.rejections)}
+            "last_grace_s": self.last_grace, "rejected": dict(self.rejections),
+            "ignored": dict(self.ignored)}

@@ -78,7 +78,7 @@ def _plant(store_root):
   # Bad-input kinds are generated here, at planting time: nothing read from the repository.
   huge = {k: np.full_like(v, 3e38) for k, v in values.items()}
   put(values, "bad_counters", marker("steps", "1e400"))
-  put(values, "bad_time", marker("transit_s", "NaN"))
+  put(values, "bad_time", marker("transit_s", '"soon"'))
   put(values, "bad_metadata", escape)
   put(values, "oversize", pad)
   put(huge, "too_large")

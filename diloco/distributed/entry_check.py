@@ -60,8 +60,8 @@ def marker_fields(meta: Any, what: str) -> dict[str, Any]:
     raise StoreError(BAD_COUNTERS, f"{what}: counters {bad or ['base_version']} are not "
                      f"integers in range ({ {k: meta[k] for k in bad} })")
   times = {"transit_s": meta["transit_s"], "lead_s": meta.get("lead_s", 0.0)}
-  if not all(intake.is_duration(t) for t in times.values()):
-    raise StoreError(BAD_TIME, f"{what}: times {times} are not durations in seconds")
+  if not all(intake.is_number(t) for t in times.values()):  # unusable values: the syncer's
+    raise StoreError(BAD_TIME, f"{what}: times {times} are not numbers of seconds")
   kind, paths, quant = meta["kind"], meta["paths"], meta["quantization"]
   if (kind not in ("values", "delta") or not isinstance(paths, list)
       or not all(isinstance(p, str) for p in paths)):
