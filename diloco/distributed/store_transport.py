@@ -331,6 +331,7 @@ class SyncerStoreLink:
     # A name released earlier may still be listed by a listing that began before its delete
     # finished; once a listing no longer holds it, no later one will (names are unique).
     self._released.intersection_update(listed)
+    self._quarantining = {n: why for n, why in self._quarantining.items() if n in self._released}
     for name in listed:
       if name in self._released:
         if not self._deleter.queued(name):  # its delete failed, or raced this listing
