@@ -366,3 +366,21 @@ def test_an_entry_whose_read_raises_is_quarantined_and_the_link_survives(tmp_pat
   assert [p.local_step for p in payloads] == [8] and os.path.exists(good)
   assert [(r.name, r.reason) for r in rejected] == [(bad.name, "read_error")]
   assert "RecursionError" in store.quarantined()[bad.name]["detail"]
+
+
+def test_a_quarantine_cut_short_by_a_crash_is_finished_and_keeps_its_first_reason(tmp_path):
+  """A syncer that died between moving the data and moving the marker leaves a listed marker
+  without data: the next syncer quarantines it again, keeping the original reason."""
+  store, link = _store_with_link(tmp_path)
+  entry = _put(store, tmp_path, 4)
+  # The first two steps of `Store.quarantine_payload`, as the dead syncer left them.
+  os.mkdir(tmp_path / "quarantine")
+  store.write_json(f"quarantine/{entry.name}.reason.json",
+                   {"reason": "too_large", "detail": "", "time": 0.0})
+  os.rename(entry, tmp_path / "quarantine" / entry.name)
+  _, payloads, rejected, _ = link.poll(1.0)
+  link.close()
+  assert payloads == [] and [r.reason for r in rejected] == ["unreadable"]
+  assert store.quarantined()[entry.name]["reason"] == "too_large"
+  assert store.committed_payloads() == []
+  assert os.path.exists(tmp_path / "quarantine" / f"{entry.name}.json")

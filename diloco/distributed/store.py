@@ -294,8 +294,9 @@ class Store:
       raise ValueError(f"store: not a payload name {name!r}")
     folder = self.root / "quarantine"
     folder.mkdir(parents=True, exist_ok=True)
-    self.write_json(f"quarantine/{name}.reason.json",
-                    {"reason": reason, "detail": detail[:2000], "time": time.time()})
+    if not (folder / f"{name}.reason.json").exists():  # a half-moved entry keeps its first why
+      self.write_json(f"quarantine/{name}.reason.json",
+                      {"reason": reason, "detail": detail[:2000], "time": time.time()})
     for rel in (name, f"{name}.json"):
       source, target = self.root / "payloads" / rel, folder / rel
       if not source.exists():

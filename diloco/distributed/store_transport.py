@@ -368,8 +368,8 @@ class SyncerStoreLink:
     return beats, payloads, rejected, left
 
   def quarantine(self, faults: list[tuple]) -> None:
-    """Moves held deliveries whose ingestion or merge raised (`Syncer.take_faults`) to the
-    store's quarantine, so that no syncer reads them again."""
+    """Moves held deliveries that the syncer found malformed or whose ingestion or merge
+    raised (`Syncer.take_faults`) to the store's quarantine, so no syncer reads them again."""
     for fragment, learner, incarnation, local_step, reason, detail in faults:
       key = (fragment, learner, incarnation, local_step)
       for name in [n for n, ids in self._held.items() if ids == key]:

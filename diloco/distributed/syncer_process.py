@@ -228,7 +228,7 @@ def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list
   for r in rejected:
     syncer.reject(r.fragment, r.learner, r.incarnation, r.reason, r.nbytes, now)
   merged, deadline = syncer.tick(now, beats, payloads)
-  link.quarantine(syncer.take_faults())  # deliveries whose ingestion or merge raised
+  link.quarantine(syncer.take_faults())  # malformed deliveries, or ones that raised
   # After the tick: the deliveries a learner flushed before leaving are merged, not rejected.
   for learner, incarnation in left:
     syncer.forget(learner, incarnation)
