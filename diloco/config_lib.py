@@ -157,6 +157,10 @@ class SyncConfig:
   # A learner whose round is not merged tau steps after its delivery waits for it (False:
   # it trains on and applies the merge when it comes).
   block_on_late_round: bool = True
+  # Deliveries a learner may have on their way (copied off its devices, not yet uploaded)
+  # before its next delivery waits for the oldest: bounds the host and device memory a slow
+  # link can pin. The wait is recorded as "wait" activity (not useful time).
+  send_queue: int = 8
 
 
 @_frozen
@@ -474,6 +478,7 @@ def _validate_diloco(cfg: Config) -> None:
   _check(s.gamma >= 0, "sync.gamma", f"must be >= 0 (0 disables grace), got {s.gamma}")
   _check(s.heartbeat_timeout_s > 0, "sync.heartbeat_timeout_s", "must be > 0")
   _check(s.max_staleness >= 0, "sync.max_staleness", "must be >= 0")
+  _check(s.send_queue >= 1, "sync.send_queue", f"must be >= 1, got {s.send_queue}")
   _check(0 <= s.mixing_alpha < 1, "sync.mixing_alpha", "must be in [0, 1) (0 = overwrite)")
   _check(o.learning_rate > 0, "outer.learning_rate", f"must be > 0, got {o.learning_rate}")
   _check(0 <= o.momentum < 1, "outer.momentum", f"must be in [0, 1), got {o.momentum}")

@@ -76,7 +76,7 @@ def runtime_tokens_per_s(cfg: config_lib.Config, warmup: int, step_fn) -> tuple[
       rt.slots[0].step_fn = step_fn
     ThreadedDriver(rt, on_eval=lambda now: 0.0, on_step=lambda slot: None).run()
     rt.recorder.close()
-    spans = sorted((a for a in rt.recorder.activity if a["kind"] == "step"),
+    spans = sorted((a for a in rt.recorder.activity() if a["kind"] == "step"),
                    key=lambda a: a["local_step"])
     if len(spans) != cfg.train.steps:
       raise RuntimeError(f"expected {cfg.train.steps} step spans, got {len(spans)}")

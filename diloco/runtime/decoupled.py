@@ -52,9 +52,8 @@ class Status:
       self._tokens[slot.index] = (now, step)
       parts.append(f"L{slot.index} {slot.status} s{step} {rate:,.0f}tok/s")
     s = self.rt.syncer
-    tape = list(self.rt.recorder.tape)
-    goodput = accounting.goodput(tape, list(self.rt.recorder.activity),
-                                 self.rt.plan.num_fragments)
+    tape, activity = self.rt.recorder.recent()  # a window: all of a short run's records
+    goodput = accounting.goodput(tape, activity, self.rt.plan.num_fragments)
     stats = accounting.round_stats(tape)
     return (" | ".join(parts) + f" || syncer: rounds {s.rounds}, learners/round "
             f"{stats['mean_learners']:.2f} (last {s.last_quorum}), grace {s.last_grace:.2f}s, "
@@ -125,6 +124,7 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
   status = Status(rt, cfg.log.progress_every_s)
   written: dict[int, int] = {}
   points, merged = run_checkpoint.ResumePoints(), run_checkpoint.MergedSteps()
+  rt.recorder.follow(merged.add)
   every = cfg.checkpoint.every_rounds
   virtual = cfg.learners.virtual_clock
   driver_cls = VirtualDriver if virtual else ThreadedDriver
@@ -198,7 +198,8 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
       for w in learner_writers.values():
         w.close()
     status.maybe_print(force=True)
-    print(accounting.fidelity_line(rt.recorder.tape), flush=True)
+    tape = rt.recorder.tape()
+    print(accounting.fidelity_line(tape), flush=True)
     summary = accounting.summary(workdir, num_fragments=rt.plan.num_fragments,
                                  num_params=rt.num_params)
     summary.update({"eval/loss": final, "eval/initial_loss": initial,
@@ -213,7 +214,7 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
   records = metrics_lib.read_metrics(os.path.join(workdir, metrics_lib.METRICS_FILE))
   metrics_lib.plot_loss(records, os.path.join(workdir, "loss.png"),
                         title=f"Decoupled DiLoCo, M={cfg.learners.count}, {cfg.model.name}")
-  timeline.plot_timeline(rt.recorder.tape, rt.recorder.activity,
+  timeline.plot_timeline(tape, rt.recorder.activity(),
                          os.path.join(workdir, "timeline.png"),
                          title=f"M={cfg.learners.count}, K={cfg.sync.quorum or 'M'}, "
                                f"P={rt.plan.num_fragments}, H={cfg.sync.period}")

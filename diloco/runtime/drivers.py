@@ -231,6 +231,7 @@ class ThreadedDriver:
     steps = self.cfg.train.steps
     while not stop.is_set() and learner.local_step < steps and not self._done.is_set():
       self.rt.align_schedule(slot)
+      send_wait = learner.send_wait_s
       learner.step(self.now(), step_time)
       measured = self.now() - previous
       extra = pacing_wait(measured, self.rt.step_duration(slot),
@@ -239,8 +240,12 @@ class ThreadedDriver:
         break
       end = self.now()
       step_time = end - previous
-      self.rt.recorder.span(slot, "step", previous, end, local_step=learner.local_step,
-                            tokens=learner.tokens_per_step)
+      # Time the step waited for room to send (backpressure) is waiting, not training.
+      stalled = min(learner.send_wait_s - send_wait, step_time)
+      self.rt.recorder.span(slot, "step", previous, end - stalled,
+                            local_step=learner.local_step, tokens=learner.tokens_per_step)
+      if stalled > 1e-3:
+        self.rt.recorder.span(slot, "wait", end - stalled, end)
       self.on_step(slot)
       blocked = learner.sync_point()
       waited_from = self.now()
