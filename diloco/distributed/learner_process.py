@@ -102,6 +102,12 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   origin = store.run_start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   joined_at = clock()
+  # It starts from every version published before it joined, or a newer one: the index read
+  # now names them (its poller may not have fetched the newest yet).
+  published = hosts.share("published", lambda: {str(p): v for p, v in
+                                                store.merged_index().items()})
+  link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s,
+                     {int(p): v for p, v in published.items()})
 
   ckpt = checkpoint_lib.Checkpointer(str(store.learner_dir(learner_id)), cfg.checkpoint)
   learner = Learner(learner_id=learner_id, incarnation=incarnation, num_groups=shards, cfg=cfg,

@@ -113,16 +113,20 @@ class LearnerStoreLink:
     self.bytes_applied += nbytes
 
   # Process life cycle.
-  def wait_initial(self, num_fragments: int, timeout: float) -> None:
-    """Blocks until every fragment has a published version (the syncer is up)."""
+  def wait_initial(self, num_fragments: int, timeout: float,
+                   min_versions: dict[int, int] | None = None) -> None:
+    """Blocks until every fragment has a published version (the syncer is up), at least
+    `min_versions[p]` where given."""
+    floor = min_versions or {}
     with self._cond:
       ok = self._cond.wait_for(lambda: self._error is not None or all(
-          p in self._merged for p in range(num_fragments)), timeout)
+          p in self._merged and self._merged[p].version >= floor.get(p, 0)
+          for p in range(num_fragments)), timeout)
     self._check()
     if not ok:
-      raise TimeoutError(f"learner {self.learner}: no merged fragments appeared in "
-                         f"{self.store.root}/merged within {timeout:.0f} s; is the syncer "
-                         "running on this store?")
+      raise TimeoutError(f"learner {self.learner}: no merged fragments (at versions {floor}) "
+                         f"appeared in {self.store.root}/merged within {timeout:.0f} s; is the "
+                         "syncer running on this store?")
 
   def flush(self, timeout: float = 600.0) -> None:
     """Waits until every queued delivery is committed to the store."""
