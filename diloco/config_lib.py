@@ -89,6 +89,11 @@ class TrainConfig:
   # Evaluate every this many steps (0 = only at the end), on `eval_batches` held-out batches.
   eval_every: int = 50
   eval_batches: int = 4
+  # Where the global model is evaluated, never on the merge path: "background" (a thread of
+  # the runtime: the syncer process's host in the multi-process runtime), "process" (the
+  # multi-process runtime's own evaluator process, on its own devices, reading published
+  # versions from the store: the choice for large models) or "off" (no global evaluation).
+  eval_mode: str = "background"
   # Start from these parameters instead of a fresh init: an export (WORKDIR/export or a
   # workdir that has one), a data-parallel checkpoint (WORKDIR/checkpoints[/STEP]) or a
   # durable run's checkpoint (WORKDIR/run_checkpoints[/STEP]). Fresh optimizer state; a
@@ -422,6 +427,8 @@ def validate(cfg: Config) -> None:
   _check(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
   _check(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = only at the end)")
   _check(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")
+  _check(t.eval_mode in EVAL_MODES, "train.eval_mode",
+         f"must be one of {EVAL_MODES}, got {t.eval_mode!r}")
   _check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 = off)")
   _check(cfg.checkpoint.every_rounds >= 0, "checkpoint.every_rounds", "must be >= 0 (0 = off)")
   _check(cfg.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
@@ -430,11 +437,19 @@ def validate(cfg: Config) -> None:
 
 
 FRAGMENT_SCHEMES = ("balanced", "layer", "tensor")
+EVAL_MODES = ("background", "process", "off")
 WEIGHT_SCHEMES = ("tokens2_per_step", "uniform", "tokens")
 MERGE_METHODS = ("rda", "mean")
 ANCHORS = ("syncer", "base")
 STALE_RULES = ("paper", "rebase")
 QUANTIZE_BITS = (0, 16, 8, 4, 2, 1)
+
+
+def check_in_process_eval(cfg: Config, runtime: str) -> None:
+  """`train.eval_mode="process"` needs the multi-process runtime's evaluator process."""
+  _check(cfg.train.eval_mode != "process", "train.eval_mode",
+         f"'process' is the multi-process runtime's (--role=launch); the {runtime} evaluates "
+         "in its own process: use 'background' or 'off'")
 
 
 def parse_floats(text: str, field: str) -> list[float]:

@@ -35,11 +35,13 @@ from diloco.observe.accounting import span_record
 from diloco.train import data as data_lib
 
 LAUNCHER_ACTIVITY = "launcher.jsonl"
+EVALUATOR = -2  # the evaluator process's key in `Launcher.procs`
 
 
 @dataclasses.dataclass
 class Proc:
-  """One supervised learner, as one process per host, or the syncer (learner -1)."""
+  """One supervised learner, as one process per host, or the syncer (learner -1), or the
+  evaluator (learner -2)."""
   name: str
   learner: int
   devices: int  # per process
@@ -79,6 +81,8 @@ class Launcher:
     self.rng = np.random.default_rng([cfg.seed, 104729])
     sizes = [int(x) for x in parse_floats(cfg.learners.devices, "learners.devices")]
     self.procs = {-1: Proc("syncer", -1, 1)}
+    if cfg.train.eval_mode == "process":  # the global eval, off the syncer (evaluator.py)
+      self.procs[EVALUATOR] = Proc("evaluator", EVALUATOR, 1)
     hosts = cfg.launch.hosts_per_learner
     for m in range(self.max_learners):
       devices = sizes[m] if m < len(sizes) else cfg.launch.devices_per_learner
@@ -97,6 +101,8 @@ class Launcher:
   def _command(self, proc: Proc, host: int, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "diloco.main", f"--config_json={self.config_json}",
            f"--workdir={self.workdir}", f"--store={self.store_root}"]
+    if proc.learner == EVALUATOR:
+      return cmd + ["--role=evaluator"]
     if proc.learner < 0:
       return cmd + ["--role=syncer"]
     cmd += ["--role=learner", f"--learner_id={proc.learner}"]
@@ -228,6 +234,8 @@ class Launcher:
     cfg = self.cfg
     self._continue_at: list[tuple[float, Proc]] = []
     self.start(self.procs[-1])
+    if EVALUATOR in self.procs:
+      self.start(self.procs[EVALUATOR])
     for m in range(cfg.learners.count):
       self.start(self.procs[m])
     pending = list(self.events)
@@ -271,10 +279,25 @@ class Launcher:
       if syncer.state != "done":
         raise RuntimeError("the syncer did not stop within 300 s of stop.json; see "
                            f"{self.workdir}/logs/syncer.log")
+      self._wait_for_evaluator()
     finally:
       self.shutdown()
     print(self.status_line(), flush=True)
     return self.finish()
+
+  def _wait_for_evaluator(self) -> None:
+    """The evaluator process evaluates the final versions once the syncer has stopped."""
+    proc = self.procs.get(EVALUATOR)
+    if proc is None:
+      return
+    while proc.state != "done":
+      if self.now() > self.cfg.launch.timeout_s:
+        raise TimeoutError("the evaluator did not finish its final evaluation within "
+                           f"launch.timeout_s; see {self.workdir}/logs/evaluator.log")
+      self._reap()
+      if proc.state == "waiting" and proc.restart_at <= self.now():
+        self.start(proc)
+      time.sleep(0.1)
 
   def _all_stepping(self) -> bool:
     beats = self.store.heartbeats()

@@ -18,7 +18,7 @@ import time
 import jax
 from absl import logging
 
-from diloco.config_lib import Config
+from diloco.config_lib import Config, check_in_process_eval
 from diloco.model.sharding import batch_sharding
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
@@ -90,6 +90,7 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
 def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
          ) -> tuple[Runtime, dict[str, float]]:
   tracking.check(cfg.log)
+  check_in_process_eval(cfg, "single-controller runtime")
   snapshot = ckpt.load()
   if snapshot is not None:
     run_checkpoint.check_resumable(snapshot, cfg, workdir)
@@ -132,7 +133,9 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
   def progress() -> int:
     return max(s.learner.local_step if s.learner else s.resume.local_step for s in rt.slots)
 
-  def on_eval(now: float) -> float:
+  def on_eval(now: float) -> float | None:
+    if cfg.train.eval_mode == "off":
+      return None
     loss = rt.evaluate(eval_set)
     if not math.isfinite(loss):
       raise FloatingPointError(f"global eval/loss is {loss} at t={now:.1f}s")

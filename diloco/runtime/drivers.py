@@ -187,6 +187,8 @@ class ThreadedDriver:
     self._failed: queue.SimpleQueue = queue.SimpleQueue()  # (slot, since) to restart
     self._cohort: set[int] = set()  # initial learners that have not passed the gang start
     self._gang = threading.Barrier(1)
+    self._eval: threading.Thread | None = None
+    self.evals_skipped = 0
 
   def now(self) -> float:
     return time.monotonic() - self._t0
@@ -331,7 +333,7 @@ class ThreadedDriver:
       progress = max((s.resume.local_step if s.learner is None else s.learner.local_step)
                      for s in self.rt.slots)
       if next_eval and progress >= next_eval:
-        self.on_eval(self.now())  # copies G under the lock, evaluates without it
+        self._evaluate_in_background()
         next_eval += cfg.train.eval_every
       if all(s.status in ("idle", "retired", "done") for s in self.rt.slots) and not returns \
           and self._failed.empty():
@@ -341,8 +343,22 @@ class ThreadedDriver:
     syncer.join()
     for thread in self._threads.values():
       thread.join()
+    if self._eval is not None:
+      self._eval.join()
     if self._errors:
       raise self._errors[0]
+
+  def _evaluate_in_background(self) -> None:
+    """The periodic global eval on a thread of its own (it copies G under the lock and
+    evaluates without it): neither merges nor this loop's faults and restarts wait for it.
+    One at a time: an eval due while the previous one runs is skipped (counted)."""
+    if self._eval is not None and self._eval.is_alive():
+      self.evals_skipped += 1
+      logging.warning("the global eval is still running: the one due now is skipped")
+      return
+    self._eval = threading.Thread(target=self._guard, args=(self.on_eval, self.now()),
+                                  daemon=True, name="eval")
+    self._eval.start()
     messages = self.rt.transport.take()
     with self.rt.lock:
       self.rt.syncer.tick(self.now(), *messages)
