@@ -29,7 +29,7 @@ from diloco.train import step as train_step
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 5 layers of pattern "LG": two scanned groups of (L, G) and one local layer left over; a
 # window of 6 over 20 tokens, so that the local layers really differ from the global ones.
-_BASE = dict(num_layers=5, attention_pattern="LG", sliding_window=6)
+_BASE = {"num_layers": 5, "attention_pattern": "LG", "sliding_window": 6}
 
 
 def _cfg(preset="tiny", **overrides):
@@ -40,7 +40,7 @@ def _tokens(batch=2, length=20, seed=1):
   return jax.random.randint(jax.random.key(seed), (batch, length), 0, 259)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(cfg, batch=2, length=20, packed=False):
   """`_loss_and_grads` on fixed tokens, cached: the baselines are shared between cases."""
   tokens = _tokens(batch, length)
@@ -110,7 +110,7 @@ def _packed_positions(batch, length):
 @pytest.mark.parametrize("kv_heads, packed", [(2, False), (1, True), (4, False), (2, True)])
 def test_fused_attention_matches_reference(kv_heads, packed):
   # query_pre_attn_scalar other than head_dim: Gemma's scaling must go through `scale=`.
-  common = dict(num_kv_heads=kv_heads, query_pre_attn_scalar=64.0)
+  common = {"num_kv_heads": kv_heads, "query_pre_attn_scalar": 64.0}
   loss0, logits0, grads0, jaxpr0 = _run(_cfg(**common), packed=packed)
   loss, logits, grads, jaxpr = _run(_cfg(attention_impl="xla", **common), packed=packed)
   assert jaxpr != jaxpr0  # a different program computes the same function
@@ -147,7 +147,7 @@ def _cosine(a, b):
 def test_bf16_compute_is_close_to_fp32_with_fp32_grads(impl, scan):
   """bf16 compute over fp32 parameters: loss within 1% and every gradient tensor within
   cosine 0.99 and norm 5% of the fp32 run; logits and gradients are float32."""
-  loss32, logits32, grads32, _ = _run(_cfg(attention_impl=impl), 4, 33)
+  loss32, _, grads32, _ = _run(_cfg(attention_impl=impl), 4, 33)
   loss16, logits16, grads16, jaxpr = _run(
       _cfg(dtype="bfloat16", attention_impl=impl, scan_layers=scan), 4, 33)
   assert "bf16" in jaxpr
@@ -230,3 +230,60 @@ def test_accelerator_presets_turn_the_switches_on():
   tiny = model_presets.get("tiny")
   assert (tiny.dtype, tiny.scan_layers, tiny.remat, tiny.attention_impl) == (
       "float32", False, "none", "reference")
+
+
+def test_peak_table_matches_device_kinds_and_unknown_is_none():
+  sys.path.insert(0, os.path.join(REPO, "scripts"))
+  try:
+    import bench_train_step as bench
+  finally:
+    sys.path.pop(0)
+  assert bench.peak_flops_per_device("NVIDIA H100 80GB HBM3") == 989.4e12
+  assert bench.peak_flops_per_device("NVIDIA H100 PCIe") == 756e12
+  assert bench.peak_flops_per_device("NVIDIA H200") == 989.4e12
+  assert bench.peak_flops_per_device("NVIDIA A100-SXM4-80GB") == 312e12
+  assert bench.peak_flops_per_device("TPU v5 lite") == 197e12
+  assert bench.peak_flops_per_device("TPU v5p") == 459e12
+  assert bench.peak_flops_per_device("TPU v6 lite") == 918e12
+  assert bench.peak_flops_per_device("TPU v4") == 275e12
+  assert bench.peak_flops_per_device("cpu") is None
+
+
+def test_train_step_has_no_host_round_trips(tiny_config, replace):
+  """Nothing in the compiled step waits on the host: no callbacks, infeed/outfeed, send/recv
+  (the CPU check of what a GPU profile would show as device idle time inside the step)."""
+  model_cfg = dataclasses.replace(tiny_config.model, scan_layers=True, remat="full",
+                                  attention_impl="xla", dtype="bfloat16", num_layers=4)
+  cfg = replace(tiny_config, "model", **dataclasses.asdict(model_cfg))
+  mesh = mesh_lib.learner_mesh(jax.devices()[:2], config_lib.MeshConfig(data=1, fsdp=2))
+  spec = train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, 10), mesh)
+  step_fn = train_step.make_train_step(spec, cfg.optim, optim.lr_schedule(cfg.optim, 10))
+  with jax.set_mesh(mesh):
+    batch = jax.ShapeDtypeStruct((4, cfg.data.seq_len + 1), jnp.int32,
+                                 sharding=batch_sharding(mesh))
+    text = step_fn.lower(spec.abstract, batch).compile().as_text()
+  assert "while" in text  # the scanned layers
+  for op in ("callback", "infeed", "outfeed", " send(", " recv("):
+    assert op not in text, op
+
+
+@pytest.mark.slow
+def test_bench_train_step_prints_mfu_json_on_cpu():
+  env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  out = subprocess.run(
+      [sys.executable, os.path.join(REPO, "scripts", "bench_train_step.py"), "--preset=tiny",
+       "--steps=2", "--batch_size=2", "--seq_len=32", "--matmul_size=128", "--dtype=bfloat16",
+       "--scan_layers=true", "--remat=dots_saveable", "--attention_impl=auto",
+       "--num_layers=4"],
+      capture_output=True, text=True, env=env, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  row = json.loads(out.stdout.strip().splitlines()[-1])
+  assert row["backend"] == "cpu" and row["device_kind"] == "cpu"
+  assert row["mfu"] is None and row["peak_flops_per_s"] is None  # cpu is not in the table
+  assert (row["dtype"], row["scan_layers"], row["remat"], row["attention_resolved"]) == (
+      "bfloat16", True, "dots_saveable", "xla")
+  assert row["seq_len"] == 32 and row["num_layers"] == 4 and row["host_ops"] == []
+  assert row["tokens_per_s"] > 0 and 0 < row["mfu_vs_bf16_matmul"] and row["compile_s"] > 0
+  # tokens/s and MFU are the same measurement in two units.
+  flops = row["model_flops_per_token"] * row["tokens_per_s"]
+  assert flops == pytest.approx(row["model_flops_per_s"], rel=1e-3)

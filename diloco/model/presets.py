@@ -17,7 +17,8 @@ _BYTE_VOCAB = 384
 _GEMMA_VOCAB = 262_144
 # How the accelerator-sized presets run: bf16 compute over fp32 master weights, layers scanned
 # and rematerialised, fused attention where the backend has it.
-_ACCELERATOR = dict(dtype="bfloat16", remat="full", scan_layers=True, attention_impl="auto")
+_ACCELERATOR = {"dtype": "bfloat16", "remat": "full", "scan_layers": True,
+                "attention_impl": "auto"}
 
 _PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(

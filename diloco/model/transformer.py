@@ -131,7 +131,8 @@ class Attention(nnx.Module):
       window = (self.window - 1, 0) if self.local else None
     else:
       mask, causal, window = self._mask_BLS(positions_BL)[:, None], False, None
-    kwargs = dict(mask=mask, scale=self.scale, is_causal=causal, local_window_size=window)
+    kwargs = {"mask": mask, "scale": self.scale, "is_causal": causal,
+              "local_window_size": window}
     impl = resolve_attention_impl(self.impl, self.dtype)
     if impl == "cudnn" and self.impl == "auto":
       try:
