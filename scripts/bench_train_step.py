@@ -146,7 +146,7 @@ def host_ops(compiled) -> list[str]:
   """Instructions of the compiled step that involve the host (callbacks, feeds, send/recv)."""
   try:
     text = compiled.as_text()
-  except Exception:  # some backends cannot print the executable; say so rather than guess
+  except (NotImplementedError, RuntimeError):  # a backend that cannot print it: say so
     return ["<HLO text unavailable>"]
   return sorted({m.group(0) for m in _HOST_OPS.finditer(text or "")})
 
