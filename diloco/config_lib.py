@@ -19,7 +19,7 @@ import ml_collections
 
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
-from diloco.model.config import ModelConfig
+from diloco.model.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
 
 
 def _frozen(cls):
@@ -404,6 +404,13 @@ def validate(cfg: Config) -> None:
   for field in ("dtype", "param_dtype"):
     _check(getattr(m, field) in DTYPES, f"model.{field}",
            f"must be one of {DTYPES}, got {getattr(m, field)!r}")
+  _check(m.remat in REMAT_POLICIES, "model.remat",
+         f"must be one of {REMAT_POLICIES}, got {m.remat!r}")
+  _check(m.attention_impl in ATTENTION_IMPLS, "model.attention_impl",
+         f"must be one of {ATTENTION_IMPLS}, got {m.attention_impl!r}")
+  if m.attention_impl == "cudnn":
+    _check(m.dtype == "bfloat16", "model.attention_impl",
+           f"'cudnn' needs model.dtype='bfloat16', got {m.dtype!r} (use 'auto' or 'xla')")
 
   validate_data(cfg.data)
 
