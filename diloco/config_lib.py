@@ -9,7 +9,6 @@ the field and what it may be.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import importlib.util
 import math
 import os
@@ -20,6 +19,7 @@ import ml_collections
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
 from diloco.model.config import ModelConfig
+from diloco.train import storage
 
 
 def _frozen(cls):
@@ -369,8 +369,8 @@ def validate_data(d: DataConfig) -> None:
   _check(d.prefetch >= 0, "data.prefetch", "must be >= 0")
   if d.source != "stdlib":
     _check(bool(d.path), "data.path", f"is required when data.source={d.source!r}")
-    _check(os.path.isdir(d.path) or bool(glob.glob(d.path)), "data.path",
-           f"no directory or files match {d.path!r}")
+    # Names only (a directory, a glob's matches), local or gs://...: nothing is read here.
+    _check(storage.matches(d.path), "data.path", f"no directory or files match {d.path!r}")
   _check(bool(d.text_key), "data.text_key", "must name the text field or column")
   _check(bool(d.split), "data.split", "must name a split, e.g. 'train'")
   if d.tokenizer != "byte":
