@@ -35,11 +35,20 @@ def _fake_gpus(directory, count: int) -> str:
   return str(directory)
 
 
+def _fake_cuda_plugin(directory, monkeypatch) -> None:
+  """An importable `jax_cuda12_plugin` package (the launcher only looks for it, never loads it)."""
+  (directory / "jax_cuda12_plugin").mkdir(parents=True)
+  (directory / "jax_cuda12_plugin" / "__init__.py").write_text("")
+  monkeypatch.syspath_prepend(str(directory))
+
+
 @pytest.fixture
 def gpu_host(tmp_path, monkeypatch):
-  """An 8-GPU host as the launcher sees it: nvidia-smi lists 8, no JAX_PLATFORMS forced."""
+  """An 8-GPU host with JAX's CUDA plugin, as the launcher sees it: nvidia-smi lists 8 GPUs,
+  no JAX_PLATFORMS forced."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
+  _fake_cuda_plugin(tmp_path / "site", monkeypatch)
   monkeypatch.setenv("PATH", _fake_gpus(bin_dir, 8) + os.pathsep + os.environ["PATH"])
   monkeypatch.delenv("JAX_PLATFORMS", raising=False)
   monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -125,9 +134,19 @@ def test_cpu_stays_as_before(gpu_host, monkeypatch):
       assert env == expected
 
 
+def test_gpus_without_jax_cuda_stay_on_cpu(tmp_path, monkeypatch):
+  """GPUs but a CPU-only JAX: auto keeps the CPU; asking for cuda says what to install."""
+  monkeypatch.setenv("PATH", _fake_gpus(tmp_path, 8) + os.pathsep + os.environ["PATH"])
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  assert accelerators.detect("auto") == ("cpu", [])
+  with pytest.raises(ConfigError, match=r'^launch.platform=cuda: .*pip install -e "\.\[cuda\]"'):
+    accelerators.detect("cuda")
+
+
 def test_platforms_without_devices_fail_clearly(tmp_path, monkeypatch):
   monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi at all
   monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  _fake_cuda_plugin(tmp_path / "site", monkeypatch)
   with pytest.raises(ConfigError, match="^launch.platform=cuda: this host shows no cuda"):
     accelerators.detect("cuda")
   monkeypatch.delenv("JAX_PLATFORMS", raising=False)

@@ -39,6 +39,14 @@ def _nvidia_smi_gpus(run: Callable[..., subprocess.CompletedProcess]) -> list[st
   return [m.group(1) for m in re.finditer(r"^GPU (\d+):", out.stdout, re.MULTILINE)]
 
 
+def _cuda_plugin() -> bool:
+  """Whether JAX's CUDA plugin (`pip install -e ".[cuda]"`) is installed: found, not imported."""
+  for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"):
+    if importlib.util.find_spec(name) is not None:
+      return True
+  return False
+
+
 def _tpu_chips() -> list[str]:
   """Chip indices of this TPU VM: /dev/accelN (v4) or /dev/vfio/N (v5e, v5p, v6e)."""
   if importlib.util.find_spec("libtpu") is None:
@@ -57,8 +65,9 @@ def detect(platform: str, environ: Mapping[str, str] = os.environ,
   """The platform to launch on and the ids of its devices on this host (none for cpu).
 
   `auto` follows `JAX_PLATFORMS` when it is set (its first entry), else uses the GPUs that
-  `nvidia-smi` lists, else the chips of a TPU VM, else the CPU. GPUs already restricted
-  with `CUDA_VISIBLE_DEVICES` (TPU chips with `TPU_VISIBLE_CHIPS`) are the ones split.
+  `nvidia-smi` lists if JAX's CUDA plugin is installed, else the chips of a TPU VM, else the
+  CPU. GPUs already restricted with `CUDA_VISIBLE_DEVICES` (TPU chips with
+  `TPU_VISIBLE_CHIPS`) are the ones split.
   """
   if platform not in PLATFORMS:
     raise ConfigError(f"launch.platform: must be one of {PLATFORMS}, got {platform!r}")
@@ -69,7 +78,7 @@ def detect(platform: str, environ: Mapping[str, str] = os.environ,
       if platform not in PLATFORMS:
         raise ConfigError(f"launch.platform=auto: JAX_PLATFORMS={environ['JAX_PLATFORMS']!r} "
                           "names no platform the launcher can split (cpu, cuda, tpu)")
-    elif _nvidia_smi_gpus(run):
+    elif _nvidia_smi_gpus(run) and _cuda_plugin():
       platform = "cuda"
     elif _tpu_chips():
       platform = "tpu"
@@ -78,6 +87,9 @@ def detect(platform: str, environ: Mapping[str, str] = os.environ,
   if platform == "cpu":
     return "cpu", []
   if platform == "cuda":
+    if not _cuda_plugin():
+      raise ConfigError("launch.platform=cuda: JAX's CUDA plugin is not installed; "
+                        'pip install -e ".[cuda]"')
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     ids = _listed(visible) if visible is not None else _nvidia_smi_gpus(run)
     where = "CUDA_VISIBLE_DEVICES" if visible is not None else "nvidia-smi -L"
