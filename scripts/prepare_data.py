@@ -52,8 +52,8 @@ _MAX_BYTES = flags.DEFINE_integer("max_bytes", 8_000_000, "Cap on bytes read (0 
 _SHARDS = flags.DEFINE_integer("shards", 4, "Number of train shards.")
 _WORKERS = flags.DEFINE_integer("workers", os.cpu_count() or 1,
                                 "Tokenizer processes (0: tokenise in this process).")
-_CHUNK_MB = flags.DEFINE_float("chunk_mb", 4.0, "Megabytes of text per tokenised chunk; "
-                               "memory is about 2 x workers x chunk x 5.")
+_CHUNK_MB = flags.DEFINE_float("chunk_mb", 4.0, "Megabytes of text per tokenised chunk; the "
+                               "pipeline holds about 2 x workers x chunk x 5 (docs/data.md).")
 flags.mark_flag_as_required("out")
 
 
