@@ -361,8 +361,8 @@ def build_jobset(args: flags.FlagValues) -> dict:
     if devices.hosts > 1 and devices.platform == "cuda":
       # JAX finds a TPU slice's hosts by itself, not GPU nodes': name host 0 (the JobSet's
       # DNS host name of pod 0) and let Kubernetes put in each pod's completion index.
-      extra += [f"--coordinator_address={args.name}-learner-{i}-0-0.{args.name}:"
-                f"{COORDINATOR_PORT}", f"--num_processes={devices.hosts}",
+      coordinator = f"{args.name}-learner-{i}-0-0.{args.name}:{COORDINATOR_PORT}"
+      extra += [f"--coordinator_address={coordinator}", f"--num_processes={devices.hosts}",
                 "--process_id=$(DILOCO_HOST_INDEX)"]
     pod = {
         "restartPolicy": "Never", **account,

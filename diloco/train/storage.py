@@ -106,7 +106,7 @@ def list_files(path: str, suffixes: tuple[str, ...] = ()) -> list[str]:
 def open_file(path: str, mode: str = "rb") -> IO[Any]:
   """A local file, or a URL's object (streamed: nothing is read up front)."""
   if not is_url(path):
-    return open(path, mode, encoding=None if "b" in mode else "utf-8")  # noqa: SIM115
+    return open(path, mode, encoding=None if "b" in mode else "utf-8")
   fs, inner = _fs(path)
   return fs.open(inner, mode)
 
