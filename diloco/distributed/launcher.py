@@ -8,6 +8,11 @@ world, like the hosts of a TPU slice: a kill hits one of them, and the launcher 
 the others and restarts the learner whole (JAX would take its heartbeat timeout to notice).
 When every learner has finished or retired it stops the syncer, gathers the activity logs,
 and writes accounting.json, loss.png and timeline.png like the single-controller runtime.
+
+On a GPU host or TPU VM (`launch.platform`, `diloco.distributed.accelerators`) each learner
+gets its own group of the host's devices and the syncer stays on the CPU. SIGTERM or SIGINT to
+the launcher goes on to every process group it started; whatever has not exited after
+`launch.stop_timeout_s` is SIGKILLed, and the launcher exits 128 + the signal number.
 """
 
 from __future__ import annotations
