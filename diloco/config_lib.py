@@ -9,7 +9,6 @@ the field and what it may be.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import importlib.util
 import math
 import os
@@ -20,6 +19,7 @@ import ml_collections
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
 from diloco.model.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
+from diloco.train import storage
 
 
 def _frozen(cls):
@@ -246,7 +246,12 @@ class StoreConfig:
 @_frozen
 class LaunchConfig:
   """The local launcher (`--role=launch`): processes, restarts and the real chaos schedule."""
-  # Emulated CPU devices of each learner process (learners.devices overrides per learner).
+  # Where learner processes run: auto | cpu | cuda | tpu. auto follows JAX_PLATFORMS if set,
+  # else the GPUs `nvidia-smi -L` lists, else a TPU VM's chips, else the CPU. The syncer
+  # always runs on the CPU (docs/scale_out.md).
+  platform: str = "auto"
+  # Devices of each learner (learners.devices overrides per learner): emulated CPU devices
+  # on cpu; on cuda/tpu that many of the host's GPUs/chips, in disjoint contiguous groups.
   devices_per_learner: int = 2
   # Processes per learner: >1 rehearses a multi-host learner (one `jax.distributed` world of
   # that many processes, each with its share of the learner's devices; host 0 talks to the
@@ -270,6 +275,9 @@ class LaunchConfig:
   chaos_end_s: float = 60.0
   # The whole run is stopped (and fails) after this many seconds.
   timeout_s: float = 3600.0
+  # On SIGTERM/SIGINT the launcher forwards the signal to every process, waits this long for
+  # them to exit (learners checkpoint first), then SIGKILLs what is left.
+  stop_timeout_s: float = 60.0
 
 
 @_frozen
@@ -301,6 +309,7 @@ GROUPS = _GROUPS  # read by the command line's help (diloco/config_cli.py)
 ALL_LEARNERS = 0
 DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "datasets", "array_record")
 DTYPES = ("float32", "bfloat16")
+LAUNCH_PLATFORMS = ("auto", "cpu", "cuda", "tpu")
 
 
 def base_config(model_preset: str) -> ml_collections.ConfigDict:
@@ -369,8 +378,8 @@ def validate_data(d: DataConfig) -> None:
   _check(d.prefetch >= 0, "data.prefetch", "must be >= 0")
   if d.source != "stdlib":
     _check(bool(d.path), "data.path", f"is required when data.source={d.source!r}")
-    _check(os.path.isdir(d.path) or bool(glob.glob(d.path)), "data.path",
-           f"no directory or files match {d.path!r}")
+    # Names only (a directory, a glob's matches), local or gs://...: nothing is read here.
+    _check(storage.matches(d.path), "data.path", f"no directory or files match {d.path!r}")
   _check(bool(d.text_key), "data.text_key", "must name the text field or column")
   _check(bool(d.split), "data.split", "must name a split, e.g. 'train'")
   if d.tokenizer != "byte":
@@ -556,3 +565,6 @@ def _validate_diloco(cfg: Config) -> None:
   _check(0 <= la.chaos_start_s <= la.chaos_end_s, "launch.chaos_start_s/chaos_end_s",
          "must satisfy 0 <= start <= end")
   _check(la.timeout_s > 0, "launch.timeout_s", "must be > 0")
+  _check(la.platform in LAUNCH_PLATFORMS, "launch.platform",
+         f"must be one of {LAUNCH_PLATFORMS}, got {la.platform!r}")
+  _check(la.stop_timeout_s > 0, "launch.stop_timeout_s", "must be > 0")
