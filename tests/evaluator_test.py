@@ -62,7 +62,8 @@ def test_evaluator_process_evaluates_the_published_versions(tmp_path):
       [sys.executable, "-m", "diloco.main", "--config=configs/multiprocess.py:tiny",
        f"--workdir={workdir}", "--role=launch", "--config.learners.count=2",
        "--config.train.steps=48", "--config.train.eval_every=16",
-       "--config.train.eval_mode=process", "--config.launch.timeout_s=600"],
+       "--config.train.eval_mode=process", "--config.launch.chaos_faults=0",
+       "--config.launch.timeout_s=600"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=700, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   evaluator_log = open(os.path.join(workdir, "logs", "evaluator.log")).read()
