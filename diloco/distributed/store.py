@@ -15,6 +15,7 @@ and fixed words, never from what an entry contains):
   learners/l{m}/                    learner m's own checkpoints (Orbax CheckpointManager)
   registry.json, stop.json          syncer registry (for people and tools); end of run
   run.json                          the run's start time (the clock origin of all records)
+  lease/g{n}.json                   the syncer lease, generation n (`lease.py`)
 
 An Orbax entry is a directory with Orbax's `_METADATA` and one `.npy` file per tensor
 (`npy_handler`). It is trusted only once its commit marker exists: on a local disk the entry
@@ -22,16 +23,23 @@ is written under a temporary name that is then renamed, and the marker is writte
 that, so a reader never sees a half-written entry as complete (`is_orbax_checkpoint` would
 not tell). JSON records are written to a temporary name and renamed on a local disk;
 object-store writes of a single object are atomic by themselves.
+
+Durability (local disk): what the design promises to keep (merged entries, their commit
+markers, the index, the run start, incarnation numbers, the lease) is fsynced, file and
+then directory, before the next step depends on it; payloads and heartbeats are not
+(see `write_json`). On an object store an object is durable once its upload returns.
+Nothing here depends on directory modification times or renames on an object store.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -52,6 +60,8 @@ WRONG_SHAPE = "wrong_shape"
 WRONG_DTYPE = "wrong_dtype"
 # Not a rejection: the entry was deleted after it was listed (it is nobody's delivery now).
 GONE = "gone"
+# A write that failed (a full disk, a lost connection): nothing of it was committed.
+WRITE_FAILED = "write_failed"
 
 
 class StoreError(RuntimeError):
@@ -103,27 +113,114 @@ def _host_tree(tree: dict) -> dict:
   return {k: _host_tree(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}
 
 
+def _write_failed(what: str, root: epath.Path, e: OSError) -> StoreError:
+  """The error of a write that left nothing committed (ENOSPC says so in words)."""
+  cause = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else repr(e)
+  return StoreError(WRITE_FAILED, f"{what}: could not be written to {root} ({cause}); "
+                    "nothing of it was committed")
+
+
+def _fsync_dir(path: epath.Path) -> None:
+  """Makes the names in a local directory (created, renamed files) survive a power loss."""
+  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _fsync_file(path: epath.Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 class Store:
   """Atomic JSON records and committed Orbax entries under one root."""
 
   def __init__(self, root: str | os.PathLike):
     self.root = epath.Path(root)
     self.local = "://" not in str(root)
+    # An object store has no directories: these calls do nothing there (prefixes exist
+    # through their objects), and listings of empty prefixes are treated as empty.
     for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners", "ready"):
       (self.root / sub).mkdir(parents=True, exist_ok=True)
     self._durable = _tree_handler(sync=self.local)  # object-store writes are durable on close
     self._unsynced = _tree_handler(sync=False)
+    self._first_seen: dict[str, float] = {}  # uncommitted entry -> when this process saw it
+
+  def _list(self, sub: str) -> list[epath.Path]:
+    """The entries under a folder (a prefix without objects is empty, not an error)."""
+    try:
+      return list((self.root / sub).iterdir())
+    except FileNotFoundError:
+      return []
 
   # JSON control records.
-  def write_json(self, rel: str, record: Any) -> None:
+  def write_json(self, rel: str, record: Any, *, durable: bool = False) -> None:
+    """Replaces a record atomically. `durable` (commit markers, the index, the run start,
+    incarnations) also syncs it to a local disk, file and directory, before returning;
+    heartbeats and payload markers are rewritten or consumed within seconds and skip it.
+    StoreError(WRITE_FAILED) if it cannot be written; the old record is then unchanged."""
     path = self.root / rel
     text = json.dumps(record)
     if not self.local:
-      path.write_text(text)  # one object write is atomic in an object store
+      try:
+        path.write_text(text)  # one object write is atomic in an object store
+      except OSError as e:
+        raise _write_failed(f"record {rel}", self.root, e) from e
       return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+      with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        if durable:
+          f.flush()
+          os.fsync(f.fileno())
+      os.replace(tmp, path)
+      if durable:
+        _fsync_dir(path.parent)
+    except OSError as e:
+      tmp.unlink(missing_ok=True)
+      raise _write_failed(f"record {rel}", self.root, e) from e
+
+  def create_json(self, rel: str, record: Any) -> bool:
+    """Writes a record only if none exists, atomically and durably; False if one does.
+
+    The lease's compare-and-swap: on a local disk a hard link (fails if the name exists),
+    on an object store fsspec's create-only write (`mode="create"`; GCS checks the
+    precondition `ifGenerationMatch=0` on the server).
+    """
+    path = self.root / rel
+    data = json.dumps(record).encode()
+    if not self.local:
+      import fsspec  # pylint: disable=import-outside-toplevel
+      fs, key = fsspec.core.url_to_fs(str(path))
+      try:
+        fs.pipe_file(key, data, mode="create")
+      except FileExistsError:
+        return False
+      except OSError as e:
+        raise _write_failed(f"record {rel}", self.root, e) from e
+      return True
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    try:
+      with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+      try:
+        os.link(tmp, path)
+      except FileExistsError:
+        return False
+      _fsync_dir(path.parent)
+      return True
+    except OSError as e:
+      raise _write_failed(f"record {rel}", self.root, e) from e
+    finally:
+      tmp.unlink(missing_ok=True)
 
   def read_json(self, rel: str) -> Any:
     """The record, or None if it does not exist; StoreError if it is not valid JSON."""
@@ -151,10 +248,13 @@ class Store:
 
   def _save_tree(self, rel: str, tree: dict, *, durable: bool = True) -> None:
     """Writes an Orbax entry at `rel`; on a local disk under a temporary name, then renamed.
-    `durable=False` (payloads) leaves the data to the page cache instead of syncing it.
+    `durable=False` (payloads) leaves the data to the page cache instead of syncing it;
+    `durable=True` syncs every file, the entry's folder, and the folders its rename and
+    creation changed, so the entry survives a power loss once this returns.
 
     In an object store there is no atomic rename of a prefix; the commit marker, written by
     the caller after this returns, is what makes the entry trusted there (and here).
+    StoreError(WRITE_FAILED) if it cannot be written; what was written is removed.
     """
     path = self.root / rel
     if path.exists():  # left over by a writer that died before its commit marker
@@ -163,13 +263,28 @@ class Store:
     handler = self._durable if durable else self._unsynced
     if not self.local:
       path.mkdir(parents=True)
-      handler.save(path, args=ocp.args.PyTreeSave(tree))
+      try:
+        handler.save(path, args=ocp.args.PyTreeSave(tree))
+      except OSError as e:
+        path.rmtree(missing_ok=True)  # best effort; no marker refers to it either way
+        raise _write_failed(f"entry {rel}", self.root, e) from e
       return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    tmp.mkdir(parents=True)
     try:
+      tmp.mkdir(parents=True)
       handler.save(tmp, args=ocp.args.PyTreeSave(tree))
+      if durable:
+        for f in tmp.iterdir():  # the tensor files are synced by the handler; Orbax's are not
+          if f.suffix != ".npy" and f.is_file():
+            _fsync_file(f)
+        _fsync_dir(tmp)
       os.replace(tmp, path)
+      if durable:
+        _fsync_dir(path.parent)  # the rename
+        _fsync_dir(path.parent.parent)  # the entry's folder, if mkdir created it
+    except OSError as e:
+      tmp.rmtree(missing_ok=True)
+      raise _write_failed(f"entry {rel}", self.root, e) from e
     except BaseException:
       tmp.rmtree(missing_ok=True)
       raise
@@ -179,7 +294,8 @@ class Store:
 
   # Learner deliveries.
   def put_payload(self, payload: Payload) -> int:
-    """Writes and commits one delivery; returns its payload bytes."""
+    """Writes and commits one delivery; returns its payload bytes. StoreError(WRITE_FAILED)
+    naming the entry if it cannot be written (a full disk): nothing is committed then."""
     name = payload_name(payload.fragment, payload.learner, payload.incarnation,
                         payload.local_step)
     tree, quant = {}, None
@@ -193,47 +309,71 @@ class Store:
     started = time.monotonic()
     self._save_tree(f"payloads/{name}", tree, durable=False)
     transit_s = payload.transit_s + (time.monotonic() - started)  # the upload is transit too
-    self.write_json(f"payloads/{name}.json", {
+    self._commit(f"payloads/{name}", {
         "learner": payload.learner, "incarnation": payload.incarnation,
         "fragment": payload.fragment, "local_step": payload.local_step, "steps": payload.steps,
         "tokens": payload.tokens, "base_version": payload.base_version, "kind": payload.kind,
         "paths": sorted(payload.tensors), "quantization": quant, "transit_s": transit_s,
         "lead_s": payload.lead_s,
-        "nbytes": payload.nbytes})
+        "nbytes": payload.nbytes}, durable=False)
     return payload.nbytes
+
+  def _commit(self, rel: str, marker: dict, *, durable: bool) -> None:
+    """Writes the commit marker of the entry at `rel`; if that fails, removes the entry, so
+    that a full disk leaves neither a committed entry nor (for long) an uncommitted one."""
+    try:
+      self.write_json(f"{rel}.json", marker, durable=durable)
+    except StoreError:
+      try:
+        self.remove(rel)
+      except OSError:
+        pass  # collected later as an uncommitted entry
+      raise
 
   def committed_payloads(self) -> list[str]:
     """Names of committed deliveries (sorted); names of any other form are ignored."""
     names = []
-    for marker in (self.root / "payloads").glob("*.json"):
-      stem = marker.name[:-len(".json")]
-      if parse_payload_name(stem) is not None:
-        names.append(stem)
+    for marker in self._list("payloads"):
+      if marker.name.endswith(".json"):
+        stem = marker.name[:-len(".json")]
+        if parse_payload_name(stem) is not None:
+          names.append(stem)
     return sorted(names, key=parse_payload_name)
+
+  def _uncommitted(self) -> list[str]:
+    """Names under payloads/ that are not markers and have no marker: entries being written,
+    entries whose writer died, and (local disk) temporary directories."""
+    listed = {p.name for p in self._list("payloads")}
+    return sorted(n for n in listed if not n.endswith(".json") and f"{n}.json" not in listed)
 
   def uncommitted_payloads(self) -> list[str]:
     """Entry directories without a commit marker (half-written, or a writer died)."""
-    out = []
-    for entry in (self.root / "payloads").iterdir():
-      if entry.is_dir() and parse_payload_name(entry.name) is not None and not (
-          self.root / "payloads" / f"{entry.name}.json").exists():
-        out.append(entry.name)
-    return sorted(out)
+    return [n for n in self._uncommitted() if parse_payload_name(n) is not None]
 
   def collect_uncommitted(self, max_age_s: float) -> int:
-    """Deletes payload leftovers without a commit marker older than `max_age_s` (a writer
-    died mid-write, including Orbax's temporary directories); returns how many."""
-    removed, now = 0, time.time()
-    for entry in (self.root / "payloads").iterdir():
-      if not entry.is_dir() or (self.root / "payloads" / f"{entry.name}.json").exists():
+    """Deletes payload leftovers without a commit marker (a writer died mid-write, including
+    temporary directories) once this process has seen them uncommitted for more than
+    `max_age_s`; returns how many.
+
+    The age is this process's own (monotonic) time since it first listed the name, not a
+    modification time: an object store has none for a prefix, and a writer's clock is not
+    ours. A restarted syncer starts counting again, which only delays the collection.
+    """
+    now = time.monotonic()
+    names = self._uncommitted()
+    self._first_seen = {n: self._first_seen.get(n, now) for n in names}
+    removed = 0
+    for name in names:
+      if now - self._first_seen[name] <= max_age_s:
+        continue
+      if self.exists(f"payloads/{name}.json"):  # committed since the listing
         continue
       try:
-        age = now - entry.stat().mtime
+        self.remove(f"payloads/{name}")
       except FileNotFoundError:
         continue
-      if age > max_age_s:
-        entry.rmtree()
-        removed += 1
+      del self._first_seen[name]
+      removed += 1
     return removed
 
   def read_payload(self, name: str, expected: dict[int, dict[str, tuple]]) -> Payload:
@@ -295,20 +435,32 @@ class Store:
     self.remove(f"payloads/{name}")
 
   # Merged fragments (the syncer's durable rounds).
-  def put_merged(self, merged: Merged, momentum: dict[str, np.ndarray], marker: dict) -> None:
-    """Makes version `merged.version` of a fragment durable, then visible (index last)."""
+  def put_merged(self, merged: Merged, momentum: dict[str, np.ndarray], marker: dict, *,
+                 fence: Callable[[], None] | None = None) -> None:
+    """Makes version `merged.version` of a fragment durable, then visible (index last).
+
+    `fence` (the syncer's `Lease.check`) runs right before the commit marker and before
+    the index are written and raises if this writer may no longer write. StoreError
+    (WRITE_FAILED) naming the entry if it cannot be written: no marker then, the index
+    unchanged, and a retry of the same version overwrites what is left.
+    """
     name = merged_name(merged.fragment, merged.version)
     paths = sorted(merged.tensors)
     self._save_tree(f"merged/{name}/params",
                     {_tensor_key(i): merged.tensors[k] for i, k in enumerate(paths)})
     self._save_tree(f"merged/{name}/outer",
                     {_tensor_key(i): momentum[k] for i, k in enumerate(paths)})
-    self.write_json(f"merged/{name}.json", dict(
+    if fence is not None:
+      fence()
+    self._commit(f"merged/{name}", dict(
         marker, fragment=merged.fragment, version=merged.version, paths=paths,
-        published_at=merged.published_at, nbytes=merged.nbytes))
+        published_at=merged.published_at, nbytes=merged.nbytes), durable=True)
     index = self.merged_index()
     index[merged.fragment] = merged.version
-    self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())})
+    if fence is not None:
+      fence()
+    self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())},
+                    durable=True)
 
   def merged_index(self) -> dict[int, int]:
     raw = self.read_json("merged/index.json") or {}
@@ -336,10 +488,12 @@ class Store:
   def merged_versions(self, fragment: int) -> list[int]:
     """Committed versions of a fragment still in the store, ascending."""
     out = []
-    for marker in (self.root / "merged").glob(f"f{_checked_int(fragment, 'fragment')}_v*.json"):
-      m = _MERGED_NAME.match(marker.name[:-len(".json")])
-      if m is not None:
-        out.append(int(m[2]))
+    fragment = _checked_int(fragment, "fragment")
+    for marker in self._list("merged"):
+      if marker.name.endswith(".json"):
+        m = _MERGED_NAME.match(marker.name[:-len(".json")])
+        if m is not None and int(m[1]) == fragment:
+          out.append(int(m[2]))
     return sorted(out)
 
   def collect_merged(self, fragment: int, keep: int) -> None:
@@ -360,10 +514,10 @@ class Store:
     """Deletes merged entries without a commit marker (a syncer died while writing them);
     call it only when no syncer is writing. Returns how many."""
     removed = 0
-    for entry in (self.root / "merged").iterdir():
-      if (entry.is_dir() and _MERGED_NAME.match(entry.name)
-          and not (self.root / "merged" / f"{entry.name}.json").exists()):
-        entry.rmtree()
+    listed = {p.name for p in self._list("merged")}
+    for name in sorted(listed):
+      if _MERGED_NAME.match(name) and f"{name}.json" not in listed:
+        self.remove(f"merged/{name}")
         removed += 1
     return removed
 
@@ -374,7 +528,7 @@ class Store:
   def heartbeats(self) -> dict[int, dict]:
     """The latest heartbeat record of every learner that has one (unreadable ones skipped)."""
     out = {}
-    for path in (self.root / "heartbeats").glob("l*.json"):
+    for path in self._list("heartbeats"):
       m = re.match(r"^l(\d{1,6})\.json$", path.name)
       if m is None:
         continue
@@ -391,7 +545,7 @@ class Store:
     rel = f"incarnations/l{_checked_int(learner, 'learner')}.json"
     last = self.read_json(rel)
     incarnation = 0 if last is None else int(last["incarnation"]) + 1
-    self.write_json(rel, {"incarnation": incarnation})
+    self.write_json(rel, {"incarnation": incarnation}, durable=True)  # never handed out twice
     return incarnation
 
   def run_start(self, create: bool = False) -> float | None:
@@ -399,7 +553,7 @@ class Store:
     record = self.read_json("run.json")
     if record is None and create:
       record = {"start": time.time()}
-      self.write_json("run.json", record)
+      self.write_json("run.json", record, durable=True)
     return None if record is None else float(record["start"])
 
   def mark_ready(self, learner: int) -> None:
@@ -407,10 +561,7 @@ class Store:
     self.write_json(f"ready/l{_checked_int(learner, 'learner')}.json", {"time": time.time()})
 
   def ready_learners(self) -> set[int]:
-    folder = self.root / "ready"
-    if not folder.exists():
-      return set()
-    return {int(m[1]) for path in folder.glob("l*.json")
+    return {int(m[1]) for path in self._list("ready")
             if (m := re.match(r"^l(\d{1,6})\.json$", path.name)) is not None}
 
   def learner_dir(self, learner: int) -> epath.Path:
