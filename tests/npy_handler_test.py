@@ -68,8 +68,8 @@ def test_each_leaf_is_a_npy_file_plain_numpy_reads(where):
   entry, files = where
   tree = _tree()
   _save(entry, tree)
-  files = sorted(p.name for p in (files).iterdir() if p.suffix == ".npy")
-  assert files == sorted(f"{name}.npy" for name, _ in _leaves(tree))
+  names = sorted(p.name for p in files.iterdir() if p.suffix == ".npy")
+  assert names == sorted(f"{name}.npy" for name, _ in _leaves(tree))
   plain = np.load(files / "t0000.npy", allow_pickle=False)
   np.testing.assert_array_equal(plain, tree["t0000"])
   bf16 = np.load(files / "t0001.values.npy", allow_pickle=False)
