@@ -162,12 +162,13 @@ def test_merged_rounds_are_synced_to_disk_and_payloads_are_not(tmp_path, monkeyp
   assert synced == []
   s = _syncer()
   store.put_merged(s.initial(0.0)[0], s.momentum, {"round": None})
+  data = store.merged_marker(0, 0)["data"]
   entry_files = [os.path.relpath(os.path.join(d, f), tmp_path)
-                 for d, _, fs in os.walk(tmp_path / "merged" / "f0_v0") for f in fs]
+                 for d, _, fs in os.walk(tmp_path / "merged" / data) for f in fs]
   assert len(entry_files) == 2 * (len(PLAN.fragments[0]) + 1)  # tensors + _METADATA, twice
   marker, index = synced.index("merged/f0_v0.json"), synced.index("merged/index.json")
   assert set(entry_files) <= set(synced[:marker])
-  assert {"merged/f0_v0/params", "merged/f0_v0/outer", "merged/f0_v0", "merged"} <= set(
+  assert {f"merged/{data}/params", f"merged/{data}/outer", f"merged/{data}", "merged"} <= set(
       synced[:marker])  # the entries' folders, the rename, and the new version's folder
   assert marker < index and synced[index + 1:] == ["merged"]
   assert store.read_merged(0, 0)[0].version == 0
@@ -289,16 +290,17 @@ def test_collect_merged_spares_a_version_being_written(where):
   for v in range(4):
     s.versions[0] = v
     store.put_merged(Merged(0, v, s.fragment_values(0), float(v)), s.momentum, {"round": v})
-  writing = files / "merged" / "f0_v4" / "params"  # the syncer is writing v4
+  writing = files / "merged" / "f0_v4.0123456789ab" / "params"  # the syncer is writing v4
   writing.mkdir(parents=True)
   (writing / "t0000.npy").write_bytes(b"half")
   store.collect_merged(0, keep=2)
   assert store.merged_versions(0) == [2, 3]
-  assert sorted(os.listdir(files / "merged")) == [
-      "f0_v2", "f0_v2.json", "f0_v3", "f0_v3.json", "f0_v4", "index.json"]
+  names = sorted(re.sub(r"\.[0-9a-f]{12}$", ".w", n) for n in os.listdir(files / "merged"))
+  assert names == ["f0_v2.json", "f0_v2.w", "f0_v3.json", "f0_v3.w", "f0_v4.w", "index.json"]
   assert store.collect_uncommitted_merged() == 1  # what a restarted syncer does first
-  assert not (files / "merged" / "f0_v4").exists()
-
+  assert not (files / "merged" / "f0_v4.0123456789ab").exists()
+  np.testing.assert_array_equal(store.read_merged(0, 3)[0].tensors["embedder/embedding"],
+                                s.fragment_values(0)["embedder/embedding"])
 
 def test_syncer_recovers_the_last_durable_round_exactly(tmp_path):
   """Kill-and-restart in process: same G, momentum, versions; tape without gap or duplicate."""

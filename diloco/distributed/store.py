@@ -5,9 +5,10 @@ use the same code. Layout under the root (every name is built from validated int
 and fixed words, never from what an entry contains):
 
   merged/index.json                 {fragment: latest committed version}, written last
-  merged/f{p}_v{v}/params           Orbax: the fragment's tensors (what learners download)
-  merged/f{p}_v{v}/outer            Orbax: the syncer's Nesterov momentum of the fragment
-  merged/f{p}_v{v}.json             commit marker: syncer state and the round's tape record
+  merged/f{p}_v{v}.{w}/params       Orbax: the fragment's tensors (what learners download)
+  merged/f{p}_v{v}.{w}/outer        Orbax: the syncer's Nesterov momentum of the fragment
+  merged/f{p}_v{v}.json             commit marker: syncer state, the round's tape record, and
+                                    the name of its data folder (`w` is unique per write)
   payloads/f{p}_l{m}_i{i}_s{t}/     Orbax: a learner's delivery of fragment p at local step t
   payloads/f{p}_l{m}_i{i}_s{t}.json commit marker: the delivery's counters
   heartbeats/l{m}.json              the latest heartbeat of learner m
@@ -44,6 +45,7 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 
 from diloco import outer
@@ -52,6 +54,9 @@ from diloco.transport import Merged, Payload
 
 _PAYLOAD_NAME = re.compile(r"^f(\d{1,6})_l(\d{1,6})_i(\d{1,9})_s(\d{1,12})$")
 _MERGED_NAME = re.compile(r"^f(\d{1,6})_v(\d{1,12})$")
+# A merged version's data folder: the version's name and, since each write has its own, a
+# suffix naming the write (so that no writer ever deletes or overwrites another's data).
+_MERGED_DATA = re.compile(r"^f(\d{1,6})_v(\d{1,12})(\.[0-9a-f]{12})?$")
 _MAX_JSON_BYTES = 1 << 22
 
 # Rejection reasons of entries that cannot even be read as a payload.
@@ -62,6 +67,8 @@ WRONG_DTYPE = "wrong_dtype"
 GONE = "gone"
 # A write that failed (a full disk, a lost connection): nothing of it was committed.
 WRITE_FAILED = "write_failed"
+# A merged version that another writer committed first (two syncers on one store).
+CONFLICT = "conflict"
 
 
 class StoreError(RuntimeError):
@@ -439,28 +446,52 @@ class Store:
                  fence: Callable[[], None] | None = None) -> None:
     """Makes version `merged.version` of a fragment durable, then visible (index last).
 
-    `fence` (the syncer's `Lease.check`) runs right before the commit marker and before
-    the index are written and raises if this writer may no longer write. StoreError
-    (WRITE_FAILED) naming the entry if it cannot be written: no marker then, the index
-    unchanged, and a retry of the same version overwrites what is left.
+    The data goes to a folder of its own (`f{p}_v{v}.{w}`), and the commit marker, which
+    names it, is created only if the version has none: two writers can never commit the
+    same version, and none deletes or overwrites another's data. `fence` (the syncer's
+    `Lease.check`) runs before the data, the marker and the index are written, and raises
+    if this writer may no longer write.
+
+    StoreError WRITE_FAILED naming the version if it cannot be written (a full disk): no
+    marker then, the index unchanged, its data removed; calling again retries. CONFLICT if
+    the version was committed by another writer.
     """
-    name = merged_name(merged.fragment, merged.version)
-    paths = sorted(merged.tensors)
-    self._save_tree(f"merged/{name}/params",
-                    {_tensor_key(i): merged.tensors[k] for i, k in enumerate(paths)})
-    self._save_tree(f"merged/{name}/outer",
-                    {_tensor_key(i): momentum[k] for i, k in enumerate(paths)})
     if fence is not None:
       fence()
-    self._commit(f"merged/{name}", dict(
-        marker, fragment=merged.fragment, version=merged.version, paths=paths,
-        published_at=merged.published_at, nbytes=merged.nbytes), durable=True)
+    name = merged_name(merged.fragment, merged.version)
+    data = f"{name}.{uuid.uuid4().hex[:12]}"
+    paths = sorted(merged.tensors)
+    try:
+      self._save_tree(f"merged/{data}/params",
+                      {_tensor_key(i): merged.tensors[k] for i, k in enumerate(paths)})
+      self._save_tree(f"merged/{data}/outer",
+                      {_tensor_key(i): momentum[k] for i, k in enumerate(paths)})
+      if fence is not None:
+        fence()
+      created = self.create_json(f"merged/{name}.json", dict(
+          marker, fragment=merged.fragment, version=merged.version, paths=paths,
+          published_at=merged.published_at, nbytes=merged.nbytes, data=data))
+    except BaseException:
+      self._remove_quietly(f"merged/{data}")
+      raise
+    if not created:
+      self._remove_quietly(f"merged/{data}")
+      raise StoreError(CONFLICT, f"merged {name}: already committed by another writer; only "
+                       f"one syncer may write to {self.root}")
     index = self.merged_index()
     index[merged.fragment] = merged.version
     if fence is not None:
       fence()
     self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())},
                     durable=True)
+
+  def _remove_quietly(self, rel: str) -> None:
+    """Removes what a failed write left; if that fails too, the entry stays uncommitted (no
+    marker names it) and `collect_uncommitted_merged` or the payload GC removes it."""
+    try:
+      self.remove(rel)
+    except OSError as e:
+      logging.warning("store: could not remove %s after a failed write: %r", rel, e)
 
   def merged_index(self) -> dict[int, int]:
     raw = self.read_json("merged/index.json") or {}
@@ -477,11 +508,15 @@ class Store:
     if marker is None:
       raise StoreError(UNREADABLE, f"merged {name}: no commit marker")
     paths = marker["paths"]
-    params = self._load_tree(f"merged/{name}/params")
+    data = marker.get("data", name)
+    m = _MERGED_DATA.match(data) if isinstance(data, str) else None
+    if m is None or (int(m[1]), int(m[2])) != (fragment, version):
+      raise StoreError(UNREADABLE, f"merged {name}: marker names data {data!r}")
+    params = self._load_tree(f"merged/{data}/params")
     tensors = {k: np.asarray(params[_tensor_key(i)]) for i, k in enumerate(paths)}
     momentum = None
     if with_momentum:
-      saved = self._load_tree(f"merged/{name}/outer")
+      saved = self._load_tree(f"merged/{data}/outer")
       momentum = {k: np.asarray(saved[_tensor_key(i)]) for i, k in enumerate(paths)}
     return Merged(fragment, version, tensors, float(marker["published_at"])), momentum
 
@@ -505,20 +540,32 @@ class Store:
     versions = self.merged_versions(fragment)
     if not versions:
       return
-    for v in versions[:-keep] if keep > 0 else versions:
-      name = merged_name(fragment, v)
-      self.remove(f"merged/{name}.json")  # marker first: never a marker without its data
-      self.remove(f"merged/{name}")
+    old = set(versions[:-keep] if keep > 0 else versions)
+    folders = self._merged_data_folders()
+    for v in sorted(old):
+      self.remove(f"merged/{merged_name(fragment, v)}.json")  # marker first: never a marker
+      for folder in folders.get((fragment, v), ()):          # without its data
+        self.remove(f"merged/{folder}")
+
+  def _merged_data_folders(self) -> dict[tuple[int, int], list[str]]:
+    """(fragment, version) -> its data folders (a committed one, and failed writes')."""
+    out: dict[tuple[int, int], list[str]] = {}
+    for path in self._list("merged"):
+      m = _MERGED_DATA.match(path.name)
+      if m is not None:
+        out.setdefault((int(m[1]), int(m[2])), []).append(path.name)
+    return out
 
   def collect_uncommitted_merged(self) -> int:
     """Deletes merged entries without a commit marker (a syncer died while writing them);
     call it only when no syncer is writing. Returns how many."""
     removed = 0
     listed = {p.name for p in self._list("merged")}
-    for name in sorted(listed):
-      if _MERGED_NAME.match(name) and f"{name}.json" not in listed:
-        self.remove(f"merged/{name}")
-        removed += 1
+    for (fragment, version), folders in sorted(self._merged_data_folders().items()):
+      if f"{merged_name(fragment, version)}.json" not in listed:
+        for folder in folders:
+          self.remove(f"merged/{folder}")
+          removed += 1
     return removed
 
   # Heartbeats and incarnations.
