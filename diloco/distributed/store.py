@@ -152,7 +152,7 @@ class Store:
     self.local = "://" not in str(root)
     # An object store has no directories: these calls do nothing there (prefixes exist
     # through their objects), and listings of empty prefixes are treated as empty.
-    for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners", "ready"):
+    for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners", "ready", "lease"):
       (self.root / sub).mkdir(parents=True, exist_ok=True)
     self._durable = _tree_handler(sync=self.local)  # object-store writes are durable on close
     self._unsynced = _tree_handler(sync=False)
