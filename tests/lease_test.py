@@ -122,11 +122,12 @@ def test_only_one_contender_takes_a_generation(where):
 
 def test_a_version_is_committed_once_and_its_data_never_overwritten(where):
   root, _ = where
-  store = Store(root)
+  store, other = Store(root), Store(root)  # two syncers' views of one store
   store.put_merged(_merged(0, 1.0), MOMENTUM, {"by": "a"})
   with pytest.raises(StoreError, match="already committed") as e:
-    store.put_merged(_merged(0, 2.0), MOMENTUM, {"by": "b"})
+    other.put_merged(_merged(0, 2.0), MOMENTUM, {"by": "b"})
   assert e.value.reason == CONFLICT
+  store.put_merged(_merged(0, 1.0), MOMENTUM, {"by": "a"})  # its own retry: the index only
   assert store.merged_marker(0, 0)["by"] == "a"
   np.testing.assert_array_equal(store.read_merged(0, 0)[0].tensors["w"], np.full(3, 1.0))
   assert store.collect_uncommitted_merged() == 0  # the refused write removed its data

@@ -157,6 +157,7 @@ class Store:
     self._durable = _tree_handler(sync=self.local)  # object-store writes are durable on close
     self._unsynced = _tree_handler(sync=False)
     self._first_seen: dict[str, float] = {}  # uncommitted entry -> when this process saw it
+    self._writer = uuid.uuid4().hex  # names this Store's merged commits (see put_merged)
 
   def _list(self, sub: str) -> list[epath.Path]:
     """The entries under a folder (a prefix without objects is empty, not an error)."""
@@ -452,12 +453,29 @@ class Store:
     `Lease.check`) runs before the data, the marker and the index are written, and raises
     if this writer may no longer write.
 
-    StoreError WRITE_FAILED naming the version if it cannot be written (a full disk): no
-    marker then, the index unchanged, its data removed; calling again retries. CONFLICT if
-    the version was committed by another writer.
+    StoreError WRITE_FAILED naming the version if it cannot be written (a full disk): the
+    index is unchanged, and calling again retries (a version this Store already committed
+    then only has its index written). CONFLICT if another writer committed the version.
     """
     if fence is not None:
       fence()
+    name = merged_name(merged.fragment, merged.version)
+    existing = self.merged_marker(merged.fragment, merged.version)
+    if existing is None:
+      self._write_merged(merged, momentum, marker, fence)
+    elif not (isinstance(existing, dict) and existing.get("writer") == self._writer):
+      raise StoreError(CONFLICT, f"merged {name}: already committed by another writer; only "
+                       f"one syncer may write to {self.root}")
+    index = self.merged_index()
+    index[merged.fragment] = merged.version
+    if fence is not None:
+      fence()
+    self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())},
+                    durable=True)
+
+  def _write_merged(self, merged: Merged, momentum: dict[str, np.ndarray], marker: dict,
+                    fence: Callable[[], None] | None) -> None:
+    """The data of a merged version, in a folder of its own, then its commit marker."""
     name = merged_name(merged.fragment, merged.version)
     data = f"{name}.{uuid.uuid4().hex[:12]}"
     paths = sorted(merged.tensors)
@@ -470,7 +488,8 @@ class Store:
         fence()
       created = self.create_json(f"merged/{name}.json", dict(
           marker, fragment=merged.fragment, version=merged.version, paths=paths,
-          published_at=merged.published_at, nbytes=merged.nbytes, data=data))
+          published_at=merged.published_at, nbytes=merged.nbytes, data=data,
+          writer=self._writer))
     except BaseException:
       self._remove_quietly(f"merged/{data}")
       raise
@@ -478,12 +497,6 @@ class Store:
       self._remove_quietly(f"merged/{data}")
       raise StoreError(CONFLICT, f"merged {name}: already committed by another writer; only "
                        f"one syncer may write to {self.root}")
-    index = self.merged_index()
-    index[merged.fragment] = merged.version
-    if fence is not None:
-      fence()
-    self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())},
-                    durable=True)
 
   def _remove_quietly(self, rel: str) -> None:
     """Removes what a failed write left; if that fails too, the entry stays uncommitted (no
