@@ -161,7 +161,7 @@ def test_two_real_syncers_one_store_stop_kill_and_takeover(where, tmp_path):
   logs, procs = {}, {}
 
   def start(name, *flags):
-    logs[name] = open(tmp_path / f"{name}.log", "w+")
+    logs[name] = open(tmp_path / f"{name}.log", "w+")  # noqa: SIM115  (closed below)
     procs[name] = subprocess.Popen(
         [sys.executable, HOLDER, root, name, str(lease_s), *extra, *flags],
         stdout=logs[name], stderr=subprocess.STDOUT, env=env)
@@ -171,7 +171,10 @@ def test_two_real_syncers_one_store_stop_kill_and_takeover(where, tmp_path):
     return (tmp_path / f"{name}.log").read_text()
 
   store = Store(root)
-  holders = lambda: [h for _, h in _writers(store)]  # noqa: E731
+
+  def holders():
+    return [h for _, h in _writers(store)]
+
   try:
     start("a")
     _wait(lambda: holders().count("a") >= 3, "a's writes")

@@ -48,11 +48,7 @@ class ObjectStoreEmulation(AbstractFileSystem):
 
   @classmethod
   def _strip_protocol(cls, path):
-    path = str(path)
-    for prefix in ("gs://", "gcs://"):
-      if path.startswith(prefix):
-        path = path[len(prefix):]
-    return path.rstrip("/")
+    return str(path).removeprefix("gs://").removeprefix("gcs://").rstrip("/")
 
   def _local(self, path: str) -> str:
     key = self._strip_protocol(path)

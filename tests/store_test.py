@@ -65,7 +65,7 @@ def test_names_are_built_only_from_validated_integers():
 
 
 def test_payload_round_trip_values_and_quantized(where):
-  root, files = where
+  root, _ = where
   store = Store(root)
   values = _params(1)
   store.put_payload(_payload(0, 0, values))
@@ -84,7 +84,7 @@ def test_payload_round_trip_values_and_quantized(where):
 
 @pytest.mark.parametrize("bits", [16, 8, 4, 2, 1])
 def test_quantized_payloads_of_every_precision_round_trip(where, bits):
-  root, files = where
+  root, _ = where
   store = Store(root)
   values = _params(bits)
   q = {k: outer.quantize(values[k], bits, 8) for k in PLAN.fragments[1]}
@@ -211,7 +211,7 @@ def test_every_bad_entry_kind_is_rejected_with_its_reason(where):
 
 
 def test_syncer_link_retries_a_failed_delete_and_never_rereads(where, monkeypatch):
-  root, files = where
+  root, _ = where
   store = Store(root)
   s = _syncer()
   link = SyncerStoreLink(store, EXPECTED)
@@ -242,7 +242,7 @@ def test_syncer_link_retries_a_failed_delete_and_never_rereads(where, monkeypatc
 
 
 def test_learner_link_delivers_and_prefetches_merged(where):
-  root, files = where
+  root, _ = where
   store = Store(root)
   s = _syncer()
   for m in s.initial(0.0):
@@ -265,7 +265,7 @@ def test_learner_link_delivers_and_prefetches_merged(where):
 def test_learner_link_outlives_a_version_collected_before_it_read_it(where):
   """The index names a version that GC removed before the learner read it (a slow learner):
   the poller waits for the next index instead of failing the learner."""
-  root, files = where
+  root, _ = where
   store = Store(root)
   s = _syncer()
   for m in s.initial(0.0):

@@ -41,7 +41,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from absl import logging
 

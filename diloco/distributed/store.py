@@ -40,7 +40,8 @@ import os
 import re
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -470,8 +471,11 @@ class Store:
     index[merged.fragment] = merged.version
     if fence is not None:
       fence()
-    self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())},
-                    durable=True)
+    try:
+      self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())},
+                      durable=True)
+    except StoreError as e:
+      raise StoreError(e.reason, f"merged {name}: committed, but not published: {e}") from e
 
   def _write_merged(self, merged: Merged, momentum: dict[str, np.ndarray], marker: dict,
                     fence: Callable[[], None] | None) -> None:
@@ -490,6 +494,9 @@ class Store:
           marker, fragment=merged.fragment, version=merged.version, paths=paths,
           published_at=merged.published_at, nbytes=merged.nbytes, data=data,
           writer=self._writer))
+    except StoreError as e:
+      self._remove_quietly(f"merged/{data}")
+      raise StoreError(e.reason, f"merged {name}: not committed: {e}") from e
     except BaseException:
       self._remove_quietly(f"merged/{data}")
       raise
