@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import re
+import time
 
 import numpy as np
 import object_store
@@ -208,6 +209,25 @@ def test_every_bad_entry_kind_is_rejected_with_its_reason(where):
   assert store.collect_uncommitted(max_age_s=-1) == 1 and store.uncommitted_payloads() == []
   for k in PLAN.fragments[1 - p_of]:
     np.testing.assert_array_equal(s.global_params()[k], g0[k])
+
+
+def test_uncommitted_entries_are_collected_by_the_age_this_process_saw_them(where):
+  """No modification time is read (an object store has none for a prefix, and a dead
+  writer's clock is not ours): an entry is collected once this process has seen it
+  uncommitted for longer than the limit, and never once it is committed."""
+  root, files = where
+  store = Store(root)
+  for step in (1, 2):
+    store.put_payload(_payload(0, 0, _params(1), step=step))
+    os.remove(files / "payloads" / f"f0_l0_i0_s{step}.json")  # the writer died before it
+  old = files / "payloads" / "f0_l0_i0_s1"
+  os.utime(old, (0, 0))  # a prefix time of 1970 means nothing
+  assert store.collect_uncommitted(max_age_s=0.3) == 0  # first seen now
+  store.write_json("payloads/f0_l0_i0_s2.json", {"late": True})  # a slow writer committed
+  time.sleep(0.4)
+  assert store.collect_uncommitted(max_age_s=0.3) == 1
+  assert store.uncommitted_payloads() == [] and store.committed_payloads() == ["f0_l0_i0_s2"]
+  assert Store(root).collect_uncommitted(max_age_s=-1) == 0  # nothing else was left
 
 
 def test_syncer_link_retries_a_failed_delete_and_never_rereads(where, monkeypatch):
