@@ -98,8 +98,11 @@ def test_a_released_lease_or_a_dead_holder_on_this_host_is_taken_at_once(where):
   a = _lease(store, clock, "a")
   a.acquire()
   a.release()
+  assert store.read_json("lease/g0.json")["released"]
   b = _lease(store, clock, "b")
   assert b.acquire(timeout_s=0) == 1 and store.read_json("lease/g1.json")["after"]["released"]
+  clock.t += 1
+  assert b.renew() and store.read_json("lease/g1.json")["after"]["holder"] == "a"  # kept
   # b's process dies (its record names a pid that no longer exists on this host).
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()

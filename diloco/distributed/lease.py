@@ -102,6 +102,7 @@ class Lease:
     self._poll_s = min(1.0, self.duration_s / 8) if poll_s is None else poll_s
     self._wall, self._monotonic = wall, monotonic
     self.generation: int | None = None
+    self._taken_how: dict = {}  # when the lease was taken, and from whom
     self._valid_until = -float("inf")  # on the monotonic clock
     self._lost: str | None = None
     self._lock = threading.Lock()
@@ -132,7 +133,8 @@ class Lease:
     return -1, None
 
   def _record(self, generation: int, started: float, **extra) -> dict:
-    return dict(holder=self.holder, generation=generation, pid=os.getpid(),
+    """The record of `generation`; renewals and the release keep how it was taken."""
+    return dict(self._taken_how, holder=self.holder, generation=generation, pid=os.getpid(),
                 host=socket.gethostname(), boot=_boot_id(),
                 expires=started + self.duration_s, **extra)
 
@@ -157,13 +159,14 @@ class Lease:
       if record is None or self._free(record):
         started_wall, started = self._wall(), self._monotonic()
         generation = newest + 1
-        extra = {} if record is None else {"after": {
-            "generation": newest, "holder": record.get("holder"),
-            "expires": record.get("expires"), "released": bool(record.get("released"))}}
+        self._taken_how = {"taken_at": started_wall}
+        if record is not None:
+          self._taken_how["after"] = {
+              "generation": newest, "holder": record.get("holder"),
+              "expires": record.get("expires"), "released": bool(record.get("released"))}
         try:
-          created = self.store.create_json(
-              self._rel(generation),
-              self._record(generation, started_wall, taken_at=started_wall, **extra))
+          created = self.store.create_json(self._rel(generation),
+                                           self._record(generation, started_wall))
         except StoreError as e:  # a full disk: nobody can write; try again later
           logging.warning("lease: cannot take generation %d: %s", generation, e)
           time.sleep(self._poll_s)
