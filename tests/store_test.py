@@ -322,9 +322,9 @@ def test_collect_merged_spares_a_version_being_written(where):
   np.testing.assert_array_equal(store.read_merged(0, 3)[0].tensors["embedder/embedding"],
                                 s.fragment_values(0)["embedder/embedding"])
 
-def test_syncer_recovers_the_last_durable_round_exactly(tmp_path):
+def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
   """Kill-and-restart in process: same G, momentum, versions; tape without gap or duplicate."""
-  store = Store(tmp_path / "store")
+  store = Store(where[0])
   records: list = []
   s = _syncer(on_round=records.append)
   for m in s.initial(0.0):
