@@ -247,15 +247,15 @@ class Lease:
     if started >= self._valid_until:  # ran out (e.g. the process was stopped): never revive
       self._lose(f"not renewed for {self.duration_s:.1f} s")
       return False
-    if self._taken():
-      self._lose(f"generation {generation + 1} was taken by another syncer")
-      return False
     try:
+      if self._taken():
+        self._lose(f"generation {generation + 1} was taken by another syncer")
+        return False
       self.store.write_json(self._rel(generation),
                             self._record(generation, started_wall, renewed_at=started_wall),
                             durable=True)
-    except StoreError as e:  # a store hiccup: the lease runs out unless a later renewal works
-      logging.warning("lease: renewal failed: %s", e)
+    except (StoreError, OSError) as e:  # a store hiccup: the lease runs out unless a later
+      logging.warning("lease: renewal failed: %r", e)  # renewal works
       return True
     with self._lock:
       if self._lost is None:
