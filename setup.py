@@ -39,14 +39,17 @@ setup(
         "hf": ["pyarrow>=15", "tokenizers>=0.15,<1"],
         # Tests also read TensorBoard event files back, run wandb in offline mode and write
         # `datasets` directories.
+        # fsspec: the offline object-store emulation the store's tests run on
+        # (tests/object_store.py).
         "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "pyarrow>=15", "tokenizers>=0.15,<1",
-                 "datasets>=3,<6", "tensorboard>=2.14,<3", "wandb>=0.20,<1"],
+                 "datasets>=3,<6", "tensorboard>=2.14,<3", "wandb>=0.20,<1", "fsspec"],
         # viewing the event files every run writes (tensorboardX writes them)
         "tensorboard": ["tensorboard>=2.14,<3"],
         # log.wandb=True
         "wandb": ["wandb>=0.20,<1"],
-        # A gs:// store or workdir (etils.epath uses gcsfs for object stores).
-        "gcs": ["gcsfs"],
+        # A gs:// store or workdir (etils.epath uses gcsfs for object stores; the store's lease
+        # uses fsspec's create-only write, `pipe_file(mode="create")`, checked with 2026.9).
+        "gcs": ["gcsfs", "fsspec"],
     },
     # `diloco --config=... --workdir=...` is `python -m diloco.main --config=... --workdir=...`.
     entry_points={"console_scripts": ["diloco = diloco.main:run_cli"]},
