@@ -1,6 +1,7 @@
 """A writer process for the lease tests: takes the store's syncer lease, then commits merged
 versions of fragment 0 through the syncer's own write path until it is killed or loses the
-lease (exit status 3). Each marker records who wrote it, so the test can tell the writers apart.
+lease (exit status 3), or finds that its version was committed by the new holder while it was
+paused between its check and its write (status 4: the create-only marker refused it). Each marker records who wrote it, so the test can tell the writers apart.
 
   python tests/lease_holder.py ROOT NAME LEASE_S [--object-dir DIR] [--no-same-host]
 """
@@ -12,7 +13,7 @@ import time
 
 import numpy as np
 
-LOST = 3
+LOST, CONFLICT = 3, 4
 
 
 def main() -> int:
@@ -28,11 +29,11 @@ def main() -> int:
     import object_store  # pylint: disable=import-outside-toplevel
     os.environ[object_store.ENV] = args.object_dir
     object_store.register()
+  from diloco.distributed import store as store_lib  # pylint: disable=import-outside-toplevel
   from diloco.distributed.lease import Lease, LeaseLost  # pylint: disable=import-outside-toplevel
-  from diloco.distributed.store import Store  # pylint: disable=import-outside-toplevel
   from diloco.transport import Merged  # pylint: disable=import-outside-toplevel
 
-  store = Store(args.root)
+  store = store_lib.Store(args.root)
   lease = Lease(store, duration_s=args.lease_s, holder=args.name,
                 same_host=not args.no_same_host)
   print(f"{args.name}: waiting", flush=True)
@@ -50,6 +51,11 @@ def main() -> int:
   except LeaseLost as e:
     print(f"{args.name}: {e}", flush=True)
     return LOST
+  except store_lib.StoreError as e:
+    if e.reason != store_lib.CONFLICT:
+      raise
+    print(f"{args.name}: {e}", flush=True)
+    return CONFLICT
 
 
 if __name__ == "__main__":
