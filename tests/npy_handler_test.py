@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import time
 
 import ml_dtypes
 import numpy as np
@@ -124,3 +125,23 @@ def test_damaged_files_fail_the_restore(where, damage, error):
 def test_leaves_numpy_cannot_store_are_refused_by_name(tmp_path):
   with pytest.raises(TypeError, match="'t0000'.*objects"):
     _save(tmp_path / "e", {"t0000": np.array([{"a": 1}], dtype=object)})
+
+
+def test_a_failed_save_returns_only_once_every_write_has_ended(tmp_path, monkeypatch):
+  """The store removes a failed entry as soon as the save raises; a write still running
+  then would put its file back (on a full disk, writes fail one by one)."""
+  from diloco.distributed import npy_handler  # pylint: disable=import-outside-toplevel
+  real, ended = npy_handler._write, []  # pylint: disable=protected-access
+
+  def write(path, value, sync):
+    if path.name == "t0000.npy":
+      raise OSError(28, "No space left on device", str(path))
+    time.sleep(0.3)
+    real(path, value, sync)
+    ended.append(path.name)
+
+  monkeypatch.setattr(npy_handler, "_write", write)
+  tree = {f"t{i:04d}": np.arange(4, dtype=np.float32) for i in range(4)}
+  with pytest.raises(OSError, match="No space"):
+    _save(tmp_path / "e", tree)
+  assert sorted(ended) == ["t0001.npy", "t0002.npy", "t0003.npy"]

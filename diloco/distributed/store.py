@@ -25,10 +25,10 @@ that, so a reader never sees a half-written entry as complete (`is_orbax_checkpo
 not tell). JSON records are written to a temporary name and renamed on a local disk;
 object-store writes of a single object are atomic by themselves.
 
-Durability (local disk): what the design promises to keep (merged entries, their commit
-markers, the index, the run start, incarnation numbers, the lease) is fsynced, file and
-then directory, before the next step depends on it; payloads and heartbeats are not
-(see `write_json`). On an object store an object is durable once its upload returns.
+Durability (local disk): what the design promises to keep (merged entries and their commit
+markers, the run start, incarnation numbers, the lease) is fsynced, file and then
+directory, before the next step depends on it. Payloads and heartbeats are not (see
+`write_json`), nor is the index, which a starting syncer rewrites from the markers. On an object store an object is durable once its upload returns.
 Nothing here depends on directory modification times or renames on an object store.
 """
 
@@ -258,8 +258,8 @@ class Store:
   def _save_tree(self, rel: str, tree: dict, *, durable: bool = True) -> None:
     """Writes an Orbax entry at `rel`; on a local disk under a temporary name, then renamed.
     `durable=False` (payloads) leaves the data to the page cache instead of syncing it;
-    `durable=True` syncs every file, the entry's folder, and the folders its rename and
-    creation changed, so the entry survives a power loss once this returns.
+    `durable=True` syncs every file, the entry's folder, and the folder its rename changed
+    (the caller syncs any folder above that it created), so the entry survives a power loss.
 
     In an object store there is no atomic rename of a prefix; the commit marker, written by
     the caller after this returns, is what makes the entry trusted there (and here).
@@ -289,8 +289,7 @@ class Store:
         _fsync_dir(tmp)
       os.replace(tmp, path)
       if durable:
-        _fsync_dir(path.parent)  # the rename
-        _fsync_dir(path.parent.parent)  # the entry's folder, if mkdir created it
+        _fsync_dir(path.parent)  # the rename (the caller syncs folders above it)
     except OSError as e:
       tmp.rmtree(missing_ok=True)
       raise _write_failed(f"entry {rel}", self.root, e) from e
@@ -472,8 +471,9 @@ class Store:
     if fence is not None:
       fence()
     try:
-      self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())},
-                      durable=True)
+      # Atomic, not synced: the markers are the durable record, and a starting syncer
+      # rewrites the index from them (`syncer_process.recover`) before anyone reads it again.
+      self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())})
     except StoreError as e:
       raise StoreError(e.reason, f"merged {name}: committed, but not published: {e}") from e
 
@@ -488,6 +488,8 @@ class Store:
                       {_tensor_key(i): merged.tensors[k] for i, k in enumerate(paths)})
       self._save_tree(f"merged/{data}/outer",
                       {_tensor_key(i): momentum[k] for i, k in enumerate(paths)})
+      if self.local:
+        _fsync_dir(self.root / "merged")  # the data folder's name, before the marker's
       if fence is not None:
         fence()
       created = self.create_json(f"merged/{name}.json", dict(
