@@ -28,8 +28,9 @@ object-store writes of a single object are atomic by themselves.
 Durability (local disk): what the design promises to keep (merged entries and their commit
 markers, the run start, incarnation numbers, the lease) is fsynced, file and then
 directory, before the next step depends on it. Payloads and heartbeats are not (see
-`write_json`), nor is the index, which a starting syncer rewrites from the markers. On an object store an object is durable once its upload returns.
-Nothing here depends on directory modification times or renames on an object store.
+`write_json`), nor is the index, which a starting syncer rewrites from the markers. On an
+object store an object is durable once its upload returns. Nothing here depends on directory
+modification times or renames on an object store.
 """
 
 from __future__ import annotations
@@ -169,9 +170,9 @@ class Store:
 
   # JSON control records.
   def write_json(self, rel: str, record: Any, *, durable: bool = False) -> None:
-    """Replaces a record atomically. `durable` (commit markers, the index, the run start,
-    incarnations) also syncs it to a local disk, file and directory, before returning;
-    heartbeats and payload markers are rewritten or consumed within seconds and skip it.
+    """Replaces a record atomically. `durable` (the run start, incarnations, the lease) also
+    syncs it to a local disk, file and directory, before returning; heartbeats and payload
+    markers are rewritten or consumed within seconds and skip it.
     StoreError(WRITE_FAILED) if it cannot be written; the old record is then unchanged."""
     path = self.root / rel
     text = json.dumps(record)
@@ -471,8 +472,8 @@ class Store:
     if fence is not None:
       fence()
     try:
-      # Atomic, not synced: the markers are the durable record, and a starting syncer
-      # rewrites the index from them (`syncer_process.recover`) before anyone reads it again.
+      # Atomic, not synced: the markers are the durable record, a starting syncer rewrites
+      # the index from them (`syncer_process.recover`), and learners only move forward.
       self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())})
     except StoreError as e:
       raise StoreError(e.reason, f"merged {name}: committed, but not published: {e}") from e
