@@ -194,7 +194,8 @@ def test_the_syncer_retries_a_commit_until_space_is_freed(where, tmp_path):
       disk.left = None
 
   with open(tmp_path / "tape.jsonl", "w", encoding="utf-8") as tape:
-    syncer_process._commit(store, s, merged, records, tape, sleep=sleep)  # pylint: disable=protected-access
+    commit = syncer_process._commit  # pylint: disable=protected-access
+    commit(store, s, merged, records, tape, sleep=sleep)
   assert waits == [0.1, 0.2, 0.4]
   assert store.merged_index() == {0: 1} and store.merged_versions(0) == [0, 1]
   assert len((tmp_path / "tape.jsonl").read_text().splitlines()) == 1

@@ -1,7 +1,8 @@
 """A writer process for the lease tests: takes the store's syncer lease, then commits merged
 versions of fragment 0 through the syncer's own write path until it is killed or loses the
 lease (exit status 3), or finds that its version was committed by the new holder while it was
-paused between its check and its write (status 4: the create-only marker refused it). Each marker records who wrote it, so the test can tell the writers apart.
+paused between its check and its write (status 4: the create-only marker refused it). Each
+marker records who wrote it, so the test can tell the writers apart.
 
   python tests/lease_holder.py ROOT NAME LEASE_S [--object-dir DIR] [--no-same-host]
 """
