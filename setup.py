@@ -1,4 +1,4 @@
-"""Installs the `diloco` package: `pip install -e ".[test]"`."""
+"""Installs the `diloco` package: `pip install -e ".[test]"` (CPU), `".[cuda]"`, `".[tpu]"`."""
 
 from setuptools import find_packages, setup
 
@@ -29,6 +29,7 @@ setup(
         "tensorboardX>=2.6,<3",
         # Imported directly too (tests/packaging_test.py checks that every import is declared).
         "etils[epath]>=1.5,<2",
+        "fsspec>=2023.1",  # corpus files behind URLs (diloco/train/storage.py)
         "ml-dtypes>=0.5,<1",
         "PyYAML>=6,<7",
         "scipy>=1.14,<2",
@@ -39,17 +40,19 @@ setup(
         "hf": ["pyarrow>=15", "tokenizers>=0.15,<1"],
         # Tests also read TensorBoard event files back, run wandb in offline mode and write
         # `datasets` directories.
-        # fsspec: the offline object-store emulation the store's tests run on
-        # (tests/object_store.py).
         "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "pyarrow>=15", "tokenizers>=0.15,<1",
-                 "datasets>=3,<6", "tensorboard>=2.14,<3", "wandb>=0.20,<1", "fsspec"],
+                 "datasets>=3,<6", "tensorboard>=2.14,<3", "wandb>=0.20,<1"],
         # viewing the event files every run writes (tensorboardX writes them)
         "tensorboard": ["tensorboard>=2.14,<3"],
         # log.wandb=True
         "wandb": ["wandb>=0.20,<1"],
-        # A gs:// store or workdir (etils.epath uses gcsfs for object stores; the store's lease
-        # uses fsspec's create-only write, `pipe_file(mode="create")`, checked with 2026.9).
-        "gcs": ["gcsfs", "fsspec"],
+        # A gs:// store, workdir or data.path (etils.epath and fsspec use gcsfs for GCS).
+        "gcs": ["gcsfs"],
+        # Accelerators: JAX's own extras within the pinned range. CUDA 12 GPUs (the CUDA, cuDNN
+        # and NCCL wheels come from PyPI; only an NVIDIA driver is needed on the host) and
+        # Cloud TPU VMs (libtpu). `pip install -e ".[cuda,gcs]"`, `pip install -e ".[tpu,gcs]"`.
+        "cuda": ["jax[cuda12]>=0.10.2,<0.13"],
+        "tpu": ["jax[tpu]>=0.10.2,<0.13"],
     },
     # `diloco --config=... --workdir=...` is `python -m diloco.main --config=... --workdir=...`.
     entry_points={"console_scripts": ["diloco = diloco.main:run_cli"]},

@@ -283,6 +283,22 @@ def test_learner_link_delivers_and_prefetches_merged(where):
     link.close()
 
 
+def test_learner_link_outbox_is_bounded_and_loses_nothing(tmp_path):
+  """At `send_queue` deliveries waiting for a slow link, `deliver` waits (backpressure) instead
+  of buffering without bound; every delivery still reaches the store."""
+  store = Store(tmp_path)
+  link = LearnerStoreLink(store, 0, 0, poll_s=0.01, up=wan.Link(latency_ms=300), send_queue=1)
+  try:
+    for step in (4, 8, 12):
+      link.deliver(_payload(0, 0, _params(step), step=step))
+      assert link._outbox.qsize() <= 1
+    assert link.send_wait_s > 0.0  # the third waited for the first upload to finish
+    link.flush()
+    assert sorted(store.committed_payloads()) == ["f0_l0_i0_s12", "f0_l0_i0_s4", "f0_l0_i0_s8"]
+  finally:
+    link.close()
+
+
 def test_learner_link_outlives_a_version_collected_before_it_read_it(where):
   """The index names a version that GC removed before the learner read it (a slow learner):
   the poller waits for the next index instead of failing the learner."""

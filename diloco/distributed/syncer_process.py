@@ -8,47 +8,36 @@ the newest committed entry of every fragment: versions continue from there (none
 reused), the round counter from the newest committed round, deliveries still in the
 store are read again (those already merged are skipped), and `tape.jsonl` is repaired
 so that it has every committed round exactly once.
+
+Only the holder of the store's lease (`lease.py`) writes: the process takes it before it
+reads anything, renews it in the background, checks it before every merged commit (data,
+marker, index), and stops with `LeaseLost` the moment it may no longer write. A commit that
+fails (a full disk) is retried, with the error logged, until it succeeds: the round is
+published to nobody until then, and the syncer stays up.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import threading
 import time
 
 import jax
-import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config_lib import Config
+from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.lease import Lease
 from diloco.distributed.store import WRITE_FAILED, Store, StoreError
 from diloco.distributed.store_transport import DONE, RETIRED, SyncerStoreLink
-from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.syncer import Syncer
-from diloco.train import data as data_lib
 from diloco.train import export
-from diloco.train import optim
-from diloco.train import state as train_state
-from diloco.train import step as train_step
 from diloco.train.island import fragment_plan, initial_global
 from diloco.transport import Merged
 
 TAPE_FILE = "tape.jsonl"
-
-
-def _model_on_host(cfg: Config):
-  """Spec, init and eval step of the model on this process's first device (the host)."""
-  mesh_cfg = type(cfg.mesh)(data=1, fsdp=1, tensor=1)
-  from diloco.train import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  mesh = mesh_lib.learner_mesh(jax.devices()[:1], mesh_cfg)
-  spec = train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, cfg.train.steps),
-                               mesh)
-  return spec, train_state.make_init(cfg.model, spec), train_step.make_eval_step(spec)
 
 
 def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int,
@@ -109,42 +98,6 @@ def repair_tape(path: str, rounds: int, committed: list[dict]) -> None:
   os.replace(tmp, path)
 
 
-class _Evaluator:
-  """Evaluates snapshots of G on the host in the background (one at a time)."""
-
-  def __init__(self, cfg: Config, spec, eval_fn, writer: metrics_lib.MetricWriter):
-    self.spec, self.eval_fn, self.writer = spec, eval_fn, writer
-    self.batches = [jax.device_put(b, batch_sharding(spec.mesh)) for b in data_lib.eval_batches(
-        cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
-    self._thread: threading.Thread | None = None
-    self.last: float | None = None
-
-  def evaluate(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
-    params = jax.device_put(fragments_lib.unflatten_tree(flat_params),
-                            self.spec.shardings["params"])
-    with jax.set_mesh(self.spec.mesh):
-      loss = float(np.mean(jax.device_get([self.eval_fn(params, b) for b in self.batches])))
-    if not math.isfinite(loss):
-      raise FloatingPointError(f"global eval/loss is {loss} at t={now:.1f}s")
-    self.writer.write(step, {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),
-                             "time": now, "outer/rounds": rounds})
-    print(f"t={now:.1f}s step {step}: global eval/loss {loss:.4f} after {rounds} rounds",
-          flush=True)
-    self.last = loss
-    return loss
-
-  def start(self, flat_params: dict, step: int, now: float, rounds: int) -> None:
-    if self._thread is not None and self._thread.is_alive():
-      return
-    self._thread = threading.Thread(target=self.evaluate, args=(flat_params, step, now, rounds),
-                                    daemon=True, name="eval")
-    self._thread.start()
-
-  def join(self) -> None:
-    if self._thread is not None:
-      self._thread.join()
-
-
 def run(cfg: Config, workdir: str, store_root: str) -> dict:
   """Serves rounds until the launcher writes `stop.json` or every learner has left."""
   os.makedirs(workdir, exist_ok=True)
@@ -161,7 +114,7 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
 def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
   origin = store.run_start(create=True)
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
-  spec, init_fn, eval_fn = _model_on_host(cfg)
+  spec, init_fn, eval_fn = evaluator_lib.model_on_first_device(cfg)
   plan = fragment_plan(cfg, spec)
   with jax.set_mesh(spec.mesh):
     # train.init_from seeds G; a recovered store replaces it (`recover`).
@@ -185,10 +138,13 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
                          fresh_s=cfg.sync.heartbeat_timeout_s / 2)
   writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="syncer",
                                    log_config=True)
-  evaluator = _Evaluator(cfg, spec, eval_fn, writer)
-  progress, next_eval = 0, cfg.train.eval_every
-  if not recovered:
-    evaluator.evaluate(syncer.global_params(), 0, clock(), 0)
+  # The global eval never delays a merge: a thread here ("background"), the evaluator
+  # process ("process", see diloco/distributed/evaluator.py) or none ("off").
+  evaluator = (evaluator_lib.Evaluator(cfg, spec, eval_fn, writer)
+               if cfg.train.eval_mode == "background" else None)
+  progress, next_eval = 0, cfg.train.eval_every if evaluator else 0
+  if evaluator is not None and not recovered:
+    evaluator.start(syncer.global_params(), 0, clock(), 0)
   tape = open(tape_path, "a", encoding="utf-8")
   last_registry = 0.0
   try:
@@ -216,8 +172,10 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
       wait = cfg.store.poll_s if deadline is None else min(cfg.store.poll_s,
                                                            max(deadline - clock(), 0.0))
       time.sleep(wait)
-    evaluator.join()
-    final = evaluator.evaluate(syncer.global_params(), progress, clock(), syncer.rounds)
+    final = None
+    if evaluator is not None:
+      evaluator.join()  # after the last merge: nothing waits on it any more
+      final = evaluator.evaluate(syncer.global_params(), progress, clock(), syncer.rounds)
     export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()), cfg,
                 step=progress, runtime="multiprocess",
                 extra={"outer/rounds": syncer.rounds, "eval/loss": final})
@@ -226,8 +184,10 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
     tape.close()
     writer.close()
   summary = dict(syncer.state_summary(), versions=syncer.versions)
-  store.write_json("registry.json", dict(summary, time=clock(), alive=[]))
-  print(f"syncer: stopped after {syncer.rounds} rounds, eval/loss {final:.4f}", flush=True)
+  # `stopped`: the final versions are published (the evaluator process evaluates them).
+  store.write_json("registry.json", dict(summary, time=clock(), alive=[], stopped=True))
+  print(f"syncer: stopped after {syncer.rounds} rounds"
+        + (f", eval/loss {final:.4f}" if final is not None else ""), flush=True)
   return dict(summary, **{"eval/loss": final})
 
 
