@@ -29,7 +29,9 @@ setup(
         "tensorboardX>=2.6,<3",
         # Imported directly too (tests/packaging_test.py checks that every import is declared).
         "etils[epath]>=1.5,<2",
-        "fsspec>=2023.1",  # corpus files behind URLs (diloco/train/storage.py)
+        # Corpus files behind URLs (diloco/train/storage.py); 2024.12 added the create-only
+        # write (`pipe_file(mode="create")`) the store's lease takes on object stores.
+        "fsspec>=2024.12",
         "ml-dtypes>=0.5,<1",
         "PyYAML>=6,<7",
         "scipy>=1.14,<2",
@@ -47,7 +49,7 @@ setup(
         # log.wandb=True
         "wandb": ["wandb>=0.20,<1"],
         # A gs:// store, workdir or data.path (etils.epath and fsspec use gcsfs for GCS).
-        "gcs": ["gcsfs"],
+        "gcs": ["gcsfs>=2024.12"],  # 2024.12: create-only writes (ifGenerationMatch=0)
         # Accelerators: JAX's own extras within the pinned range. CUDA 12 GPUs (the CUDA, cuDNN
         # and NCCL wheels come from PyPI; only an NVIDIA driver is needed on the host) and
         # Cloud TPU VMs (libtpu). `pip install -e ".[cuda,gcs]"`, `pip install -e ".[tpu,gcs]"`.

@@ -241,6 +241,10 @@ class StoreConfig:
   # good, exit 0. "restart" (preemption, node drains under Kubernetes): flush, checkpoint,
   # exit 143 so that its supervisor starts it again; the syncer times it out meanwhile.
   on_sigterm: str = "retire"
+  # The syncer's lease on the store (one syncer per store): a second syncer waits until the
+  # holder has not renewed it for this long (a quarter more for clock skew between hosts),
+  # or takes it at once when the holder exited cleanly or died on the same host.
+  lease_s: float = 10.0
 
 
 @_frozen
@@ -547,6 +551,7 @@ def _validate_diloco(cfg: Config) -> None:
   _check(st.heartbeat_every_s < s.heartbeat_timeout_s, "store.heartbeat_every_s",
          f"must be below sync.heartbeat_timeout_s={s.heartbeat_timeout_s}")
   _check(st.join_timeout_s > 0, "store.join_timeout_s", "must be > 0")
+  _check(st.lease_s > 0, "store.lease_s", "must be > 0")
   _check(st.on_sigterm in ("retire", "restart"), "store.on_sigterm",
          f"must be 'retire' or 'restart', got {st.on_sigterm!r}")
   for field in ("wan_mbps", "wan_latency_ms"):

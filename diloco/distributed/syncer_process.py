@@ -8,6 +8,12 @@ the newest committed entry of every fragment: versions continue from there (none
 reused), the round counter from the newest committed round, deliveries still in the
 store are read again (those already merged are skipped), and `tape.jsonl` is repaired
 so that it has every committed round exactly once.
+
+Only the holder of the store's lease (`lease.py`) writes: the process takes it before it
+reads anything, renews it in the background, checks it before every merged commit (data,
+marker, index), and stops with `LeaseLost` the moment it may no longer write. A commit that
+fails (a full disk) is retried, with the error logged, until it succeeds: the round is
+published to nobody until then, and the syncer stays up.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from absl import logging
 from diloco import fragments as fragments_lib
 from diloco.config_lib import Config
 from diloco.distributed import evaluator as evaluator_lib
-from diloco.distributed.store import Store
+from diloco.distributed.lease import Lease
+from diloco.distributed.store import WRITE_FAILED, Store, StoreError
 from diloco.distributed.store_transport import DONE, RETIRED, SyncerStoreLink
 from diloco.observe import metrics as metrics_lib
 from diloco.syncer import Syncer
@@ -33,9 +40,10 @@ from diloco.transport import Merged
 TAPE_FILE = "tape.jsonl"
 
 
-def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
-            ) -> tuple[bool, set, list[dict]]:
-  """Restores `syncer` from the store's committed rounds.
+def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int,
+            fence=None) -> tuple[bool, set, list[dict]]:
+  """Restores `syncer` from the store's committed rounds (`fence`: the lease's check, run
+  before the index is rewritten).
 
   Returns (recovered?, keys (fragment, learner, incarnation, step) of deliveries that
   committed rounds merged, the committed rounds' tape records).
@@ -62,7 +70,10 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
   merged_keys = {(m["fragment"], a["learner"], a["incarnation"], a["local_step"])
                  for m in with_rounds for a in m["tape"]["admitted"]}
   # The index may lag the markers by one write if the syncer died in between.
-  store.write_json("merged/index.json", {str(p): fragments[p][0] for p in range(num_fragments)})
+  if fence is not None:
+    fence()
+  store.write_json("merged/index.json", {str(p): fragments[p][0] for p in range(num_fragments)},
+                   durable=True)
   return True, merged_keys, [m["tape"] for m in with_rounds]
 
 
@@ -91,6 +102,16 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   """Serves rounds until the launcher writes `stop.json` or every learner has left."""
   os.makedirs(workdir, exist_ok=True)
   store = Store(store_root)
+  lease = Lease(store, duration_s=cfg.store.lease_s)
+  lease.acquire()  # before anything is read: a stale syncer may still be writing
+  lease.start()
+  try:
+    return _serve(cfg, workdir, store, lease)
+  finally:
+    lease.release()
+
+
+def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
   origin = store.run_start(create=True)
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   spec, init_fn, eval_fn = evaluator_lib.model_on_first_device(cfg)
@@ -102,10 +123,11 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   syncer = Syncer(global_params, plan, cfg.sync, cfg.outer, on_round=pending_records.append)
   keep = cfg.sync.max_staleness + 2
   recovered, merged_keys, committed = recover(store, syncer, plan.num_fragments,
-                                              cfg.sync.max_staleness)
+                                              cfg.sync.max_staleness, fence=lease.check)
   if not recovered:
     for merged in syncer.initial(clock()):
-      store.put_merged(merged, syncer.momentum, {"round": None, "state": syncer.export_state()})
+      store.put_merged(merged, syncer.momentum, {"round": None, "state": syncer.export_state()},
+                       fence=lease.check)
   tape_path = os.path.join(workdir, TAPE_FILE)
   repair_tape(tape_path, syncer.rounds, committed)
   print(f"syncer: {'resumed at round ' + str(syncer.rounds) if recovered else 'started'}, "
@@ -128,7 +150,10 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   try:
     while True:
       now = clock()
-      beats, deadline = sync_once(store, syncer, link, pending_records, tape, keep, now)
+      if not lease.held:
+        lease.check()  # raises LeaseLost, with the reason
+      beats, deadline = sync_once(store, syncer, link, pending_records, tape, keep, now,
+                                  fence=lease.check)
       progress = max([progress] + [b.local_step for b in beats])
       if next_eval and progress >= next_eval:
         evaluator.start(syncer.global_params(), progress, clock(), syncer.rounds)
@@ -142,7 +167,7 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
       if store.exists("stop.json") or _all_left(store):
         # One more pass: rounds holding what the last learners flushed before leaving close
         # now that nobody is left to wait for.
-        sync_once(store, syncer, link, pending_records, tape, keep, clock())
+        sync_once(store, syncer, link, pending_records, tape, keep, clock(), fence=lease.check)
         break
       wait = cfg.store.poll_s if deadline is None else min(cfg.store.poll_s,
                                                            max(deadline - clock(), 0.0))
@@ -171,7 +196,7 @@ _SLOW_PASS_S = 2.0
 
 
 def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list[dict], tape,
-              keep: int, now: float) -> tuple[list, float | None]:
+              keep: int, now: float, fence=None) -> tuple[list, float | None]:
   """One pass of the syncer loop: poll the store, tick the syncer, make the closed rounds
   durable, then let go of the entries they consumed (deleted in the background, with all but
   the newest `keep` versions of each merged fragment). Returns the new heartbeats and when
@@ -186,7 +211,7 @@ def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list
   for learner, incarnation in left:
     syncer.forget(learner, incarnation)
   t2 = time.perf_counter()
-  _commit(store, syncer, merged, records, tape)
+  _commit(store, syncer, merged, records, tape, fence=fence)
   for m in merged:
     link.collect_merged(m.fragment, keep)
   link.release(syncer.pending_keys())
@@ -198,13 +223,34 @@ def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list
   return beats, deadline
 
 
+# How long a failed commit (a full disk) waits before it is tried again, at most.
+_COMMIT_RETRY_MAX_S = 10.0
+
+
 def _commit(store: Store, syncer: Syncer, merged: list[Merged], records: list[dict],
-            tape) -> None:
-  """Durable entry, commit marker and index (in that order), then the tape line."""
+            tape, fence=None, sleep=time.sleep) -> None:
+  """Durable entry, commit marker and index (in that order), then the tape line.
+
+  A write that fails (StoreError WRITE_FAILED: a full disk, a lost bucket connection) is
+  retried with backoff until it succeeds, checking the lease each time: the round is
+  published to nobody meanwhile, so nothing is lost, and freeing space resumes the run.
+  """
   assert len(merged) == len(records), (len(merged), len(records))
   for m, record in zip(merged, records):
-    store.put_merged(m, syncer.momentum,
-                     {"round": record["round"], "state": syncer.export_state(), "tape": record})
+    wait = 0.1
+    while True:
+      try:
+        store.put_merged(m, syncer.momentum, {"round": record["round"],
+                                              "state": syncer.export_state(), "tape": record},
+                         fence=fence)
+        break
+      except StoreError as e:
+        if e.reason != WRITE_FAILED:
+          raise
+        logging.error("syncer: round %d not committed, retrying in %.1f s: %s",
+                      record["round"], wait, e)
+        sleep(wait)
+        wait = min(2 * wait, _COMMIT_RETRY_MAX_S)
     tape.write(json.dumps(record) + "\n")
     tape.flush()
   records.clear()
