@@ -1,4 +1,4 @@
-"""Installs the `diloco` package: `pip install -e ".[test]"`."""
+"""Installs the `diloco` package: `pip install -e ".[test]"` (CPU), `".[cuda]"`, `".[tpu]"`."""
 
 from setuptools import find_packages, setup
 
@@ -29,6 +29,9 @@ setup(
         "tensorboardX>=2.6,<3",
         # Imported directly too (tests/packaging_test.py checks that every import is declared).
         "etils[epath]>=1.5,<2",
+        # Corpus files behind URLs (diloco/train/storage.py); 2024.12 added the create-only
+        # write (`pipe_file(mode="create")`) the store's lease takes on object stores.
+        "fsspec>=2024.12",
         "ml-dtypes>=0.5,<1",
         "PyYAML>=6,<7",
         "scipy>=1.14,<2",
@@ -45,8 +48,13 @@ setup(
         "tensorboard": ["tensorboard>=2.14,<3"],
         # log.wandb=True
         "wandb": ["wandb>=0.20,<1"],
-        # A gs:// store or workdir (etils.epath uses gcsfs for object stores).
-        "gcs": ["gcsfs"],
+        # A gs:// store, workdir or data.path (etils.epath and fsspec use gcsfs for GCS).
+        "gcs": ["gcsfs>=2024.12"],  # 2024.12: create-only writes (ifGenerationMatch=0)
+        # Accelerators: JAX's own extras within the pinned range. CUDA 12 GPUs (the CUDA, cuDNN
+        # and NCCL wheels come from PyPI; only an NVIDIA driver is needed on the host) and
+        # Cloud TPU VMs (libtpu). `pip install -e ".[cuda,gcs]"`, `pip install -e ".[tpu,gcs]"`.
+        "cuda": ["jax[cuda12]>=0.10.2,<0.13"],
+        "tpu": ["jax[tpu]>=0.10.2,<0.13"],
     },
     # `diloco --config=... --workdir=...` is `python -m diloco.main --config=... --workdir=...`.
     entry_points={"console_scripts": ["diloco = diloco.main:run_cli"]},

@@ -9,7 +9,6 @@ the field and what it may be.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import importlib.util
 import math
 import os
@@ -19,7 +18,8 @@ import ml_collections
 
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
-from diloco.model.config import ModelConfig
+from diloco.model.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
+from diloco.train import storage
 
 
 def _frozen(cls):
@@ -89,6 +89,11 @@ class TrainConfig:
   # Evaluate every this many steps (0 = only at the end), on `eval_batches` held-out batches.
   eval_every: int = 50
   eval_batches: int = 4
+  # Where the global model is evaluated, never on the merge path: "background" (a thread of
+  # the runtime: the syncer process's host in the multi-process runtime), "process" (the
+  # multi-process runtime's own evaluator process, on its own devices, reading published
+  # versions from the store: the choice for large models) or "off" (no global evaluation).
+  eval_mode: str = "background"
   # Start from these parameters instead of a fresh init: an export (WORKDIR/export or a
   # workdir that has one), a data-parallel checkpoint (WORKDIR/checkpoints[/STEP]) or a
   # durable run's checkpoint (WORKDIR/run_checkpoints[/STEP]). Fresh optimizer state; a
@@ -157,6 +162,10 @@ class SyncConfig:
   # A learner whose round is not merged tau steps after its delivery waits for it (False:
   # it trains on and applies the merge when it comes).
   block_on_late_round: bool = True
+  # Deliveries a learner may have on their way (copied off its devices, not yet uploaded)
+  # before its next delivery waits for the oldest: bounds the host and device memory a slow
+  # link can pin. The wait is recorded as "wait" activity (not useful time).
+  send_queue: int = 8
 
 
 @_frozen
@@ -232,12 +241,21 @@ class StoreConfig:
   # good, exit 0. "restart" (preemption, node drains under Kubernetes): flush, checkpoint,
   # exit 143 so that its supervisor starts it again; the syncer times it out meanwhile.
   on_sigterm: str = "retire"
+  # The syncer's lease on the store (one syncer per store): a second syncer waits until the
+  # holder has not renewed it for this long (a quarter more for clock skew between hosts),
+  # or takes it at once when the holder exited cleanly or died on the same host.
+  lease_s: float = 10.0
 
 
 @_frozen
 class LaunchConfig:
   """The local launcher (`--role=launch`): processes, restarts and the real chaos schedule."""
-  # Emulated CPU devices of each learner process (learners.devices overrides per learner).
+  # Where learner processes run: auto | cpu | cuda | tpu. auto follows JAX_PLATFORMS if set,
+  # else the GPUs `nvidia-smi -L` lists, else a TPU VM's chips, else the CPU. The syncer
+  # always runs on the CPU (docs/scale_out.md).
+  platform: str = "auto"
+  # Devices of each learner (learners.devices overrides per learner): emulated CPU devices
+  # on cpu; on cuda/tpu that many of the host's GPUs/chips, in disjoint contiguous groups.
   devices_per_learner: int = 2
   # Processes per learner: >1 rehearses a multi-host learner (one `jax.distributed` world of
   # that many processes, each with its share of the learner's devices; host 0 talks to the
@@ -261,6 +279,9 @@ class LaunchConfig:
   chaos_end_s: float = 60.0
   # The whole run is stopped (and fails) after this many seconds.
   timeout_s: float = 3600.0
+  # On SIGTERM/SIGINT the launcher forwards the signal to every process, waits this long for
+  # them to exit (learners checkpoint first), then SIGKILLs what is left.
+  stop_timeout_s: float = 60.0
 
 
 @_frozen
@@ -292,6 +313,7 @@ GROUPS = _GROUPS  # read by the command line's help (diloco/config_cli.py)
 ALL_LEARNERS = 0
 DATA_SOURCES = ("stdlib", "text", "jsonl", "parquet", "datasets", "array_record")
 DTYPES = ("float32", "bfloat16")
+LAUNCH_PLATFORMS = ("auto", "cpu", "cuda", "tpu")
 
 
 def base_config(model_preset: str) -> ml_collections.ConfigDict:
@@ -360,8 +382,8 @@ def validate_data(d: DataConfig) -> None:
   _check(d.prefetch >= 0, "data.prefetch", "must be >= 0")
   if d.source != "stdlib":
     _check(bool(d.path), "data.path", f"is required when data.source={d.source!r}")
-    _check(os.path.isdir(d.path) or bool(glob.glob(d.path)), "data.path",
-           f"no directory or files match {d.path!r}")
+    # Names only (a directory, a glob's matches), local or gs://...: nothing is read here.
+    _check(storage.matches(d.path), "data.path", f"no directory or files match {d.path!r}")
   _check(bool(d.text_key), "data.text_key", "must name the text field or column")
   _check(bool(d.split), "data.split", "must name a split, e.g. 'train'")
   if d.tokenizer != "byte":
@@ -395,6 +417,13 @@ def validate(cfg: Config) -> None:
   for field in ("dtype", "param_dtype"):
     _check(getattr(m, field) in DTYPES, f"model.{field}",
            f"must be one of {DTYPES}, got {getattr(m, field)!r}")
+  _check(m.remat in REMAT_POLICIES, "model.remat",
+         f"must be one of {REMAT_POLICIES}, got {m.remat!r}")
+  _check(m.attention_impl in ATTENTION_IMPLS, "model.attention_impl",
+         f"must be one of {ATTENTION_IMPLS}, got {m.attention_impl!r}")
+  if m.attention_impl == "cudnn":
+    _check(m.dtype == "bfloat16", "model.attention_impl",
+           f"'cudnn' needs model.dtype='bfloat16', got {m.dtype!r} (use 'auto' or 'xla')")
 
   validate_data(cfg.data)
 
@@ -418,6 +447,8 @@ def validate(cfg: Config) -> None:
   _check(t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
   _check(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = only at the end)")
   _check(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")
+  _check(t.eval_mode in EVAL_MODES, "train.eval_mode",
+         f"must be one of {EVAL_MODES}, got {t.eval_mode!r}")
   _check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 = off)")
   _check(cfg.checkpoint.every_rounds >= 0, "checkpoint.every_rounds", "must be >= 0 (0 = off)")
   _check(cfg.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
@@ -426,11 +457,19 @@ def validate(cfg: Config) -> None:
 
 
 FRAGMENT_SCHEMES = ("balanced", "layer", "tensor")
+EVAL_MODES = ("background", "process", "off")
 WEIGHT_SCHEMES = ("tokens2_per_step", "uniform", "tokens")
 MERGE_METHODS = ("rda", "mean")
 ANCHORS = ("syncer", "base")
 STALE_RULES = ("paper", "rebase")
 QUANTIZE_BITS = (0, 16, 8, 4, 2, 1)
+
+
+def check_in_process_eval(cfg: Config, runtime: str) -> None:
+  """`train.eval_mode="process"` needs the multi-process runtime's evaluator process."""
+  _check(cfg.train.eval_mode != "process", "train.eval_mode",
+         f"'process' is the multi-process runtime's (--role=launch); the {runtime} evaluates "
+         "in its own process: use 'background' or 'off'")
 
 
 def parse_floats(text: str, field: str) -> list[float]:
@@ -474,6 +513,7 @@ def _validate_diloco(cfg: Config) -> None:
   _check(s.gamma >= 0, "sync.gamma", f"must be >= 0 (0 disables grace), got {s.gamma}")
   _check(s.heartbeat_timeout_s > 0, "sync.heartbeat_timeout_s", "must be > 0")
   _check(s.max_staleness >= 0, "sync.max_staleness", "must be >= 0")
+  _check(s.send_queue >= 1, "sync.send_queue", f"must be >= 1, got {s.send_queue}")
   _check(0 <= s.mixing_alpha < 1, "sync.mixing_alpha", "must be in [0, 1) (0 = overwrite)")
   _check(o.learning_rate > 0, "outer.learning_rate", f"must be > 0, got {o.learning_rate}")
   _check(0 <= o.momentum < 1, "outer.momentum", f"must be in [0, 1), got {o.momentum}")
@@ -511,6 +551,7 @@ def _validate_diloco(cfg: Config) -> None:
   _check(st.heartbeat_every_s < s.heartbeat_timeout_s, "store.heartbeat_every_s",
          f"must be below sync.heartbeat_timeout_s={s.heartbeat_timeout_s}")
   _check(st.join_timeout_s > 0, "store.join_timeout_s", "must be > 0")
+  _check(st.lease_s > 0, "store.lease_s", "must be > 0")
   _check(st.on_sigterm in ("retire", "restart"), "store.on_sigterm",
          f"must be 'retire' or 'restart', got {st.on_sigterm!r}")
   for field in ("wan_mbps", "wan_latency_ms"):
@@ -529,3 +570,6 @@ def _validate_diloco(cfg: Config) -> None:
   _check(0 <= la.chaos_start_s <= la.chaos_end_s, "launch.chaos_start_s/chaos_end_s",
          "must satisfy 0 <= start <= end")
   _check(la.timeout_s > 0, "launch.timeout_s", "must be > 0")
+  _check(la.platform in LAUNCH_PLATFORMS, "launch.platform",
+         f"must be one of {LAUNCH_PLATFORMS}, got {la.platform!r}")
+  _check(la.stop_timeout_s > 0, "launch.stop_timeout_s", "must be > 0")

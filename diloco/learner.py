@@ -89,6 +89,7 @@ class Learner:
     self._sends = jax.process_index() == 0
     self._io = concurrent.futures.ThreadPoolExecutor(1) if background_io else None
     self._inflight: list[concurrent.futures.Future] = []
+    self.send_wait_s = 0.0  # wall seconds its steps waited for room to send (backpressure)
     self._last_metrics: Any = None
     self._poisoned = False
     self.phase = 0  # schedule shift of a rejoining learner (`fragments.aligned_phase`)
@@ -202,8 +203,21 @@ class Learner:
     if self._io is None:
       self._send(*args)
     else:
-      self._inflight = [f for f in self._inflight if not f.done()]
+      self._wait_for_room()
       self._inflight.append(self._io.submit(self._send, *args))
+
+  def _wait_for_room(self) -> None:
+    """Backpressure: at `sync.send_queue` deliveries on their way, waits for the oldest (a
+    slow link must not pin unbounded host and device memory). A failed send raises here."""
+    limit = self.cfg.sync.send_queue
+    if len(self._inflight) >= limit:
+      started = time.monotonic()
+      concurrent.futures.wait(self._inflight[:len(self._inflight) - limit + 1])
+      self.send_wait_s += time.monotonic() - started
+    for f in self._inflight:
+      if f.done():
+        f.result()
+    self._inflight = [f for f in self._inflight if not f.done()]
 
   def _send(self, p, paths, copies, local_step, steps, tokens, base, base_values,
             delivered_at) -> None:

@@ -3,8 +3,8 @@
 `--role` picks what this process is: `train` (default: data-parallel, or the single-
 controller Decoupled DiLoCo runtime when `learners.count > 0`), `launch` (a local
 multi-process run: a syncer and learner processes sharing a store), or one process of a
-multi-process run: `syncer`, or `learner --learner_id=N` (e.g. one per TPU slice, with
-`--store=gs://bucket/run`).
+multi-process run: `syncer`, `learner --learner_id=N` (e.g. one per TPU slice, with
+`--store=gs://bucket/run`), or `evaluator` (with `train.eval_mode=process`).
 
 `--config_help[=FILTER]` lists the config fields with their values and help, e.g.
 `--config=configs/decoupled.py:cpu --config_help=sync`. Installed, the `diloco` command is
@@ -33,7 +33,8 @@ _CONFIG_JSON = flags.DEFINE_string(
     "config_json", None, "A resolved config written by a launcher (instead of --config).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots "
                                 "(required).")
-_ROLE = flags.DEFINE_enum("role", "train", ["train", "launch", "syncer", "learner"],
+_ROLE = flags.DEFINE_enum("role", "train",
+                          ["train", "launch", "syncer", "learner", "evaluator"],
                           "What this process runs (see the module docstring).")
 _LEARNER_ID = flags.DEFINE_integer("learner_id", None, "The learner id of --role=learner.")
 _STORE = flags.DEFINE_string("store", None, "Store root of a multi-process run: a local path or "
@@ -78,6 +79,9 @@ def _run(cfg: config_lib.Config, workdir: str):
   if role == "syncer":
     from diloco.distributed import syncer_process  # pylint: disable=import-outside-toplevel
     return syncer_process.run(cfg, workdir, store)
+  if role == "evaluator":
+    from diloco.distributed import evaluator  # pylint: disable=import-outside-toplevel
+    return evaluator.run(cfg, workdir, store)
   if _LEARNER_ID.value is None:
     raise app.UsageError("--role=learner needs --learner_id=N")
   from diloco.distributed import learner_process  # pylint: disable=import-outside-toplevel

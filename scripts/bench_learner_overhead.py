@@ -3,6 +3,11 @@
   python scripts/bench_learner_overhead.py --model=small              # 1 CPU device
   XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
     python scripts/bench_learner_overhead.py --model=tiny            # a 2-device group
+  python scripts/bench_learner_overhead.py --model=small --devices=1 --batch_size=64 \\
+    --seq_len=1024 --dtype=bfloat16                                  # one GPU / TPU chip
+
+Nothing here is CPU-specific: the learner group is the first `--devices` of `jax.devices()`
+(GPUs or TPU chips when present), the syncer merges on the host in NumPy.
 
 The runtime side is `ThreadedDriver` on the wall clock with one learner (K = 1,
 P = H = 24 so a fragment is delivered every step, the syncer thread merging and
@@ -43,6 +48,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 2, "Alternated (bare, runtime) pairs.
 _DEVICES = flags.DEFINE_integer("devices", 0, "Devices of the learner group (0: all visible).")
 _BATCH = flags.DEFINE_integer("batch_size", 0, "Override train.batch_size (0: the preset's).")
 _FRAGMENTS = flags.DEFINE_integer("fragments", 24, "P (and H): one delivery per step.")
+_SEQ = flags.DEFINE_integer("seq_len", 0, "Override data.seq_len (0: the preset's).")
+_DTYPE = flags.DEFINE_string("dtype", "", "Override model.dtype ('' = the preset's).")
 
 
 def make_config(warmup: int) -> config_lib.Config:
@@ -64,6 +71,10 @@ def make_config(warmup: int) -> config_lib.Config:
   cd.log.progress_every_s = 1e9
   if _BATCH.value:
     cd.train.batch_size = _BATCH.value
+  if _SEQ.value:
+    cd.data.seq_len = _SEQ.value
+  if _DTYPE.value:
+    cd.model.dtype = _DTYPE.value
   return config_lib.from_config_dict(cd)
 
 
@@ -76,7 +87,7 @@ def runtime_tokens_per_s(cfg: config_lib.Config, warmup: int, step_fn) -> tuple[
       rt.slots[0].step_fn = step_fn
     ThreadedDriver(rt, on_eval=lambda now: 0.0, on_step=lambda slot: None).run()
     rt.recorder.close()
-    spans = sorted((a for a in rt.recorder.activity if a["kind"] == "step"),
+    spans = sorted((a for a in rt.recorder.activity() if a["kind"] == "step"),
                    key=lambda a: a["local_step"])
     if len(spans) != cfg.train.steps:
       raise RuntimeError(f"expected {cfg.train.steps} step spans, got {len(spans)}")
@@ -125,7 +136,8 @@ def main(argv):
   bare_med, runtime_med = statistics.median(bare), statistics.median(runtime)
   print(json.dumps({
       "bench": "learner_overhead", "model": _MODEL.value, "devices": spec.mesh.size,
-      "backend": jax.default_backend(), "batch_size": cfg.train.batch_size,
+      "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+      "dtype": cfg.model.dtype, "batch_size": cfg.train.batch_size,
       "seq_len": cfg.data.seq_len, "fragments": rt.plan.num_fragments,
       "period": cfg.sync.period, "steps": _STEPS.value, "warmup": warmup,
       "repeats": _REPEATS.value, "ratio": round(runtime_med / bare_med, 4),

@@ -75,8 +75,8 @@ class _TimedStore(Store):
                                  payload.local_step)] = time.time()
     return nbytes
 
-  def put_merged(self, merged, momentum, marker) -> None:
-    super().put_merged(merged, momentum, marker)
+  def put_merged(self, merged, momentum, marker, *, fence=None) -> None:
+    super().put_merged(merged, momentum, marker, fence=fence)
     self._published[(merged.fragment, merged.version)] = time.time()
 
 

@@ -1,7 +1,15 @@
-"""Renders a GKE JobSet that runs Decoupled DiLoCo: one TPU slice per learner, one CPU syncer.
+"""Renders a GKE JobSet that runs Decoupled DiLoCo: one TPU slice or GPU node group per
+learner, one CPU syncer.
 
   python scripts/make_jobset.py --name=dd-2b --image=IMAGE --store=gs://BUCKET/dd-2b \\
       --config=configs/decoupled.py:gemma_2b --learners=8 --tpu_type=v5p-128 [--output=FILE]
+  python scripts/make_jobset.py --name=dd-2b --image=IMAGE --store=gs://BUCKET/dd-2b \\
+      --config=configs/decoupled.py:gemma_2b --learners=4 --gpu_type=nvidia-h100-80gb \\
+      --gpus_per_host=8 --gpu_hosts=2
+
+IMAGE is built from the repository's Dockerfile with the matching extras (docs/scale_out.md);
+the default names the tag that the docs build, diloco:tpu or diloco:cuda, which the cluster
+can pull only once it is pushed to a registry it reads (pass --image=REGISTRY/diloco:TAG).
 
 Without --output (or with --dry_run) the YAML goes to stdout and nothing else is printed, so
 `... | kubectl apply -f -` works. docs/scale_out.md explains the choices; in short:
@@ -18,6 +26,10 @@ Without --output (or with --dry_run) the YAML goes to stdout and nothing else is
   that exhausts its budget fails the JobSet).
 - The syncer holds no accelerator; after a restart it resumes from what it committed to the
   store.
+- GPU learners (`--gpu_type`, a GKE accelerator label such as nvidia-h100-80gb) request
+  `nvidia.com/gpu` on nodes of that type and tolerate the GPU node taint; a learner over
+  several GPU hosts (`--gpu_hosts`) joins one `jax.distributed` world whose coordinator is
+  its host 0, found through the JobSet's DNS host names.
 - Every process gets the same `--config.learners.count=M` and config overrides: GCS-friendly
   heartbeat and poll periods and `store.on_sigterm=restart` (DEFAULT_OVERRIDES: Kubernetes stops a
   preempted or drained pod with SIGTERM, and the learner should come back, not retire), and
@@ -39,7 +51,11 @@ import yaml
 from absl import app, flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-WORKDIR = "/work"
+WORKDIR = "/work"  # the run's directory in the container (the Dockerfile creates it)
+# Tags that the Dockerfile's documented builds give (--build-arg EXTRAS=tpu,gcs / cuda,gcs).
+DEFAULT_IMAGE = {"tpu": "diloco:tpu", "cuda": "diloco:cuda"}
+# jax.distributed's coordinator on host 0 of a multi-host GPU learner.
+COORDINATOR_PORT = 8476
 EXCLUSIVE_KEY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 
 # GKE node label value per TPU generation, and how the number in the type name counts:
@@ -83,10 +99,75 @@ class TpuSlice:
   topology: str
   chips: int
   chips_per_host: int
+  flag = "--tpu_type"
+  platform = "tpu"
 
   @property
   def hosts(self) -> int:
     return self.chips // self.chips_per_host
+
+  def node_selector(self) -> dict:
+    return {"cloud.google.com/gke-tpu-accelerator": self.accelerator,
+            "cloud.google.com/gke-tpu-topology": self.topology}
+
+  def resources(self) -> dict:
+    return {"google.com/tpu": self.chips_per_host}
+
+  def tolerations(self) -> list:
+    return []  # GKE adds the TPU taint's toleration to pods that request google.com/tpu
+
+  def describe(self, name: str) -> str:
+    return (f"a {name} slice ({self.topology}: {self.hosts} host(s) x {self.chips_per_host} "
+            "chips)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuHosts:
+  """One learner's GPU nodes: `hosts` nodes of `accelerator` with `chips_per_host` GPUs."""
+  accelerator: str
+  hosts: int
+  chips_per_host: int
+  flag = "--gpu_type"
+  platform = "cuda"
+
+  @property
+  def chips(self) -> int:
+    return self.hosts * self.chips_per_host
+
+  def node_selector(self) -> dict:
+    return {"cloud.google.com/gke-accelerator": self.accelerator}
+
+  def resources(self) -> dict:
+    return {"nvidia.com/gpu": self.chips_per_host}
+
+  def tolerations(self) -> list:
+    return [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+  def describe(self, name: str) -> str:
+    return f"{self.hosts} {name} host(s) x {self.chips_per_host} GPUs"
+
+
+def gpu_hosts(gpu_type: str, gpus_per_host: int, hosts: int) -> GpuHosts:
+  """GKE node selector and layout of one GPU learner (e.g. nvidia-h100-80gb, 8 per node)."""
+  if not re.fullmatch(r"nvidia-[a-z0-9]+(-[a-z0-9]+)*", gpu_type or ""):
+    raise FlagError(f"--gpu_type: {gpu_type!r} is not a GKE GPU accelerator label such as "
+                    "nvidia-h100-80gb, nvidia-h200-141gb, nvidia-a100-80gb or nvidia-l4")
+  if gpus_per_host not in (1, 2, 4, 8, 16):
+    raise FlagError(f"--gpus_per_host: GKE GPU nodes have 1, 2, 4, 8 or 16 GPUs, got "
+                    f"{gpus_per_host}")
+  if hosts < 1:
+    raise FlagError(f"--gpu_hosts: a learner needs at least one host, got {hosts}")
+  return GpuHosts(gpu_type, hosts, gpus_per_host)
+
+
+def accelerator(args: flags.FlagValues) -> TpuSlice | GpuHosts:
+  """The devices of one learner: exactly one of --tpu_type and --gpu_type."""
+  if (args.tpu_type is None) == (args.gpu_type is None):
+    raise FlagError("--tpu_type/--gpu_type: give exactly one (a TPU slice or GPU nodes per "
+                    "learner)")
+  if args.gpu_type is not None:
+    return gpu_hosts(args.gpu_type, args.gpus_per_host, args.gpu_hosts)
+  return tpu_slice(args.tpu_type, args.topology, args.chips_per_host)
 
 
 def tpu_slice(tpu_type: str, topology: str | None = None,
@@ -136,7 +217,7 @@ def check_store(store: str) -> str:
   return store.rstrip("/")
 
 
-def check_config(config: str, tpu: TpuSlice, overrides: dict[str, str]) -> str:
+def check_config(config: str, devices: TpuSlice | GpuHosts, overrides: dict[str, str]) -> str:
   """The config argument as the container will see it; builds the config to catch typos."""
   path, _, preset = (config or "").partition(":")
   file = None
@@ -166,11 +247,11 @@ def check_config(config: str, tpu: TpuSlice, overrides: dict[str, str]) -> str:
   mesh = cfg.mesh
   sizes = [mesh.data, mesh.fsdp, mesh.tensor]
   fixed = math.prod(s for s in sizes if s != -1)
-  fits = tpu.chips % fixed == 0 if -1 in sizes else fixed == tpu.chips
+  fits = devices.chips % fixed == 0 if -1 in sizes else fixed == devices.chips
   if not fits:
     raise FlagError(f"--config: mesh data x fsdp x tensor = {sizes} of {config} (after any "
-                    f"--override) does not fit the {tpu.chips} chips of one learner slice "
-                    "(--tpu_type)")
+                    f"--override) does not fit the {devices.chips} chips of one learner "
+                    f"({devices.flag})")
   return f"{rel.as_posix()}:{preset}" if preset else rel.as_posix()
 
 
@@ -232,19 +313,26 @@ def _job(name: str, pods: int, backoff: int, pod_spec: dict,
   return {"name": name, "replicas": 1, "template": template}
 
 
+def image(args: flags.FlagValues) -> str:
+  """--image, or the tag the Dockerfile is built as for this accelerator (docs/scale_out.md)."""
+  if args.image is not None:
+    return args.image
+  return DEFAULT_IMAGE["cuda" if args.gpu_type is not None else "tpu"]
+
+
 def build_jobset(args: flags.FlagValues) -> dict:
   """The JobSet as a dict; FlagError names the first bad flag."""
   if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", args.name or ""):
     raise FlagError(f"--name: {args.name!r} must be lower-case letters, digits and '-', "
                     "starting with a letter (it becomes part of pod host names)")
-  if not args.image or re.search(r"\s", args.image):
+  if not image(args) or re.search(r"\s", image(args)):
     raise FlagError(f"--image: {args.image!r} is not a container image reference")
   store = check_store(args.store)
   if args.learners is None or args.learners < 1:
     raise FlagError(f"--learners: need at least one learner, got {args.learners}")
-  tpu = tpu_slice(args.tpu_type, args.topology, args.chips_per_host)
+  devices = accelerator(args)
   overrides = parse_overrides(args.override)
-  config = check_config(args.config, tpu, overrides)
+  config = check_config(args.config, devices, overrides)
   if not re.fullmatch(r"[a-z][a-z0-9]*-[a-z0-9-]+", args.syncer_machine or "") or (
       args.syncer_machine.startswith(("ct", "tpu"))):
     raise FlagError(f"--syncer_machine: {args.syncer_machine!r} is not a CPU machine type "
@@ -252,7 +340,7 @@ def build_jobset(args: flags.FlagValues) -> dict:
   if args.max_restarts < 0:
     raise FlagError(f"--max_restarts: must be >= 0, got {args.max_restarts}")
   # Pod host names are <name>-<replicated job>-<job index>-<pod index>: one DNS label.
-  longest = f"{args.name}-learner-{args.learners - 1}-0-{tpu.hosts - 1}"
+  longest = f"{args.name}-learner-{args.learners - 1}-0-{devices.hosts - 1}"
   if len(longest) > 63:
     raise FlagError(f"--name: {args.name!r} is too long; host name {longest!r} exceeds 63 "
                     "characters")
@@ -264,28 +352,35 @@ def build_jobset(args: flags.FlagValues) -> dict:
   syncer_pod = {
       "restartPolicy": "Never", **account,
       "nodeSelector": {"node.kubernetes.io/instance-type": args.syncer_machine},
-      "containers": [{"name": "syncer", "image": args.image,
+      "containers": [{"name": "syncer", "image": image(args),
                       "command": _command(config, store, args.learners, overrides, "syncer"),
                       "env": [_store_env(store)]}]}
   jobs = [_job("syncer", 1, backoff, syncer_pod)]
-  tpu_resources = {"google.com/tpu": tpu.chips_per_host}
   for i in range(args.learners):
-    extra = [f"--learner_id={i}"] + (["--jax_distributed"] if tpu.hosts > 1 else [])
+    extra = [f"--learner_id={i}"] + (["--jax_distributed"] if devices.hosts > 1 else [])
+    if devices.hosts > 1 and devices.platform == "cuda":
+      # JAX finds a TPU slice's hosts by itself, not GPU nodes': name host 0 (the JobSet's
+      # DNS host name of pod 0) and let Kubernetes put in each pod's completion index.
+      coordinator = f"{args.name}-learner-{i}-0-0.{args.name}:{COORDINATOR_PORT}"
+      extra += [f"--coordinator_address={coordinator}", f"--num_processes={devices.hosts}",
+                "--process_id=$(DILOCO_HOST_INDEX)"]
     pod = {
         "restartPolicy": "Never", **account,
-        "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": tpu.accelerator,
-                         "cloud.google.com/gke-tpu-topology": tpu.topology},
+        "nodeSelector": devices.node_selector(),
+        **({"tolerations": devices.tolerations()} if devices.tolerations() else {}),
         "containers": [{
-            "name": "learner", "image": args.image,
+            "name": "learner", "image": image(args),
             "command": _command(config, store, args.learners, overrides, "learner", extra),
             "env": [{"name": "DILOCO_LEARNER_ID", "value": str(i)}, _store_env(store),
                     {"name": "DILOCO_HOST_INDEX", "valueFrom": {"fieldRef": {
                         "fieldPath":
                             "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}],
-            "resources": {"requests": dict(tpu_resources), "limits": dict(tpu_resources)}}]}
-    # All hosts of one learner on one node pool (= one slice), one learner per node pool.
-    jobs.append(_job(f"learner-{i}", tpu.hosts, backoff, pod,
-                     {EXCLUSIVE_KEY: "cloud.google.com/gke-nodepool"}))
+            "resources": {"requests": devices.resources(), "limits": devices.resources()}}]}
+    # TPU: all hosts of one learner on one node pool (= one slice), one learner per node pool.
+    # GPU: each pod takes whole nodes' GPUs; learners may share a node pool.
+    exclusive = {EXCLUSIVE_KEY: "cloud.google.com/gke-nodepool"} if devices.platform == "tpu" \
+        else None
+    jobs.append(_job(f"learner-{i}", devices.hosts, backoff, pod, exclusive))
 
   if per_job:
     failure = {"maxRestarts": args.max_restarts,
@@ -301,23 +396,29 @@ def build_jobset(args: flags.FlagValues) -> dict:
 def render(args: flags.FlagValues) -> str:
   """The manifest as YAML, headed by a comment that records the slice layout."""
   manifest = build_jobset(args)
-  tpu = tpu_slice(args.tpu_type, args.topology, args.chips_per_host)
-  header = (f"# Decoupled DiLoCo: {args.learners} learner(s), each a {args.tpu_type} slice "
-            f"({tpu.topology}: {tpu.hosts} host(s) x {tpu.chips_per_host} chips),\n"
-            f"# syncer on {args.syncer_machine}, restart mode {args.restart_mode}; "
-            "from scripts/make_jobset.py (docs/scale_out.md).\n")
+  devices = accelerator(args)
+  name = args.tpu_type if devices.platform == "tpu" else args.gpu_type
+  header = (f"# Decoupled DiLoCo: {args.learners} learner(s), each {devices.describe(name)},\n"
+            f"# syncer on {args.syncer_machine}, restart mode {args.restart_mode}; image "
+            f"{image(args)}; from scripts/make_jobset.py (docs/scale_out.md).\n")
   return header + yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False, width=100)
 
 
 def define_flags(fv: flags.FlagValues) -> None:
   """The script's flags, defined on `fv` (the global FLAGS when run, a fresh set in tests)."""
   flags.DEFINE_string("name", None, "JobSet name (DNS label).", flag_values=fv)
-  flags.DEFINE_string("image", None, "Container image whose WORKDIR is the repo.", flag_values=fv)
+  flags.DEFINE_string("image", None, "Container image whose WORKDIR is the repo (built from "
+                      "the Dockerfile; default diloco:tpu or diloco:cuda, the documented tags).",
+                      flag_values=fv)
   flags.DEFINE_string("store", None, "Shared store, gs://BUCKET/RUN.", flag_values=fv)
   flags.DEFINE_string("config", None, "e.g. configs/decoupled.py:gemma_2b", flag_values=fv)
   flags.DEFINE_integer("learners", None, "M, one TPU slice each.", flag_values=fv)
   flags.DEFINE_string("tpu_type", None, "Slice per learner: v5p-128, v5litepod-256..",
                       flag_values=fv)
+  flags.DEFINE_string("gpu_type", None, "GPU nodes per learner instead of a TPU slice: the "
+                      "GKE accelerator label, e.g. nvidia-h100-80gb.", flag_values=fv)
+  flags.DEFINE_integer("gpus_per_host", 8, "GPUs per node (--gpu_type).", flag_values=fv)
+  flags.DEFINE_integer("gpu_hosts", 1, "GPU nodes per learner (--gpu_type).", flag_values=fv)
   flags.DEFINE_string("topology", None, "Override the slice topology, e.g. 4x4x8.",
                       flag_values=fv)
   flags.DEFINE_integer("chips_per_host", None, "Override chips per node (e.g. 4 for an 8-chip "
@@ -336,8 +437,7 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("output", None, "Write the YAML here instead of stdout.", flag_values=fv)
   flags.DEFINE_bool("dry_run", False, "Print the YAML to stdout and write nothing (default "
                     "without --output).", flag_values=fv)
-  flags.mark_flags_as_required(["name", "image", "store", "config", "learners", "tpu_type"],
-                               flag_values=fv)
+  flags.mark_flags_as_required(["name", "store", "config", "learners"], flag_values=fv)
 
 
 def parse_args(argv: Sequence[str]) -> flags.FlagValues:

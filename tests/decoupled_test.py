@@ -2,6 +2,7 @@
 
 import json
 import os
+import types
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from diloco import fragments
 from diloco.model.sharding import batch_sharding
 from diloco.runtime import decoupled
+from diloco.runtime.core import Recorder
 from diloco.train import data as data_lib
 from diloco.train import data_parallel as train
 from diloco.train import island
@@ -142,7 +144,7 @@ def test_same_seed_same_tape_and_parameters(tmp_path):
   def strip(tape):  # the measured wall time of a merge is the one non-replayable field
     return [{k: v for k, v in r.items() if k != "merge_wall_s"} for r in tape]
   assert strip(_tape(str(tmp_path / "a"))) == strip(_tape(str(tmp_path / "b")))
-  assert len(a.recorder.tape) > 10
+  assert len(a.recorder.tape()) > 10 and a.recorder.tape_count == len(a.recorder.tape())
   for k in a.syncer.params:
     np.testing.assert_array_equal(a.syncer.params[k], b.syncer.params[k])
 
@@ -173,3 +175,30 @@ def test_threaded_wall_clock_run_with_faults(tmp_path):
 ])
 def test_pacing_wait_closed_form(measured, factor, min_step, wait):
   assert island.pacing_wait(measured, factor, min_step) == pytest.approx(wait)
+
+
+def test_recorder_streams_records_and_keeps_only_a_window(tmp_path):
+  """A long run's tape and activity live in their files, not in memory: the recorder keeps
+  the newest `recent` records, counts, and replays the file to a late follower."""
+  slot = types.SimpleNamespace(index=1, incarnation=0, devices=2, speed=1.0)
+  rec = Recorder(str(tmp_path), recent=4)
+  rounds = [{"round": i, "admitted": [{"learner": 1, "incarnation": 0, "local_step": 8 * i}]}
+            for i in range(10)]
+  for r in rounds[:6]:
+    rec.round(r)
+  seen = []
+  rec.follow(seen.append)  # the six already written, then every new one
+  for r in rounds[6:]:
+    rec.round(r)
+  for i in range(20):
+    rec.span(slot, "step", float(i), i + 1.0, local_step=i + 1)
+  assert seen == rounds
+  assert [r["round"] for r in rec.recent()[0]] == [6, 7, 8, 9]
+  assert len(rec.recent()[1]) == 16
+  assert rec.mark() == (10, 20)
+  rec.close()
+  assert rec.tape() == rounds and len(rec.activity()) == 20
+  resumed = Recorder(str(tmp_path), append=True, recent=4)  # a resumed run continues the files
+  resumed.round({"round": 10, "admitted": []})
+  assert resumed.mark() == (11, 20) and resumed.tape()[-1]["round"] == 10
+  resumed.close()

@@ -206,3 +206,93 @@ def test_dry_run_subprocess_prints_only_yaml(tmp_path):
   assert [rj["name"] for rj in manifest["spec"]["replicatedJobs"]] == [
       "syncer", "learner-0", "learner-1"]
   assert not list(tmp_path.iterdir())
+
+
+# --- GPU node pools and the container image -------------------------------------------------
+
+def _gpu(**overrides) -> dict:
+  return _render(**{"tpu_type": None, "gpu_type": "nvidia-h100-80gb", "image": None,
+                    **overrides})
+
+
+def test_gpu_learners_request_gpus_on_their_node_type():
+  manifest = _gpu(learners="2")
+  jobs = _jobs(manifest)
+  assert list(jobs) == ["syncer", "learner-0", "learner-1"]
+  for i in range(2):
+    rj = jobs[f"learner-{i}"]
+    pod = rj["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    container = _container(rj)
+    assert container["resources"] == {"requests": {"nvidia.com/gpu": 8},
+                                      "limits": {"nvidia.com/gpu": 8}}
+    assert container["image"] == "diloco:cuda"  # the Dockerfile's documented CUDA tag
+    assert "--jax_distributed" not in container["command"]
+    assert rj["template"]["spec"]["parallelism"] == 1
+  syncer = _container(jobs["syncer"])
+  assert "resources" not in syncer and syncer["image"] == "diloco:cuda"
+
+
+def test_multi_host_gpu_learner_names_its_coordinator():
+  rj = _jobs(_gpu(learners="2", gpu_hosts="2", gpus_per_host="4"))["learner-1"]
+  assert rj["template"]["spec"]["parallelism"] == 2
+  container = _container(rj)
+  cmd = container["command"]
+  assert "--jax_distributed" in cmd and "--num_processes=2" in cmd
+  # Pod 0 of job learner-1, by the JobSet's DNS host name (subdomain = JobSet name).
+  assert "--coordinator_address=dd-test-learner-1-0-0.dd-test:8476" in cmd
+  # Kubernetes expands $(VAR) in a command from the container's env: the completion index.
+  assert "--process_id=$(DILOCO_HOST_INDEX)" in cmd
+  assert "DILOCO_HOST_INDEX" in {e["name"] for e in container["env"]}
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    ({"tpu_type": "v5p-128"}, "--tpu_type/--gpu_type"),  # both
+    ({"gpu_type": "h100"}, "--gpu_type"),
+    ({"gpus_per_host": "3"}, "--gpus_per_host"),
+    ({"gpu_hosts": "0"}, "--gpu_hosts"),
+    ({"gpus_per_host": "2"}, r"--config: .* 2 chips of one learner \(--gpu_type\)"),
+])
+def test_bad_gpu_flags_are_named(overrides, flag):
+  with pytest.raises(ValueError, match=flag):
+    _gpu(**overrides)
+  with pytest.raises(ValueError, match="--tpu_type/--gpu_type"):
+    _render(tpu_type=None)  # neither
+
+
+def test_default_image_is_the_tag_the_dockerfile_builds():
+  dockerfile = (ROOT / "Dockerfile").read_text()
+  assert _container(_jobs(_render(image=None))["learner-0"])["image"] == "diloco:tpu"
+  for accel, tag in make_jobset.DEFAULT_IMAGE.items():
+    assert f"--build-arg EXTRAS={accel},gcs -t {tag} " in dockerfile.replace("  ", " ")
+
+
+def test_dockerfile_copies_what_exists_and_installs_declared_extras():
+  """The container recipe (not built here: no Docker daemon) refers to real files and extras."""
+  import ast
+  import re
+  dockerfile = (ROOT / "Dockerfile").read_text()
+  ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+             if line.strip() and not line.startswith("#")}
+  copies = re.findall(r"^COPY (.+) \S+$", dockerfile, re.MULTILINE)
+  sources = [s for line in copies for s in line.split()]
+  assert {"setup.py", "diloco", "configs", "scripts"} <= set(sources)
+  for source in sources:
+    assert (ROOT / source).exists(), source
+    assert source not in ignored, source
+  setup = ast.parse((ROOT / "setup.py").read_text())
+  call = next(n for n in ast.walk(setup) if isinstance(n, ast.Call)
+              and getattr(n.func, "id", None) == "setup")
+  extras = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+  assert extras["cuda"] == ["jax[cuda12]>=0.10.2,<0.13"] and extras["tpu"] == [
+      "jax[tpu]>=0.10.2,<0.13"]
+  for build in re.findall(r"--build-arg EXTRAS=(\S+)", dockerfile):
+    assert set(build.split(",")) <= set(extras), build
+  # The manifests run with --workdir=WORKDIR and relative config paths from the image's
+  # WORKDIR, which must hold the repository's configs/.
+  assert f"mkdir -p {make_jobset.WORKDIR}" in dockerfile
+  workdir = re.findall(r"^WORKDIR (\S+)$", dockerfile, re.MULTILINE)[-1]
+  assert re.search(rf"^COPY configs {re.escape('./configs')}$", dockerfile, re.MULTILINE)
+  assert workdir != make_jobset.WORKDIR  # the run's files never land in the code's directory

@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.processes]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Named faults first; the seeded random ones come after the retirement (chaos window below).
 CHAOS = "add@2;kill:0@5;stop:1@12+8;kill_syncer@24;retire:3@55"
-HEARTBEAT_TIMEOUT_S = 6.0  # configs/multiprocess.py:tiny
 MAX_STALENESS = 8
 
 
@@ -76,11 +75,57 @@ def test_syncer_restart_keeps_versions_and_tape_exact(run_dir):
   for r in tape:
     assert r["version"] == last.get(r["fragment"], 0) + 1  # strictly increasing, never reused
     last[r["fragment"]] = r["version"]
-  # Learners kept training while the syncer was down: their steps went on.
+  # Learners kept training while the syncer was down: steps ended after the kill and before
+  # the restarted syncer closed its first round.
   kill = next(e for e in _events(workdir) if e["event"].startswith("kill_syncer"))
+  back = min(r["closed_at"] for r in tape if r["closed_at"] > kill["at"])
   steps = [r for r in _jsonl(os.path.join(workdir, "activity.jsonl"))
-           if r["kind"] == "step" and kill["at"] < r["end"] < kill["at"] + 3]
-  assert steps, "no learner stepped in the 3 s after the syncer was killed"
+           if r["kind"] == "step" and kill["at"] < r["end"] < back]
+  assert steps, "no learner stepped between the syncer's kill and its first round after it"
+
+
+def test_every_delivery_merged_at_most_once_and_no_committed_round_lost(run_dir):
+  workdir, _ = run_dir
+  tape = _tape(workdir)
+  merged = [(r["fragment"], a["learner"], a["incarnation"], a["local_step"])
+            for r in tape for a in r["admitted"]]
+  assert len(merged) == len(set(merged)), "a delivery was merged twice across the syncer kill"
+  # What the store says was committed is exactly what the tape holds: the syncer's final
+  # registry and the merged index name the tape's last round and versions.
+  with open(os.path.join(workdir, "store", "registry.json")) as f:
+    registry = json.load(f)
+  with open(os.path.join(workdir, "store", "merged", "index.json")) as f:
+    index = {int(p): v for p, v in json.load(f).items()}
+  last = {p: 0 for p in index}
+  for r in tape:
+    last[r["fragment"]] = r["version"]
+  assert registry["rounds"] == len(tape)
+  assert registry["versions"] == [last[p] for p in sorted(last)]
+  assert index == last
+
+
+def test_a_joining_learner_builds_on_what_was_published_when_it_joined(run_dir):
+  """Every incarnation (first start, restart after a kill, added learner) starts from the
+  versions published before it joined, or newer: its first delivery of each fragment is based
+  on at least the version the tape shows published before its join."""
+  workdir, _ = run_dir
+  tape = _tape(workdir)
+  joins = {(r["learner"], r["incarnation"]): r["start"]
+           for r in _jsonl(os.path.join(workdir, "activity.jsonl")) if r["kind"] == "load"}
+  first = {}
+  for r in tape:
+    for a in r["admitted"]:
+      key = (a["learner"], a["incarnation"], r["fragment"])
+      if key not in first or a["local_step"] < first[key][0]:
+        first[key] = (a["local_step"], a["base_version"])
+  checked = 0
+  for (learner, incarnation, p), (_, base) in first.items():
+    joined = joins[(learner, incarnation)]
+    published = max([r["version"] for r in tape
+                      if r["fragment"] == p and r["published_at"] < joined], default=0)
+    assert base >= published, (learner, incarnation, p, base, published)
+    checked += published > 0
+  assert checked, "no learner joined after a merge: the check saw nothing"
 
 
 def test_killed_learner_restarts_rejoins_and_contributes(run_dir):
@@ -110,11 +155,19 @@ def test_stopped_learner_is_skipped_then_returns(run_dir):
   stop = next(e for e in _events(workdir) if e["event"] == "stop:1@12+8")
   assert stop["applied"]
   tape = _tape(workdir)
-  during = [r for r in tape if stop["at"] + 1 < r["closed_at"] < stop["at"] + 8]
+  # SIGCONT comes no earlier than 8 s after SIGSTOP: rounds closed in between closed while it
+  # was stopped.
+  during = [r for r in tape if stop["at"] < r["closed_at"] < stop["at"] + 8]
   assert during, "no round closed while learner 1 was stopped"
-  # Once its heartbeat timed out, and until SIGCONT, rounds go on without it.
-  late = [r for r in during if r["closed_at"] > stop["at"] + HEARTBEAT_TIMEOUT_S + 0.5]
-  assert all(a["learner"] != 1 for r in late for a in r["admitted"])
+  # Once its heartbeat timed out, rounds went on without it (it no longer receives them),
+  # and a stopped learner makes no new deliveries: only steps it reached before SIGSTOP.
+  without = [r for r in during if 1 not in r["receivers"]]
+  assert without and all(r["admitted"] for r in without), "rounds stopped without learner 1"
+  activity = _jsonl(os.path.join(workdir, "activity.jsonl"))
+  reached = max(a["local_step"] for a in activity if a["learner"] == 1 and a["kind"] == "step"
+                and a["end"] <= stop["at"])
+  assert all(a["local_step"] <= reached + 1 for r in during for a in r["admitted"]
+             if a["learner"] == 1)
   back = [a for r in tape if r["closed_at"] > stop["at"] + 8 for a in r["admitted"]
           if a["learner"] == 1]
   assert back, "learner 1 never contributed again after SIGCONT"
@@ -133,5 +186,7 @@ def test_added_learner_joins_from_global_and_retired_one_leaves(run_dir):
   log = open(os.path.join(workdir, "logs", "learner3.log")).read()
   assert "learner 3 incarnation 0: joined at local step 0" in log
   assert "learner 3 incarnation 0: retired at local step" in log
-  assert all(a["learner"] != 3 for r in tape if r["closed_at"] > retire["at"] + 10
-             for a in r["admitted"])
+  # Nothing it did after retiring is merged: only steps up to the one it retired at.
+  retired_at = int(log.split("learner 3 incarnation 0: retired at local step")[1].split()[0])
+  assert all(a["local_step"] <= retired_at for r in tape for a in r["admitted"]
+             if a["learner"] == 3)

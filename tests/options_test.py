@@ -248,7 +248,7 @@ def test_runtime_waits_for_late_rounds_only_when_blocking(tmp_path, reuse_compil
   assert bool(waits) == block
   assert sum(s["kind"] == "step" for s in spans) == cfg.train.steps
   assert rt.slots[0].status == "done"
-  tape = rt.recorder.tape
+  tape = rt.recorder.tape()
   assert tape
   # Merged results were applied: later deliveries build on published versions.
   assert max(a["base_version"] for r in tape for a in r["admitted"]) >= 1
@@ -494,3 +494,31 @@ def test_background_delta_is_taken_from_the_base_it_names(setup):
   for k, q in payload.tensors.items():
     np.testing.assert_allclose(_dequantize_oracle(q), setup.g0[k] - theta[k], rtol=0,
                                atol=np.max(q.scales) / 2 * 1.001 + 1e-7, err_msg=k)
+
+
+# sync.send_queue: backpressure instead of an unbounded queue of deliveries.
+
+
+def test_send_queue_makes_the_next_delivery_wait_for_the_oldest(setup):
+  cfg = _config(sync__send_queue=1)
+  transport = _transport(setup, cfg, cls=_HoldFirstDelivery)
+  learner = _learner(setup, cfg, transport, background_io=True)
+  released_before_return = []
+  try:
+    learner.step(0.0, 1.0)  # delivers; the I/O thread holds that send: one on its way
+    assert learner.send_wait_s == 0.0
+    threading.Timer(0.5, transport.release.set).start()
+    learner.step(0.0, 1.0)  # delivers again: waits for the held send first
+    released_before_return.append(transport.release.is_set())
+  finally:
+    transport.release.set()
+    learner.close()
+  assert released_before_return == [True]
+  assert learner.send_wait_s > 0.0
+  _, payloads, _ = transport.take()
+  assert [p.local_step for p in payloads] == [1, 2]  # both sent, in order: nothing dropped
+
+
+def test_send_queue_is_validated():
+  with pytest.raises(config_lib.ConfigError, match="sync.send_queue"):
+    _config(sync__send_queue=0)

@@ -2,9 +2,12 @@
 
 import json
 import os
+import pathlib
 import re
+import time
 
 import numpy as np
+import object_store
 import pytest
 
 from diloco import fragments, outer
@@ -20,6 +23,15 @@ from diloco.transport import Heartbeat, Merged, Payload
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
 PLAN = fragments.plan_fragments(SHAPES, num_fragments=2)
 EXPECTED = {p: {k: SHAPES[k] for k in paths} for p, paths in enumerate(PLAN.fragments)}
+
+
+@pytest.fixture(params=["local", "object"])
+def where(request, tmp_path, monkeypatch):
+  """(root, files): a local-directory store, or the same tests on an emulated object store
+  (`tests/object_store.py`: no rename, no directories, no prefix times); `files` is the local
+  directory holding its files, where the tests damage entries."""
+  root, files = object_store.location(request.param, tmp_path, monkeypatch)
+  return root, pathlib.Path(files)
 
 
 def _params(seed):
@@ -53,8 +65,9 @@ def test_names_are_built_only_from_validated_integers():
       payload_name(bad, 0, 0, 0)
 
 
-def test_payload_round_trip_values_and_quantized(tmp_path):
-  store = Store(tmp_path)
+def test_payload_round_trip_values_and_quantized(where):
+  root, _ = where
+  store = Store(root)
   values = _params(1)
   store.put_payload(_payload(0, 0, values))
   q = {k: outer.quantize(values[k], 4, 8) for k in PLAN.fragments[1]}
@@ -71,8 +84,9 @@ def test_payload_round_trip_values_and_quantized(tmp_path):
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4, 2, 1])
-def test_quantized_payloads_of_every_precision_round_trip(tmp_path, bits):
-  store = Store(tmp_path)
+def test_quantized_payloads_of_every_precision_round_trip(where, bits):
+  root, _ = where
+  store = Store(root)
   values = _params(bits)
   q = {k: outer.quantize(values[k], bits, 8) for k in PLAN.fragments[1]}
   written = store.put_payload(Payload(1, 0, 1, 5, 5, 500, 0, "delta", q, 0.0))
@@ -82,33 +96,34 @@ def test_quantized_payloads_of_every_precision_round_trip(tmp_path, bits):
     np.testing.assert_array_equal(outer.dequantize(got.tensors[k]), outer.dequantize(q[k]))
 
 
-def test_json_records_are_replaced_atomically(tmp_path):
-  store = Store(tmp_path)
+def test_json_records_are_replaced_atomically(where):
+  root, files = where
+  store = Store(root)
   store.write_json("registry.json", {"a": 1})
   store.write_json("registry.json", {"a": 2})
   assert store.read_json("registry.json") == {"a": 2}
-  assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
+  assert [p for p in os.listdir(files) if p.endswith(".tmp")] == []
   assert store.read_json("missing.json") is None
 
 
-def _plant(store, tmp_path):
+def _plant(store, files):
   """One entry of every bad kind, plus one good delivery; returns the expected reasons."""
   good = _params(1)
   p_of = PLAN.fragment_of("layers/0/w")
   store.put_payload(_payload(0, p_of, good, step=1))  # the good one
   # Half-written: data but no commit marker -> never read.
   store.put_payload(_payload(0, 1, good, step=2))
-  os.remove(tmp_path / "payloads" / "f1_l0_i0_s2.json")
+  os.remove(files / "payloads" / "f1_l0_i0_s2.json")
   # Truncated: every data file of the entry cut to a few bytes.
   store.put_payload(_payload(0, 0, good, step=3))
-  for root, _, files in os.walk(tmp_path / "payloads" / "f0_l0_i0_s3"):
-    for f in files:
+  for folder, _, names in os.walk(files / "payloads" / "f0_l0_i0_s3"):
+    for f in names:
       if not f.startswith((".", "_", "zarr")):
-        with open(os.path.join(root, f), "r+b") as fh:
+        with open(os.path.join(folder, f), "r+b") as fh:
           fh.truncate(3)
   # Garbage: a commit marker that is not JSON.
   store.put_payload(_payload(0, 1, good, step=4))
-  (tmp_path / "payloads" / "f1_l0_i0_s4.json").write_bytes(b"\x00\xffnot json")
+  (files / "payloads" / "f1_l0_i0_s4.json").write_bytes(b"\x00\xffnot json")
   # Wrong shape and wrong dtype written as if they were the right tensors.
   wrong = dict(good, **{"layers/0/w": np.zeros((2, 2), np.float32)})
   bad_dtype = {k: v.astype(np.float16) for k, v in good.items()}
@@ -124,46 +139,58 @@ def _plant(store, tmp_path):
   # steps (refused by the syncer).
   for step, field, value in ((11, "steps", "1e400"), (12, "tokens", "0")):
     store.put_payload(_payload(0, p_of, good, step=step))
-    marker = tmp_path / "payloads" / f"f{p_of}_l0_i0_s{step}.json"
+    marker = files / "payloads" / f"f{p_of}_l0_i0_s{step}.json"
     marker.write_text(re.sub(rf'"{field}": \d+', f'"{field}": {value}', marker.read_text()))
   return {"unreadable": 2, "wrong_shape": 1, "wrong_dtype": 1, "non_finite": 1,
           "unknown_learner": 1, "wrong_incarnation": 1, "stale": 1, "bad_counters": 2}
 
 
 def test_merged_rounds_are_synced_to_disk_and_payloads_are_not(tmp_path, monkeypatch):
-  """Merged rounds are the syncer's durable state: each of their files is fsynced before the
-  round is committed; payloads are consumed within seconds and skip the sync."""
+  """Merged rounds are the syncer's durable state: every file of the entry (tensors and
+  Orbax's metadata) and the folders that name them are fsynced, then the commit marker; the
+  index, which a restarted syncer rewrites from the markers, is not, nor are payloads
+  (consumed within seconds) and heartbeats."""
   synced = []
   real_fsync = os.fsync
 
-  def spy(fd):
-    synced.append(os.fstat(fd).st_size)
+  def spy(fd):  # the name of what is synced, with the temporary folder's name undone
+    name = os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path)
+    synced.append(re.sub(r"\.([^/]+)\.[0-9a-f]{32}\.tmp", r"\1", name))
     real_fsync(fd)
 
   monkeypatch.setattr(os, "fsync", spy)
   store = Store(tmp_path)
   store.put_payload(_payload(0, 0, _params(1)))
+  store.put_heartbeat(0, {"seq": 1})
   assert synced == []
   s = _syncer()
   store.put_merged(s.initial(0.0)[0], s.momentum, {"round": None})
-  n = len(PLAN.fragments[0])
-  assert len(synced) == 2 * n and min(synced) > 0  # every tensor file of params and momentum
+  data = store.merged_marker(0, 0)["data"]
+  entry_files = [os.path.relpath(os.path.join(d, f), tmp_path)
+                 for d, _, fs in os.walk(tmp_path / "merged" / data) for f in fs]
+  assert len(entry_files) == 2 * (len(PLAN.fragments[0]) + 1)  # tensors + _METADATA, twice
+  marker = synced.index("merged/f0_v0.json")
+  assert set(entry_files) <= set(synced[:marker])
+  assert {f"merged/{data}/params", f"merged/{data}/outer", f"merged/{data}", "merged"} <= set(
+      synced[:marker])  # the entries' folders, the rename, and the new version's folder
+  assert synced[marker + 1:] == ["merged"]  # the marker's name; nothing for the index
   assert store.read_merged(0, 0)[0].version == 0
 
-
-def test_every_bad_entry_kind_is_rejected_with_its_reason(tmp_path):
-  store = Store(tmp_path)
+def test_every_bad_entry_kind_is_rejected_with_its_reason(where):
+  root, files = where
+  store = Store(root)
   s = _syncer(max_staleness=0)
   s.versions[1 - PLAN.fragment_of("layers/0/w")] = 1  # version 0 is now too stale there
   g0 = s.global_params()
-  expected = _plant(store, tmp_path)
+  expected = _plant(store, files)
   link = SyncerStoreLink(store, EXPECTED)
   _beat(store, 0)
   _beat(store, 1, incarnation=2)
   # Crafted heartbeats are skipped, not raised: a number JSON reads as infinity, a bad time.
-  (tmp_path / "heartbeats" / "l7.json").write_text(
+  (files / "heartbeats").mkdir(exist_ok=True)
+  (files / "heartbeats" / "l7.json").write_text(
       '{"incarnation": 0, "seq": 1e400, "local_step": 1, "step_time": 0.1}')
-  (tmp_path / "heartbeats" / "l8.json").write_text(
+  (files / "heartbeats" / "l8.json").write_text(
       '{"incarnation": 0, "seq": 1, "local_step": 1, "step_time": 0.1, "sent_at": "soon"}')
   assert link.poll(1.0) == ([], [], [], [])  # the first poll only takes a baseline
   _beat(store, 0, seq=2)
@@ -182,7 +209,7 @@ def test_every_bad_entry_kind_is_rejected_with_its_reason(tmp_path):
   # What the store could not use was moved aside with its reason, never deleted.
   assert sorted(r["reason"] for r in store.quarantined().values()) == sorted(
       r.reason for r in rejected)
-  assert len(rejected) == 5 and os.path.isdir(tmp_path / "quarantine" / rejected[0].name)
+  assert len(rejected) == 5 and os.path.isdir(files / "quarantine" / rejected[0].name)
   assert store.uncommitted_payloads() == ["f1_l0_i0_s2"]  # never trusted, never read
   assert store.collect_uncommitted(max_age_s=3600) == 0
   assert store.collect_uncommitted(max_age_s=-1) == 1 and store.uncommitted_payloads() == []
@@ -190,8 +217,28 @@ def test_every_bad_entry_kind_is_rejected_with_its_reason(tmp_path):
     np.testing.assert_array_equal(s.global_params()[k], g0[k])
 
 
-def test_syncer_link_retries_a_failed_delete_and_never_rereads(tmp_path, monkeypatch):
-  store = Store(tmp_path)
+def test_uncommitted_entries_are_collected_by_the_age_this_process_saw_them(where):
+  """No modification time is read (an object store has none for a prefix, and a dead
+  writer's clock is not ours): an entry is collected once this process has seen it
+  uncommitted for longer than the limit, and never once it is committed."""
+  root, files = where
+  store = Store(root)
+  for step in (1, 2):
+    store.put_payload(_payload(0, 0, _params(1), step=step))
+    os.remove(files / "payloads" / f"f0_l0_i0_s{step}.json")  # the writer died before it
+  old = files / "payloads" / "f0_l0_i0_s1"
+  os.utime(old, (0, 0))  # a prefix time of 1970 means nothing
+  assert store.collect_uncommitted(max_age_s=0.3) == 0  # first seen now
+  store.write_json("payloads/f0_l0_i0_s2.json", {"late": True})  # a slow writer committed
+  time.sleep(0.4)
+  assert store.collect_uncommitted(max_age_s=0.3) == 1
+  assert store.uncommitted_payloads() == [] and store.committed_payloads() == ["f0_l0_i0_s2"]
+  assert Store(root).collect_uncommitted(max_age_s=-1) == 0  # nothing else was left
+
+
+def test_syncer_link_retries_a_failed_delete_and_never_rereads(where, monkeypatch):
+  root, _ = where
+  store = Store(root)
   s = _syncer()
   link = SyncerStoreLink(store, EXPECTED)
   try:
@@ -220,8 +267,9 @@ def test_syncer_link_retries_a_failed_delete_and_never_rereads(tmp_path, monkeyp
     link.close()
 
 
-def test_learner_link_delivers_and_prefetches_merged(tmp_path):
-  store = Store(tmp_path)
+def test_learner_link_delivers_and_prefetches_merged(where):
+  root, _ = where
+  store = Store(root)
   s = _syncer()
   for m in s.initial(0.0):
     store.put_merged(m, s.momentum, {"round": None, "state": s.export_state()})
@@ -240,10 +288,27 @@ def test_learner_link_delivers_and_prefetches_merged(tmp_path):
     link.close()
 
 
-def test_learner_link_outlives_a_version_collected_before_it_read_it(tmp_path):
+def test_learner_link_outbox_is_bounded_and_loses_nothing(tmp_path):
+  """At `send_queue` deliveries waiting for a slow link, `deliver` waits (backpressure) instead
+  of buffering without bound; every delivery still reaches the store."""
+  store = Store(tmp_path)
+  link = LearnerStoreLink(store, 0, 0, poll_s=0.01, up=wan.Link(latency_ms=300), send_queue=1)
+  try:
+    for step in (4, 8, 12):
+      link.deliver(_payload(0, 0, _params(step), step=step))
+      assert link._outbox.qsize() <= 1
+    assert link.send_wait_s > 0.0  # the third waited for the first upload to finish
+    link.flush()
+    assert sorted(store.committed_payloads()) == ["f0_l0_i0_s12", "f0_l0_i0_s4", "f0_l0_i0_s8"]
+  finally:
+    link.close()
+
+
+def test_learner_link_outlives_a_version_collected_before_it_read_it(where):
   """The index names a version that GC removed before the learner read it (a slow learner):
   the poller waits for the next index instead of failing the learner."""
-  store = Store(tmp_path)
+  root, _ = where
+  store = Store(root)
   s = _syncer()
   for m in s.initial(0.0):
     store.put_merged(m, s.momentum, {"round": None, "state": s.export_state()})
@@ -260,24 +325,28 @@ def test_learner_link_outlives_a_version_collected_before_it_read_it(tmp_path):
     link.close()
 
 
-def test_collect_merged_spares_a_version_being_written(tmp_path):
-  store = Store(tmp_path)
+def test_collect_merged_spares_a_version_being_written(where):
+  root, files = where
+  store = Store(root)
   s = _syncer()
   for v in range(4):
     s.versions[0] = v
     store.put_merged(Merged(0, v, s.fragment_values(0), float(v)), s.momentum, {"round": v})
-  (tmp_path / "merged" / "f0_v4" / "params").mkdir(parents=True)  # the syncer is writing v4
+  writing = files / "merged" / "f0_v4.0123456789ab" / "params"  # the syncer is writing v4
+  writing.mkdir(parents=True)
+  (writing / "t0000.npy").write_bytes(b"half")
   store.collect_merged(0, keep=2)
   assert store.merged_versions(0) == [2, 3]
-  assert sorted(os.listdir(tmp_path / "merged")) == [
-      "f0_v2", "f0_v2.json", "f0_v3", "f0_v3.json", "f0_v4", "index.json"]
+  names = sorted(re.sub(r"\.[0-9a-f]{12}$", ".w", n) for n in os.listdir(files / "merged"))
+  assert names == ["f0_v2.json", "f0_v2.w", "f0_v3.json", "f0_v3.w", "f0_v4.w", "index.json"]
   assert store.collect_uncommitted_merged() == 1  # what a restarted syncer does first
-  assert not (tmp_path / "merged" / "f0_v4").exists()
+  assert not (files / "merged" / "f0_v4.0123456789ab").exists()
+  np.testing.assert_array_equal(store.read_merged(0, 3)[0].tensors["embedder/embedding"],
+                                s.fragment_values(0)["embedder/embedding"])
 
-
-def test_syncer_recovers_the_last_durable_round_exactly(tmp_path):
+def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
   """Kill-and-restart in process: same G, momentum, versions; tape without gap or duplicate."""
-  store = Store(tmp_path / "store")
+  store = Store(where[0])
   records: list = []
   s = _syncer(on_round=records.append)
   for m in s.initial(0.0):

@@ -155,12 +155,16 @@ class AgreedLink:
         self._held[p] = {v: m for v, m in self._held[p].items() if v >= version}
     return Decision(decision["retire"], decision["give_up"])
 
-  def agree_initial(self, num_fragments: int, timeout: float) -> None:
-    """Waits until this host fetched every fragment, then agrees until the view has them all
-    (the view is the same on every host, so every host leaves this loop at the same point)."""
-    self.inner.wait_initial(num_fragments, timeout)
+  def agree_initial(self, num_fragments: int, timeout: float,
+                    min_versions: dict[int, int] | None = None) -> None:
+    """Waits until this host fetched every fragment (at least `min_versions[p]`), then agrees
+    until the view has them all (the view is the same on every host, so every host leaves
+    this loop at the same point)."""
+    floor = min_versions or {}
+    self.inner.wait_initial(num_fragments, timeout, floor)
     deadline = time.monotonic() + timeout
-    while len(self._view) < num_fragments:
+    while len(self._view) < num_fragments or any(
+        self._view[p].version < floor.get(p, 0) for p in range(num_fragments)):
       if self.agree(give_up=time.monotonic() > deadline).give_up:
         raise TimeoutError(f"learner {self.inner.learner}: the hosts did not come to hold the "
                            f"same version of every fragment within {timeout:.0f} s")

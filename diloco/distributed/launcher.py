@@ -8,6 +8,11 @@ world, like the hosts of a TPU slice: a kill hits one of them, and the launcher 
 the others and restarts the learner whole (JAX would take its heartbeat timeout to notice).
 When every learner has finished or retired it stops the syncer, gathers the activity logs,
 and writes accounting.json, loss.png and timeline.png like the single-controller runtime.
+
+On a GPU host or TPU VM (`launch.platform`, `diloco.distributed.accelerators`) each learner
+gets its own group of the host's devices and the syncer stays on the CPU. SIGTERM or SIGINT to
+the launcher goes on to every process group it started; whatever has not exited after
+`launch.stop_timeout_s` is SIGKILLed, and the launcher exits 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import numpy as np
 from absl import logging
 
 from diloco.config_lib import Config, ConfigError, parse_floats
-from diloco.distributed import chaos
+from diloco.distributed import accelerators, chaos
 from diloco.distributed.store import Store
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
@@ -35,15 +40,19 @@ from diloco.observe.accounting import span_record
 from diloco.train import data as data_lib
 
 LAUNCHER_ACTIVITY = "launcher.jsonl"
+EVALUATOR = -2  # the evaluator process's key in `Launcher.procs`
 
 
 @dataclasses.dataclass
 class Proc:
-  """One supervised learner, as one process per host, or the syncer (learner -1)."""
+  """One supervised learner, as one process per host, or the syncer (learner -1), or the
+  evaluator (learner -2)."""
   name: str
   learner: int
   devices: int  # per process
   hosts: int = 1
+  # The accelerator ids each host process sees (empty on cpu: emulated devices instead).
+  device_ids: list[list[str]] = dataclasses.field(default_factory=list)
   popens: list[subprocess.Popen] = dataclasses.field(default_factory=list)
   state: str = "idle"  # idle | running | stopped | waiting (to restart) | done | retired
   restarts: int = 0
@@ -77,12 +86,28 @@ class Launcher:
       raise ConfigError("launch.chaos: retire events send SIGTERM, which means restart with "
                         f"store.on_sigterm={cfg.store.on_sigterm!r}; use 'retire' there")
     self.rng = np.random.default_rng([cfg.seed, 104729])
-    sizes = [int(x) for x in parse_floats(cfg.learners.devices, "learners.devices")]
-    self.procs = {-1: Proc("syncer", -1, 1)}
+    listed = [int(x) for x in parse_floats(cfg.learners.devices, "learners.devices")]
     hosts = cfg.launch.hosts_per_learner
-    for m in range(self.max_learners):
-      devices = sizes[m] if m < len(sizes) else cfg.launch.devices_per_learner
-      self.procs[m] = Proc(f"learner{m}", m, devices // hosts, hosts)
+    sizes = [listed[m] if m < len(listed) else cfg.launch.devices_per_learner
+             for m in range(self.max_learners)]
+    # Decided before any process starts, without starting a JAX backend here.
+    self.platform, available = accelerators.detect(cfg.launch.platform)
+    field = "learners.devices" if listed else "launch.devices_per_learner"
+    groups = accelerators.assign(self.platform, available, sizes, hosts, field)
+    idle = available[sum(sizes):]
+    if idle:
+      logging.warning("launcher: %d %s device(s) stay idle (%s): %d learner(s) x %s use %d",
+                      len(idle), self.platform, ",".join(idle), len(sizes), field, sum(sizes))
+    self.procs = {-1: Proc("syncer", -1, 1)}
+    if cfg.train.eval_mode == "process":  # the global eval, off the syncer (evaluator.py)
+      # On an accelerator host it takes a device no learner uses; without one, the host CPU.
+      if self.platform != "cpu" and not idle:
+        logging.warning("launcher: no spare %s device for the evaluator process: it evaluates "
+                        "on CPU (leave one device out of the learners' groups)", self.platform)
+      self.procs[EVALUATOR] = Proc("evaluator", EVALUATOR, 1,
+                                   device_ids=[list(idle[:1])] if idle else [])
+    for m, size in enumerate(sizes):
+      self.procs[m] = Proc(f"learner{m}", m, size // hosts, hosts, device_ids=groups[m])
     os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
     os.makedirs(os.path.join(self.workdir, "activity"), exist_ok=True)
     self._activity = open(os.path.join(self.workdir, "activity", LAUNCHER_ACTIVITY), "a",
@@ -97,6 +122,8 @@ class Launcher:
   def _command(self, proc: Proc, host: int, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "diloco.main", f"--config_json={self.config_json}",
            f"--workdir={self.workdir}", f"--store={self.store_root}"]
+    if proc.learner == EVALUATOR:
+      return cmd + ["--role=evaluator"]
     if proc.learner < 0:
       return cmd + ["--role=syncer"]
     cmd += ["--role=learner", f"--learner_id={proc.learner}"]
@@ -105,13 +132,15 @@ class Launcher:
               f"--num_processes={proc.hosts}", f"--process_id={host}"]
     return cmd
 
+  def env(self, proc: Proc, host: int) -> dict[str, str]:
+    """The environment of one host process of `proc`: its platform and its own devices."""
+    if proc.learner < 0 and not proc.device_ids:  # the syncer; an evaluator without a device
+      return accelerators.syncer_env(os.environ, self.platform)
+    ids = proc.device_ids[host] if proc.device_ids else []
+    return accelerators.child_env(os.environ, self.platform, devices=ids, emulated=proc.devices,
+                                  tpu_port=_free_port() if self.platform == "tpu" else 0)
+
   def start(self, proc: Proc) -> None:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + [
-        f"--xla_force_host_platform_device_count={proc.devices}"])
-    env.setdefault("JAX_PLATFORMS", "cpu")
     if not proc.logs:
       names = [proc.name] + [f"{proc.name}_h{h}" for h in range(1, proc.hosts)]
       proc.logs = [open(os.path.join(self.workdir, "logs", f"{n}.log"), "ab") for n in names]
@@ -121,7 +150,7 @@ class Launcher:
       log.write(f"==== start at t={self.now():.2f}s ====\n".encode())
       log.flush()
       proc.popens.append(subprocess.Popen(self._command(proc, host, port), stdout=log,
-                                          stderr=subprocess.STDOUT, env=env,
+                                          stderr=subprocess.STDOUT, env=self.env(proc, host),
                                           start_new_session=True))
     proc.state, proc.started_at = "running", self.now()
     if proc.down_since is not None and proc.learner >= 0:
@@ -145,9 +174,15 @@ class Launcher:
     return sent
 
   def _stop_all(self, proc: Proc) -> None:
-    """Kills what is left of a learner whose host died: the others cannot go on without it."""
-    self._signal(proc, signal.SIGCONT)
-    self._signal(proc, signal.SIGKILL)
+    """Kills what is left of a learner whose host died: the others cannot go on without it.
+
+    The whole process group of each live process goes, so that no helper it started outlives
+    it (a group whose leader has exited and been reaped is left alone: its id may be reused).
+    """
+    for popen in proc.popens:
+      if popen.poll() is None:
+        _signal_group(popen, signal.SIGCONT)
+        _signal_group(popen, signal.SIGKILL)
     for popen in proc.popens:
       popen.wait(timeout=30)
 
@@ -223,18 +258,67 @@ class Launcher:
     print(f"chaos t={self.now():.1f}s: {event} -> "
           f"{record['target'] if ok else 'skipped (no eligible target)'}", flush=True)
 
+  # Signals to the launcher.
+  def _on_signal(self, signum: int, frame) -> None:
+    """Only records the signal: the loop stops the processes (a handler must not race it)."""
+    del frame
+    if self._stop_signal is None:
+      self._stop_signal = signum
+
+  def _check_signal(self) -> None:
+    if self._stop_signal is not None:
+      raise Stopped(self._stop_signal)
+
+  def forward(self, sig: int) -> None:
+    """Passes `sig` on to every live process, waits up to launch.stop_timeout_s for all of
+    them to exit (a learner checkpoints on SIGTERM), then SIGKILLs the stragglers.
+
+    Each process leads its own process group (`start_new_session`), so a terminal's Ctrl-C
+    reaches only the launcher; the signal goes to the whole group, helpers included.
+    """
+    live = [p for proc in self.procs.values() for p in proc.popens if p.poll() is None]
+    for popen in live:
+      for s in (signal.SIGCONT, sig):  # a SIGSTOPped process could not act on it
+        _signal_group(popen, s)
+    deadline = time.monotonic() + self.cfg.launch.stop_timeout_s
+    while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    stragglers = [p for p in live if p.poll() is None]
+    for popen in stragglers:
+      _signal_group(popen, signal.SIGKILL)
+      popen.wait(timeout=30)
+    print(f"launcher: {signal.Signals(sig).name}: {len(live) - len(stragglers)} process(es) "
+          f"exited, {len(stragglers)} killed after launch.stop_timeout_s="
+          f"{self.cfg.launch.stop_timeout_s:g}", flush=True)
+
   # The run.
   def run(self) -> dict:
+    """Runs to the end; on SIGTERM or SIGINT stops every process and exits 128 + signal."""
+    self._stop_signal: int | None = None
+    previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+      return self._run()
+    except Stopped as e:  # every process is gone already (the finally of _run)
+      raise SystemExit(128 + e.signum) from None
+    finally:
+      for s, handler in previous.items():
+        signal.signal(s, handler)
+
+  def _run(self) -> dict:
     cfg = self.cfg
     self._continue_at: list[tuple[float, Proc]] = []
-    self.start(self.procs[-1])
-    for m in range(cfg.learners.count):
-      self.start(self.procs[m])
     pending = list(self.events)
     last_status = 0.0
     chaos_origin = None  # chaos times count from when every initial learner has stepped
     try:
+      self.start(self.procs[-1])
+      if EVALUATOR in self.procs:
+        self.start(self.procs[EVALUATOR])
+      for m in range(cfg.learners.count):
+        self._check_signal()
+        self.start(self.procs[m])
       while True:
+        self._check_signal()
         now = self.now()
         if now > cfg.launch.timeout_s:
           raise TimeoutError(f"the run exceeded launch.timeout_s={cfg.launch.timeout_s:.0f} s")
@@ -264,6 +348,7 @@ class Launcher:
       syncer = self.procs[-1]
       deadline = time.monotonic() + 300
       while syncer.state != "done" and time.monotonic() < deadline:
+        self._check_signal()
         self._reap()
         if syncer.state == "waiting" and syncer.restart_at <= self.now():
           self.start(syncer)
@@ -271,10 +356,27 @@ class Launcher:
       if syncer.state != "done":
         raise RuntimeError("the syncer did not stop within 300 s of stop.json; see "
                            f"{self.workdir}/logs/syncer.log")
+      self._wait_for_evaluator()
     finally:
+      if self._stop_signal is not None:
+        self.forward(self._stop_signal)
       self.shutdown()
     print(self.status_line(), flush=True)
     return self.finish()
+
+  def _wait_for_evaluator(self) -> None:
+    """The evaluator process evaluates the final versions once the syncer has stopped."""
+    proc = self.procs.get(EVALUATOR)
+    if proc is None:
+      return
+    while proc.state != "done":
+      if self.now() > self.cfg.launch.timeout_s:
+        raise TimeoutError("the evaluator did not finish its final evaluation within "
+                           f"launch.timeout_s; see {self.workdir}/logs/evaluator.log")
+      self._reap()
+      if proc.state == "waiting" and proc.restart_at <= self.now():
+        self.start(proc)
+      time.sleep(0.1)
 
   def _all_stepping(self) -> bool:
     beats = self.store.heartbeats()
@@ -349,6 +451,22 @@ class Launcher:
                            title=f"multi-process, M={cfg.learners.count}, "
                                  f"K={cfg.sync.quorum or 'M'}, chaos {len(self.applied)} events")
     return summary
+
+
+class Stopped(Exception):
+  """The launcher got SIGTERM or SIGINT: every process is stopped, then it exits 128 + signum."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+  """`sig` to the process group that `popen` leads, if it is still there."""
+  try:
+    os.killpg(popen.pid, sig)
+  except ProcessLookupError:
+    pass
 
 
 def _param_shapes(cfg: Config) -> dict:

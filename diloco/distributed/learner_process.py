@@ -96,11 +96,18 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   plan = island.fragment_plan(cfg, spec)
   up, down = wan.learner_links(cfg.store.wan_mbps, cfg.store.wan_latency_ms, learner_id)
   link = hosts_lib.AgreedLink(store, learner_id, incarnation, hosts, poll_s=cfg.store.poll_s,
-                              up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s)
+                              up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s,
+                              send_queue=cfg.sync.send_queue)
   link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s)
   origin = store.run_start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   joined_at = clock()
+  # It starts from every version published before it joined, or a newer one: the index read
+  # now names them (its poller may not have fetched the newest yet).
+  published = hosts.share("published", lambda: {str(p): v for p, v in
+                                                store.merged_index().items()})
+  link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s,
+                     {int(p): v for p, v in published.items()})
 
   ckpt = checkpoint_lib.Checkpointer(str(store.learner_dir(learner_id)), cfg.checkpoint)
   learner = Learner(learner_id=learner_id, incarnation=incarnation, num_groups=shards, cfg=cfg,
@@ -155,6 +162,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
           "exit_code": _PREEMPTED_EXIT if preempted else 0,
           "local_step": learner.local_step, "bytes_up": link.bytes_up,
           "bytes_down": link.bytes_down, "wan_wait_s": round(link.wan_wait_s, 3),
+          "send_wait_s": round(learner.send_wait_s, 3),
           "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}
 
 
@@ -205,6 +213,7 @@ def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring
   written, saved = None, ckpt.latest_step()  # a resumed learner's step is saved already
   retired = False  # agreed by all hosts: a SIGTERM counts once host 0 has seen it
   while learner.local_step < cfg.train.steps and not retired:
+    send_wait = learner.send_wait_s
     learner.step(clock(), step_time)
     factor = speed * (1.0 + jitter * rng.uniform(-1.0, 1.0)) if jitter else speed
     extra = island.pacing_wait(clock() - previous, factor, cfg.learners.min_step_s)
@@ -212,8 +221,12 @@ def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring
       retiring.wait(extra)
     end = clock()
     step_time = end - previous
-    activity.span("step", previous, end, local_step=learner.local_step,
+    # Time the step waited for room to send (backpressure) is waiting, not training.
+    stalled = min(learner.send_wait_s - send_wait, step_time)
+    activity.span("step", previous, end - stalled, local_step=learner.local_step,
                   tokens=learner.tokens_per_step)
+    if stalled > 1e-3:
+      activity.span("wait", end - stalled, end, local_step=learner.local_step)
     last = learner.last_values
     if last is not None and last[0] != written:
       written = last[0]

@@ -109,8 +109,14 @@ class NpyHandler(ocp.type_handlers.TypeHandler):
     async def write_all() -> None:
       for info in infos:
         await info.await_path_creation()
-      await asyncio.gather(*(asyncio.to_thread(_write, _file(info), value, self._sync)
-                             for value, info in zip(values, infos)))
+      # Every write ends before an error is raised: the caller then removes the entry, and a
+      # write still running would put its file back (a full disk fails writes one by one).
+      results = await asyncio.gather(*(asyncio.to_thread(_write, _file(info), value, self._sync)
+                                       for value, info in zip(values, infos)),
+                                     return_exceptions=True)
+      for result in results:
+        if isinstance(result, BaseException):
+          raise result
 
     return [ocp.future.CommitFutureAwaitingContractedSignals(write_all(), name="npy_handler")]
 

@@ -5,9 +5,10 @@ use the same code. Layout under the root (every name is built from validated int
 and fixed words, never from what an entry contains):
 
   merged/index.json                 {fragment: latest committed version}, written last
-  merged/f{p}_v{v}/params           Orbax: the fragment's tensors (what learners download)
-  merged/f{p}_v{v}/outer            Orbax: the syncer's Nesterov momentum of the fragment
-  merged/f{p}_v{v}.json             commit marker: syncer state and the round's tape record
+  merged/f{p}_v{v}.{w}/params       Orbax: the fragment's tensors (what learners download)
+  merged/f{p}_v{v}.{w}/outer        Orbax: the syncer's Nesterov momentum of the fragment
+  merged/f{p}_v{v}.json             commit marker: syncer state, the round's tape record, and
+                                    the name of its data folder (`w` is unique per write)
   payloads/f{p}_l{m}_i{i}_s{t}/     Orbax: a learner's delivery of fragment p at local step t
   payloads/f{p}_l{m}_i{i}_s{t}.json commit marker: the delivery's counters
   quarantine/f{p}_l{m}_i{i}_s{t}/   a delivery that could not be used (moved aside, never read)
@@ -17,6 +18,7 @@ and fixed words, never from what an entry contains):
   learners/l{m}/                    learner m's own checkpoints (Orbax CheckpointManager)
   registry.json, stop.json          syncer registry (for people and tools); end of run
   run.json                          the run's start time (the clock origin of all records)
+  lease/g{n}.json                   the syncer lease, generation n (`lease.py`)
 
 An Orbax entry is a directory with Orbax's `_METADATA` and one `.npy` file per tensor
 (`npy_handler`). It is trusted only once its commit marker exists: on a local disk the entry
@@ -24,20 +26,30 @@ is written under a temporary name that is then renamed, and the marker is writte
 that, so a reader never sees a half-written entry as complete (`is_orbax_checkpoint` would
 not tell). JSON records are written to a temporary name and renamed on a local disk;
 object-store writes of a single object are atomic by themselves.
+
+Durability (local disk): what the design promises to keep (merged entries and their commit
+markers, the run start, incarnation numbers, the lease) is fsynced, file and then
+directory, before the next step depends on it. Payloads and heartbeats are not (see
+`write_json`), nor is the index, which a starting syncer rewrites from the markers. On an
+object store an object is durable once its upload returns. Nothing here depends on directory
+modification times or renames on an object store.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 
 from diloco import intake, outer
@@ -47,6 +59,9 @@ from diloco.transport import Merged, Payload
 
 _PAYLOAD_NAME = re.compile(r"^f(\d{1,6})_l(\d{1,6})_i(\d{1,9})_s(\d{1,12})$")
 _MERGED_NAME = re.compile(r"^f(\d{1,6})_v(\d{1,12})$")
+# A merged version's data folder: the version's name and, since each write has its own, a
+# suffix naming the write (so that no writer ever deletes or overwrites another's data).
+_MERGED_DATA = re.compile(r"^f(\d{1,6})_v(\d{1,12})(\.[0-9a-f]{12})?$")
 _MAX_JSON_BYTES = 1 << 22
 
 # Rejection reasons of entries that cannot even be read as a payload.
@@ -55,6 +70,10 @@ WRONG_SHAPE = "wrong_shape"
 WRONG_DTYPE = "wrong_dtype"
 # Not a rejection: the entry was deleted after it was listed (it is nobody's delivery now).
 GONE = "gone"
+# A write that failed (a full disk, a lost connection): nothing of it was committed.
+WRITE_FAILED = "write_failed"
+# A merged version that another writer committed first (two syncers on one store).
+CONFLICT = "conflict"
 
 
 def _checked_int(value: int, what: str) -> int:
@@ -98,27 +117,115 @@ def _host_tree(tree: dict) -> dict:
   return {k: _host_tree(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}
 
 
+def _write_failed(what: str, root: epath.Path, e: OSError) -> StoreError:
+  """The error of a write that left nothing committed (ENOSPC says so in words)."""
+  cause = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else repr(e)
+  return StoreError(WRITE_FAILED, f"{what}: could not be written to {root} ({cause}); "
+                    "nothing of it was committed")
+
+
+def _fsync_dir(path: epath.Path) -> None:
+  """Makes the names in a local directory (created, renamed files) survive a power loss."""
+  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _fsync_file(path: epath.Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 class Store:
   """Atomic JSON records and committed Orbax entries under one root."""
 
   def __init__(self, root: str | os.PathLike):
     self.root = epath.Path(root)
     self.local = "://" not in str(root)
-    for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners", "ready"):
+    # An object store has no directories: these calls do nothing there (prefixes exist
+    # through their objects), and listings of empty prefixes are treated as empty.
+    for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners", "ready", "lease"):
       (self.root / sub).mkdir(parents=True, exist_ok=True)
     self._durable = _tree_handler(sync=self.local)  # object-store writes are durable on close
     self._unsynced = _tree_handler(sync=False)
+    self._first_seen: dict[str, float] = {}  # uncommitted entry -> when this process saw it
+    self._writer = uuid.uuid4().hex  # names this Store's merged commits (see put_merged)
+
+  def _list(self, sub: str) -> list[epath.Path]:
+    """The entries under a folder (a prefix without objects is empty, not an error)."""
+    try:
+      return list((self.root / sub).iterdir())
+    except FileNotFoundError:
+      return []
 
   # JSON control records.
-  def write_json(self, rel: str, record: Any) -> None:
+  def write_json(self, rel: str, record: Any, *, durable: bool = False) -> None:
+    """Replaces a record atomically. `durable` (the run start, incarnations, the lease) also
+    syncs it to a local disk, file and directory, before returning; heartbeats and payload
+    markers are rewritten or consumed within seconds and skip it.
+    StoreError(WRITE_FAILED) if it cannot be written; the old record is then unchanged."""
     path = self.root / rel
     text = json.dumps(record)
     if not self.local:
-      path.write_text(text)  # one object write is atomic in an object store
+      try:
+        path.write_text(text)  # one object write is atomic in an object store
+      except OSError as e:
+        raise _write_failed(f"record {rel}", self.root, e) from e
       return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+      with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        if durable:
+          f.flush()
+          os.fsync(f.fileno())
+      os.replace(tmp, path)
+      if durable:
+        _fsync_dir(path.parent)
+    except OSError as e:
+      tmp.unlink(missing_ok=True)
+      raise _write_failed(f"record {rel}", self.root, e) from e
+
+  def create_json(self, rel: str, record: Any) -> bool:
+    """Writes a record only if none exists, atomically and durably; False if one does.
+
+    The lease's compare-and-swap: on a local disk a hard link (fails if the name exists),
+    on an object store fsspec's create-only write (`mode="create"`; GCS checks the
+    precondition `ifGenerationMatch=0` on the server).
+    """
+    path = self.root / rel
+    data = json.dumps(record).encode()
+    if not self.local:
+      import fsspec  # pylint: disable=import-outside-toplevel
+      fs, key = fsspec.core.url_to_fs(str(path))
+      try:
+        fs.pipe_file(key, data, mode="create")
+      except FileExistsError:
+        return False
+      except OSError as e:
+        raise _write_failed(f"record {rel}", self.root, e) from e
+      return True
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    try:
+      with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+      try:
+        os.link(tmp, path)
+      except FileExistsError:
+        return False
+      _fsync_dir(path.parent)
+      return True
+    except OSError as e:
+      raise _write_failed(f"record {rel}", self.root, e) from e
+    finally:
+      tmp.unlink(missing_ok=True)
 
   def read_json(self, rel: str) -> Any:
     """The record, or None if it does not exist; StoreError if it is not valid JSON."""
@@ -146,10 +253,13 @@ class Store:
 
   def _save_tree(self, rel: str, tree: dict, *, durable: bool = True) -> None:
     """Writes an Orbax entry at `rel`; on a local disk under a temporary name, then renamed.
-    `durable=False` (payloads) leaves the data to the page cache instead of syncing it.
+    `durable=False` (payloads) leaves the data to the page cache instead of syncing it;
+    `durable=True` syncs every file, the entry's folder, and the folder its rename changed
+    (the caller syncs any folder above that it created), so the entry survives a power loss.
 
     In an object store there is no atomic rename of a prefix; the commit marker, written by
     the caller after this returns, is what makes the entry trusted there (and here).
+    StoreError(WRITE_FAILED) if it cannot be written; what was written is removed.
     """
     path = self.root / rel
     if path.exists():  # left over by a writer that died before its commit marker
@@ -158,13 +268,27 @@ class Store:
     handler = self._durable if durable else self._unsynced
     if not self.local:
       path.mkdir(parents=True)
-      handler.save(path, args=ocp.args.PyTreeSave(tree))
+      try:
+        handler.save(path, args=ocp.args.PyTreeSave(tree))
+      except OSError as e:
+        path.rmtree(missing_ok=True)  # best effort; no marker refers to it either way
+        raise _write_failed(f"entry {rel}", self.root, e) from e
       return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    tmp.mkdir(parents=True)
     try:
+      tmp.mkdir(parents=True)
       handler.save(tmp, args=ocp.args.PyTreeSave(tree))
+      if durable:
+        for f in tmp.iterdir():  # the tensor files are synced by the handler; Orbax's are not
+          if f.suffix != ".npy" and f.is_file():
+            _fsync_file(f)
+        _fsync_dir(tmp)
       os.replace(tmp, path)
+      if durable:
+        _fsync_dir(path.parent)  # the rename (the caller syncs folders above it)
+    except OSError as e:
+      tmp.rmtree(missing_ok=True)
+      raise _write_failed(f"entry {rel}", self.root, e) from e
     except BaseException:
       tmp.rmtree(missing_ok=True)
       raise
@@ -174,7 +298,8 @@ class Store:
 
   # Learner deliveries.
   def put_payload(self, payload: Payload) -> int:
-    """Writes and commits one delivery; returns its payload bytes."""
+    """Writes and commits one delivery; returns its payload bytes. StoreError(WRITE_FAILED)
+    naming the entry if it cannot be written (a full disk): nothing is committed then."""
     name = payload_name(payload.fragment, payload.learner, payload.incarnation,
                         payload.local_step)
     tree, quant = {}, None
@@ -188,47 +313,71 @@ class Store:
     started = time.monotonic()
     self._save_tree(f"payloads/{name}", tree, durable=False)
     transit_s = payload.transit_s + (time.monotonic() - started)  # the upload is transit too
-    self.write_json(f"payloads/{name}.json", {
+    self._commit(f"payloads/{name}", {
         "learner": payload.learner, "incarnation": payload.incarnation,
         "fragment": payload.fragment, "local_step": payload.local_step, "steps": payload.steps,
         "tokens": payload.tokens, "base_version": payload.base_version, "kind": payload.kind,
         "paths": sorted(payload.tensors), "quantization": quant, "transit_s": transit_s,
         "lead_s": payload.lead_s,
-        "nbytes": payload.nbytes})
+        "nbytes": payload.nbytes}, durable=False)
     return payload.nbytes
+
+  def _commit(self, rel: str, marker: dict, *, durable: bool) -> None:
+    """Writes the commit marker of the entry at `rel`; if that fails, removes the entry, so
+    that a full disk leaves neither a committed entry nor (for long) an uncommitted one."""
+    try:
+      self.write_json(f"{rel}.json", marker, durable=durable)
+    except StoreError:
+      try:
+        self.remove(rel)
+      except OSError:
+        pass  # collected later as an uncommitted entry
+      raise
 
   def committed_payloads(self) -> list[str]:
     """Names of committed deliveries (sorted); names of any other form are ignored."""
     names = []
-    for marker in (self.root / "payloads").glob("*.json"):
-      stem = marker.name[:-len(".json")]
-      if parse_payload_name(stem) is not None:
-        names.append(stem)
+    for marker in self._list("payloads"):
+      if marker.name.endswith(".json"):
+        stem = marker.name[:-len(".json")]
+        if parse_payload_name(stem) is not None:
+          names.append(stem)
     return sorted(names, key=parse_payload_name)
+
+  def _uncommitted(self) -> list[str]:
+    """Names under payloads/ that are not markers and have no marker: entries being written,
+    entries whose writer died, and (local disk) temporary directories."""
+    listed = {p.name for p in self._list("payloads")}
+    return sorted(n for n in listed if not n.endswith(".json") and f"{n}.json" not in listed)
 
   def uncommitted_payloads(self) -> list[str]:
     """Entry directories without a commit marker (half-written, or a writer died)."""
-    out = []
-    for entry in (self.root / "payloads").iterdir():
-      if entry.is_dir() and parse_payload_name(entry.name) is not None and not (
-          self.root / "payloads" / f"{entry.name}.json").exists():
-        out.append(entry.name)
-    return sorted(out)
+    return [n for n in self._uncommitted() if parse_payload_name(n) is not None]
 
   def collect_uncommitted(self, max_age_s: float) -> int:
-    """Deletes payload leftovers without a commit marker older than `max_age_s` (a writer
-    died mid-write, including Orbax's temporary directories); returns how many."""
-    removed, now = 0, time.time()
-    for entry in (self.root / "payloads").iterdir():
-      if not entry.is_dir() or (self.root / "payloads" / f"{entry.name}.json").exists():
+    """Deletes payload leftovers without a commit marker (a writer died mid-write, including
+    temporary directories) once this process has seen them uncommitted for more than
+    `max_age_s`; returns how many.
+
+    The age is this process's own (monotonic) time since it first listed the name, not a
+    modification time: an object store has none for a prefix, and a writer's clock is not
+    ours. A restarted syncer starts counting again, which only delays the collection.
+    """
+    now = time.monotonic()
+    names = self._uncommitted()
+    self._first_seen = {n: self._first_seen.get(n, now) for n in names}
+    removed = 0
+    for name in names:
+      if now - self._first_seen[name] <= max_age_s:
+        continue
+      if self.exists(f"payloads/{name}.json"):  # committed since the listing
         continue
       try:
-        age = now - entry.stat().mtime
+        self.remove(f"payloads/{name}")
       except FileNotFoundError:
         continue
-      if age > max_age_s:
-        entry.rmtree()
-        removed += 1
+      del self._first_seen[name]
+      removed += 1
     return removed
 
   def read_payload(self, name: str, expected: dict[int, dict[str, tuple]]) -> Payload:
@@ -303,7 +452,19 @@ class Store:
         continue
       if target.is_dir():
         target.rmtree()
-      source.rename(target)
+      if self.local:
+        source.rename(target)
+        continue
+      # An object store has no rename: copy the entry's objects (an entry is flat), then
+      # delete them; the marker goes last, so a crash in between quarantines it again.
+      if source.is_dir():
+        target.mkdir(parents=True, exist_ok=True)
+        for item in source.iterdir():
+          item.copy(target / item.name, overwrite=True)
+        source.rmtree()
+      else:
+        source.copy(target, overwrite=True)
+        source.unlink()
 
   def quarantined(self) -> dict[str, dict]:
     """Quarantined deliveries: name -> {"reason", "detail", "time"}."""
@@ -320,20 +481,77 @@ class Store:
     self.remove(f"payloads/{name}")
 
   # Merged fragments (the syncer's durable rounds).
-  def put_merged(self, merged: Merged, momentum: dict[str, np.ndarray], marker: dict) -> None:
-    """Makes version `merged.version` of a fragment durable, then visible (index last)."""
+  def put_merged(self, merged: Merged, momentum: dict[str, np.ndarray], marker: dict, *,
+                 fence: Callable[[], None] | None = None) -> None:
+    """Makes version `merged.version` of a fragment durable, then visible (index last).
+
+    The data goes to a folder of its own (`f{p}_v{v}.{w}`), and the commit marker, which
+    names it, is created only if the version has none: two writers can never commit the
+    same version, and none deletes or overwrites another's data. `fence` (the syncer's
+    `Lease.check`) runs before the data, the marker and the index are written, and raises
+    if this writer may no longer write.
+
+    StoreError WRITE_FAILED naming the version if it cannot be written (a full disk): the
+    index is unchanged, and calling again retries (a version this Store already committed
+    then only has its index written). CONFLICT if another writer committed the version.
+    """
+    if fence is not None:
+      fence()
     name = merged_name(merged.fragment, merged.version)
-    paths = sorted(merged.tensors)
-    self._save_tree(f"merged/{name}/params",
-                    {_tensor_key(i): merged.tensors[k] for i, k in enumerate(paths)})
-    self._save_tree(f"merged/{name}/outer",
-                    {_tensor_key(i): momentum[k] for i, k in enumerate(paths)})
-    self.write_json(f"merged/{name}.json", dict(
-        marker, fragment=merged.fragment, version=merged.version, paths=paths,
-        published_at=merged.published_at, nbytes=merged.nbytes))
+    existing = self.merged_marker(merged.fragment, merged.version)
+    if existing is None:
+      self._write_merged(merged, momentum, marker, fence)
+    elif not (isinstance(existing, dict) and existing.get("writer") == self._writer):
+      raise StoreError(CONFLICT, f"merged {name}: already committed by another writer; only "
+                       f"one syncer may write to {self.root}")
     index = self.merged_index()
     index[merged.fragment] = merged.version
-    self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())})
+    if fence is not None:
+      fence()
+    try:
+      # Atomic, not synced: the markers are the durable record, a starting syncer rewrites
+      # the index from them (`syncer_process.recover`), and learners only move forward.
+      self.write_json("merged/index.json", {str(p): v for p, v in sorted(index.items())})
+    except StoreError as e:
+      raise StoreError(e.reason, f"merged {name}: committed, but not published: {e}") from e
+
+  def _write_merged(self, merged: Merged, momentum: dict[str, np.ndarray], marker: dict,
+                    fence: Callable[[], None] | None) -> None:
+    """The data of a merged version, in a folder of its own, then its commit marker."""
+    name = merged_name(merged.fragment, merged.version)
+    data = f"{name}.{uuid.uuid4().hex[:12]}"
+    paths = sorted(merged.tensors)
+    try:
+      self._save_tree(f"merged/{data}/params",
+                      {_tensor_key(i): merged.tensors[k] for i, k in enumerate(paths)})
+      self._save_tree(f"merged/{data}/outer",
+                      {_tensor_key(i): momentum[k] for i, k in enumerate(paths)})
+      if self.local:
+        _fsync_dir(self.root / "merged")  # the data folder's name, before the marker's
+      if fence is not None:
+        fence()
+      created = self.create_json(f"merged/{name}.json", dict(
+          marker, fragment=merged.fragment, version=merged.version, paths=paths,
+          published_at=merged.published_at, nbytes=merged.nbytes, data=data,
+          writer=self._writer))
+    except StoreError as e:
+      self._remove_quietly(f"merged/{data}")
+      raise StoreError(e.reason, f"merged {name}: not committed: {e}") from e
+    except BaseException:
+      self._remove_quietly(f"merged/{data}")
+      raise
+    if not created:
+      self._remove_quietly(f"merged/{data}")
+      raise StoreError(CONFLICT, f"merged {name}: already committed by another writer; only "
+                       f"one syncer may write to {self.root}")
+
+  def _remove_quietly(self, rel: str) -> None:
+    """Removes what a failed write left; if that fails too, the entry stays uncommitted (no
+    marker names it) and `collect_uncommitted_merged` or the payload GC removes it."""
+    try:
+      self.remove(rel)
+    except OSError as e:
+      logging.warning("store: could not remove %s after a failed write: %r", rel, e)
 
   def merged_index(self) -> dict[int, int]:
     raw = self.read_json("merged/index.json") or {}
@@ -350,21 +568,27 @@ class Store:
     if marker is None:
       raise StoreError(UNREADABLE, f"merged {name}: no commit marker")
     paths = marker["paths"]
-    params = self._load_tree(f"merged/{name}/params")
+    data = marker.get("data", name)
+    m = _MERGED_DATA.match(data) if isinstance(data, str) else None
+    if m is None or (int(m[1]), int(m[2])) != (fragment, version):
+      raise StoreError(UNREADABLE, f"merged {name}: marker names data {data!r}")
+    params = self._load_tree(f"merged/{data}/params")
     tensors = {k: np.asarray(params[_tensor_key(i)]) for i, k in enumerate(paths)}
     momentum = None
     if with_momentum:
-      saved = self._load_tree(f"merged/{name}/outer")
+      saved = self._load_tree(f"merged/{data}/outer")
       momentum = {k: np.asarray(saved[_tensor_key(i)]) for i, k in enumerate(paths)}
     return Merged(fragment, version, tensors, float(marker["published_at"])), momentum
 
   def merged_versions(self, fragment: int) -> list[int]:
     """Committed versions of a fragment still in the store, ascending."""
     out = []
-    for marker in (self.root / "merged").glob(f"f{_checked_int(fragment, 'fragment')}_v*.json"):
-      m = _MERGED_NAME.match(marker.name[:-len(".json")])
-      if m is not None:
-        out.append(int(m[2]))
+    fragment = _checked_int(fragment, "fragment")
+    for marker in self._list("merged"):
+      if marker.name.endswith(".json"):
+        m = _MERGED_NAME.match(marker.name[:-len(".json")])
+        if m is not None and int(m[1]) == fragment:
+          out.append(int(m[2]))
     return sorted(out)
 
   def collect_merged(self, fragment: int, keep: int) -> None:
@@ -376,20 +600,32 @@ class Store:
     versions = self.merged_versions(fragment)
     if not versions:
       return
-    for v in versions[:-keep] if keep > 0 else versions:
-      name = merged_name(fragment, v)
-      self.remove(f"merged/{name}.json")  # marker first: never a marker without its data
-      self.remove(f"merged/{name}")
+    old = set(versions[:-keep] if keep > 0 else versions)
+    folders = self._merged_data_folders()
+    for v in sorted(old):
+      self.remove(f"merged/{merged_name(fragment, v)}.json")  # marker first: never a marker
+      for folder in folders.get((fragment, v), ()):          # without its data
+        self.remove(f"merged/{folder}")
+
+  def _merged_data_folders(self) -> dict[tuple[int, int], list[str]]:
+    """(fragment, version) -> its data folders (a committed one, and failed writes')."""
+    out: dict[tuple[int, int], list[str]] = {}
+    for path in self._list("merged"):
+      m = _MERGED_DATA.match(path.name)
+      if m is not None:
+        out.setdefault((int(m[1]), int(m[2])), []).append(path.name)
+    return out
 
   def collect_uncommitted_merged(self) -> int:
     """Deletes merged entries without a commit marker (a syncer died while writing them);
     call it only when no syncer is writing. Returns how many."""
     removed = 0
-    for entry in (self.root / "merged").iterdir():
-      if (entry.is_dir() and _MERGED_NAME.match(entry.name)
-          and not (self.root / "merged" / f"{entry.name}.json").exists()):
-        entry.rmtree()
-        removed += 1
+    listed = {p.name for p in self._list("merged")}
+    for (fragment, version), folders in sorted(self._merged_data_folders().items()):
+      if f"{merged_name(fragment, version)}.json" not in listed:
+        for folder in folders:
+          self.remove(f"merged/{folder}")
+          removed += 1
     return removed
 
   # Heartbeats and incarnations.
@@ -399,7 +635,7 @@ class Store:
   def heartbeats(self) -> dict[int, dict]:
     """The latest heartbeat record of every learner that has one (unreadable ones skipped)."""
     out = {}
-    for path in (self.root / "heartbeats").glob("l*.json"):
+    for path in self._list("heartbeats"):
       m = re.match(r"^l(\d{1,6})\.json$", path.name)
       if m is None:
         continue
@@ -416,7 +652,7 @@ class Store:
     rel = f"incarnations/l{_checked_int(learner, 'learner')}.json"
     last = self.read_json(rel)
     incarnation = 0 if last is None else int(last["incarnation"]) + 1
-    self.write_json(rel, {"incarnation": incarnation})
+    self.write_json(rel, {"incarnation": incarnation}, durable=True)  # never handed out twice
     return incarnation
 
   def run_start(self, create: bool = False) -> float | None:
@@ -424,7 +660,7 @@ class Store:
     record = self.read_json("run.json")
     if record is None and create:
       record = {"start": time.time()}
-      self.write_json("run.json", record)
+      self.write_json("run.json", record, durable=True)
     return None if record is None else float(record["start"])
 
   def mark_ready(self, learner: int) -> None:
@@ -432,10 +668,7 @@ class Store:
     self.write_json(f"ready/l{_checked_int(learner, 'learner')}.json", {"time": time.time()})
 
   def ready_learners(self) -> set[int]:
-    folder = self.root / "ready"
-    if not folder.exists():
-      return set()
-    return {int(m[1]) for path in folder.glob("l*.json")
+    return {int(m[1]) for path in self._list("ready")
             if (m := re.match(r"^l(\d{1,6})\.json$", path.name)) is not None}
 
   def learner_dir(self, learner: int) -> epath.Path:

@@ -36,9 +36,10 @@ class LearnerStoreLink:
 
   def __init__(self, store: Store, learner: int, incarnation: int, *, poll_s: float,
                up: wan.Link | None = None, down: wan.Link | None = None,
-               heartbeat_every_s: float = 0.2,
+               heartbeat_every_s: float = 0.2, send_queue: int = 8,
                on_fetch: Callable[[Merged], None] | None = None):
-    """`on_fetch` sees every merged version the poller downloads (on its thread)."""
+    """`on_fetch` sees every merged version the poller downloads (on its thread). At most
+    `send_queue` deliveries wait for upload; `deliver` blocks while it is full."""
     self.store, self.learner, self.incarnation = store, learner, incarnation
     self._on_fetch = on_fetch
     self._up, self._down = up or wan.Link(), down or wan.Link()
@@ -50,11 +51,12 @@ class LearnerStoreLink:
     self._written: Heartbeat | None = None
     self._beat_lock = threading.Lock()
     self._seq = 0
-    self._outbox: queue.Queue = queue.Queue()
+    self._outbox: queue.Queue = queue.Queue(maxsize=send_queue)
     self._stop = threading.Event()
     self._error: BaseException | None = None
     self.bytes_up = self.bytes_down = self.bytes_applied = 0
     self.wan_wait_s = 0.0
+    self.send_wait_s = 0.0  # seconds `deliver` waited for room in the full outbox
     self._threads = [threading.Thread(target=self._guard, args=(fn,), daemon=True,
                                       name=f"store-{name}-l{learner}")
                      for name, fn in (("send", self._send_loop), ("beat", self._beat_loop),
@@ -83,8 +85,16 @@ class LearnerStoreLink:
       self._beat = beat
 
   def deliver(self, payload: Payload) -> None:
+    """Queues the delivery for upload; waits (backpressure) while the outbox is full."""
     self._check()
-    self._outbox.put((payload, time.monotonic()))
+    queued_at = time.monotonic()
+    while True:
+      try:
+        self._outbox.put((payload, queued_at), timeout=0.1)
+        break
+      except queue.Full:
+        self._check()  # a dead sender thread never makes room
+    self.send_wait_s += time.monotonic() - queued_at
 
   def latest(self, fragment: int) -> Merged | None:
     self._check()
@@ -105,16 +115,20 @@ class LearnerStoreLink:
     self.bytes_applied += nbytes
 
   # Process life cycle.
-  def wait_initial(self, num_fragments: int, timeout: float) -> None:
-    """Blocks until every fragment has a published version (the syncer is up)."""
+  def wait_initial(self, num_fragments: int, timeout: float,
+                   min_versions: dict[int, int] | None = None) -> None:
+    """Blocks until every fragment has a published version (the syncer is up), at least
+    `min_versions[p]` where given."""
+    floor = min_versions or {}
     with self._cond:
       ok = self._cond.wait_for(lambda: self._error is not None or all(
-          p in self._merged for p in range(num_fragments)), timeout)
+          p in self._merged and self._merged[p].version >= floor.get(p, 0)
+          for p in range(num_fragments)), timeout)
     self._check()
     if not ok:
-      raise TimeoutError(f"learner {self.learner}: no merged fragments appeared in "
-                         f"{self.store.root}/merged within {timeout:.0f} s; is the syncer "
-                         "running on this store?")
+      raise TimeoutError(f"learner {self.learner}: no merged fragments (at versions {floor}) "
+                         f"appeared in {self.store.root}/merged within {timeout:.0f} s; is the "
+                         "syncer running on this store?")
 
   def flush(self, timeout: float = 600.0) -> None:
     """Waits until every queued delivery is committed to the store."""

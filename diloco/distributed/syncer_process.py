@@ -8,51 +8,42 @@ the newest committed entry of every fragment: versions continue from there (none
 reused), the round counter from the newest committed round, deliveries still in the
 store are read again (those already merged are skipped), and `tape.jsonl` is repaired
 so that it has every committed round exactly once.
+
+Only the holder of the store's lease (`lease.py`) writes: the process takes it before it
+reads anything, renews it in the background, checks it before every merged commit (data,
+marker, index), and stops with `LeaseLost` the moment it may no longer write. A commit that
+fails (a full disk) is retried, with the error logged, until it succeeds: the round is
+published to nobody until then, and the syncer stays up.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import threading
 import time
 
 import jax
-import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config_lib import Config
-from diloco.distributed.store import Store
+from diloco.distributed import evaluator as evaluator_lib
+from diloco.distributed.lease import Lease
+from diloco.distributed.store import WRITE_FAILED, Store, StoreError
 from diloco.distributed.store_transport import DONE, RETIRED, SyncerStoreLink
-from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.syncer import Syncer
-from diloco.train import data as data_lib
 from diloco.train import export
-from diloco.train import optim
-from diloco.train import state as train_state
-from diloco.train import step as train_step
 from diloco.train.island import fragment_plan, initial_global
 from diloco.transport import Merged
 
 TAPE_FILE = "tape.jsonl"
 
 
-def _model_on_host(cfg: Config):
-  """Spec, init and eval step of the model on this process's first device (the host)."""
-  mesh_cfg = type(cfg.mesh)(data=1, fsdp=1, tensor=1)
-  from diloco.train import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  mesh = mesh_lib.learner_mesh(jax.devices()[:1], mesh_cfg)
-  spec = train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, cfg.train.steps),
-                               mesh)
-  return spec, train_state.make_init(cfg.model, spec), train_step.make_eval_step(spec)
-
-
-def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
-            ) -> tuple[bool, set, list[dict]]:
-  """Restores `syncer` from the store's committed rounds.
+def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int,
+            fence=None) -> tuple[bool, set, list[dict]]:
+  """Restores `syncer` from the store's committed rounds (`fence`: the lease's check, run
+  before the index is rewritten).
 
   Returns (recovered?, keys (fragment, learner, incarnation, step) of deliveries that
   committed rounds merged, the committed rounds' tape records).
@@ -79,7 +70,10 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
   merged_keys = {(m["fragment"], a["learner"], a["incarnation"], a["local_step"])
                  for m in with_rounds for a in m["tape"]["admitted"]}
   # The index may lag the markers by one write if the syncer died in between.
-  store.write_json("merged/index.json", {str(p): fragments[p][0] for p in range(num_fragments)})
+  if fence is not None:
+    fence()
+  store.write_json("merged/index.json", {str(p): fragments[p][0] for p in range(num_fragments)},
+                   durable=True)
   return True, merged_keys, [m["tape"] for m in with_rounds]
 
 
@@ -104,49 +98,23 @@ def repair_tape(path: str, rounds: int, committed: list[dict]) -> None:
   os.replace(tmp, path)
 
 
-class _Evaluator:
-  """Evaluates snapshots of G on the host in the background (one at a time)."""
-
-  def __init__(self, cfg: Config, spec, eval_fn, writer: metrics_lib.MetricWriter):
-    self.spec, self.eval_fn, self.writer = spec, eval_fn, writer
-    self.batches = [jax.device_put(b, batch_sharding(spec.mesh)) for b in data_lib.eval_batches(
-        cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
-    self._thread: threading.Thread | None = None
-    self.last: float | None = None
-
-  def evaluate(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
-    params = jax.device_put(fragments_lib.unflatten_tree(flat_params),
-                            self.spec.shardings["params"])
-    with jax.set_mesh(self.spec.mesh):
-      loss = float(np.mean(jax.device_get([self.eval_fn(params, b) for b in self.batches])))
-    if not math.isfinite(loss):
-      raise FloatingPointError(f"global eval/loss is {loss} at t={now:.1f}s")
-    self.writer.write(step, {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),
-                             "time": now, "outer/rounds": rounds})
-    print(f"t={now:.1f}s step {step}: global eval/loss {loss:.4f} after {rounds} rounds",
-          flush=True)
-    self.last = loss
-    return loss
-
-  def start(self, flat_params: dict, step: int, now: float, rounds: int) -> None:
-    if self._thread is not None and self._thread.is_alive():
-      return
-    self._thread = threading.Thread(target=self.evaluate, args=(flat_params, step, now, rounds),
-                                    daemon=True, name="eval")
-    self._thread.start()
-
-  def join(self) -> None:
-    if self._thread is not None:
-      self._thread.join()
-
-
 def run(cfg: Config, workdir: str, store_root: str) -> dict:
   """Serves rounds until the launcher writes `stop.json` or every learner has left."""
   os.makedirs(workdir, exist_ok=True)
   store = Store(store_root)
+  lease = Lease(store, duration_s=cfg.store.lease_s)
+  lease.acquire()  # before anything is read: a stale syncer may still be writing
+  lease.start()
+  try:
+    return _serve(cfg, workdir, store, lease)
+  finally:
+    lease.release()
+
+
+def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
   origin = store.run_start(create=True)
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
-  spec, init_fn, eval_fn = _model_on_host(cfg)
+  spec, init_fn, eval_fn = evaluator_lib.model_on_first_device(cfg)
   plan = fragment_plan(cfg, spec)
   with jax.set_mesh(spec.mesh):
     # train.init_from seeds G; a recovered store replaces it (`recover`).
@@ -155,10 +123,11 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   syncer = Syncer(global_params, plan, cfg.sync, cfg.outer, on_round=pending_records.append)
   keep = cfg.sync.max_staleness + 2
   recovered, merged_keys, committed = recover(store, syncer, plan.num_fragments,
-                                              cfg.sync.max_staleness)
+                                              cfg.sync.max_staleness, fence=lease.check)
   if not recovered:
     for merged in syncer.initial(clock()):
-      store.put_merged(merged, syncer.momentum, {"round": None, "state": syncer.export_state()})
+      store.put_merged(merged, syncer.momentum, {"round": None, "state": syncer.export_state()},
+                       fence=lease.check)
   tape_path = os.path.join(workdir, TAPE_FILE)
   repair_tape(tape_path, syncer.rounds, committed)
   print(f"syncer: {'resumed at round ' + str(syncer.rounds) if recovered else 'started'}, "
@@ -169,16 +138,22 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
                          fresh_s=cfg.sync.heartbeat_timeout_s / 2)
   writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="syncer",
                                    log_config=True)
-  evaluator = _Evaluator(cfg, spec, eval_fn, writer)
-  progress, next_eval = 0, cfg.train.eval_every
-  if not recovered:
-    evaluator.evaluate(syncer.global_params(), 0, clock(), 0)
+  # The global eval never delays a merge: a thread here ("background"), the evaluator
+  # process ("process", see diloco/distributed/evaluator.py) or none ("off").
+  evaluator = (evaluator_lib.Evaluator(cfg, spec, eval_fn, writer)
+               if cfg.train.eval_mode == "background" else None)
+  progress, next_eval = 0, cfg.train.eval_every if evaluator else 0
+  if evaluator is not None and not recovered:
+    evaluator.start(syncer.global_params(), 0, clock(), 0)
   tape = open(tape_path, "a", encoding="utf-8")
   last_registry = 0.0
   try:
     while True:
       now = clock()
-      beats, deadline = sync_once(store, syncer, link, pending_records, tape, keep, now)
+      if not lease.held:
+        lease.check()  # raises LeaseLost, with the reason
+      beats, deadline = sync_once(store, syncer, link, pending_records, tape, keep, now,
+                                  fence=lease.check)
       progress = max([progress] + [b.local_step for b in beats])
       if next_eval and progress >= next_eval:
         evaluator.start(syncer.global_params(), progress, clock(), syncer.rounds)
@@ -192,13 +167,15 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
       if store.exists("stop.json") or _all_left(store):
         # One more pass: rounds holding what the last learners flushed before leaving close
         # now that nobody is left to wait for.
-        sync_once(store, syncer, link, pending_records, tape, keep, clock())
+        sync_once(store, syncer, link, pending_records, tape, keep, clock(), fence=lease.check)
         break
       wait = cfg.store.poll_s if deadline is None else min(cfg.store.poll_s,
                                                            max(deadline - clock(), 0.0))
       time.sleep(wait)
-    evaluator.join()
-    final = evaluator.evaluate(syncer.global_params(), progress, clock(), syncer.rounds)
+    final = None
+    if evaluator is not None:
+      evaluator.join()  # after the last merge: nothing waits on it any more
+      final = evaluator.evaluate(syncer.global_params(), progress, clock(), syncer.rounds)
     export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()), cfg,
                 step=progress, runtime="multiprocess",
                 extra={"outer/rounds": syncer.rounds, "eval/loss": final})
@@ -207,8 +184,10 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
     tape.close()
     writer.close()
   summary = dict(syncer.state_summary(), versions=syncer.versions)
-  store.write_json("registry.json", dict(summary, time=clock(), alive=[]))
-  print(f"syncer: stopped after {syncer.rounds} rounds, eval/loss {final:.4f}", flush=True)
+  # `stopped`: the final versions are published (the evaluator process evaluates them).
+  store.write_json("registry.json", dict(summary, time=clock(), alive=[], stopped=True))
+  print(f"syncer: stopped after {syncer.rounds} rounds"
+        + (f", eval/loss {final:.4f}" if final is not None else ""), flush=True)
   return dict(summary, **{"eval/loss": final})
 
 
@@ -217,7 +196,7 @@ _SLOW_PASS_S = 2.0
 
 
 def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list[dict], tape,
-              keep: int, now: float) -> tuple[list, float | None]:
+              keep: int, now: float, fence=None) -> tuple[list, float | None]:
   """One pass of the syncer loop: poll the store, tick the syncer, make the closed rounds
   durable, then let go of the entries they consumed (deleted in the background, with all but
   the newest `keep` versions of each merged fragment). Returns the new heartbeats and when
@@ -233,7 +212,7 @@ def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list
   for learner, incarnation in left:
     syncer.forget(learner, incarnation)
   t2 = time.perf_counter()
-  _commit(store, syncer, merged, records, tape)
+  _commit(store, syncer, merged, records, tape, fence=fence)
   for m in merged:
     link.collect_merged(m.fragment, keep)
   link.release(syncer.pending_keys())
@@ -245,13 +224,34 @@ def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list
   return beats, deadline
 
 
+# How long a failed commit (a full disk) waits before it is tried again, at most.
+_COMMIT_RETRY_MAX_S = 10.0
+
+
 def _commit(store: Store, syncer: Syncer, merged: list[Merged], records: list[dict],
-            tape) -> None:
-  """Durable entry, commit marker and index (in that order), then the tape line."""
+            tape, fence=None, sleep=time.sleep) -> None:
+  """Durable entry, commit marker and index (in that order), then the tape line.
+
+  A write that fails (StoreError WRITE_FAILED: a full disk, a lost bucket connection) is
+  retried with backoff until it succeeds, checking the lease each time: the round is
+  published to nobody meanwhile, so nothing is lost, and freeing space resumes the run.
+  """
   assert len(merged) == len(records), (len(merged), len(records))
   for m, record in zip(merged, records):
-    store.put_merged(m, syncer.momentum,
-                     {"round": record["round"], "state": syncer.export_state(), "tape": record})
+    wait = 0.1
+    while True:
+      try:
+        store.put_merged(m, syncer.momentum, {"round": record["round"],
+                                              "state": syncer.export_state(), "tape": record},
+                         fence=fence)
+        break
+      except StoreError as e:
+        if e.reason != WRITE_FAILED:
+          raise
+        logging.error("syncer: round %d not committed, retrying in %.1f s: %s",
+                      record["round"], wait, e)
+        sleep(wait)
+        wait = min(2 * wait, _COMMIT_RETRY_MAX_S)
     tape.write(json.dumps(record) + "\n")
     tape.flush()
   records.clear()

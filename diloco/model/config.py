@@ -5,6 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
+# How much of each layer's forward pass is kept for the backward pass (`jax.checkpoint`):
+# "none" keeps everything (no remat), "full" keeps only the layer's inputs and recomputes the
+# rest; the others name `jax.checkpoint_policies` (dots_saveable keeps matmul outputs).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "nothing_saveable")
+# "reference": the explicit einsum/softmax path (the numerics of record); the others go through
+# `jax.nn.dot_product_attention`: "xla" on any backend, "cudnn" (fused flash attention, GPU,
+# bf16/fp16), "auto" (cuDNN on a GPU backend where it supports the shapes, XLA elsewhere).
+ATTENTION_IMPLS = ("reference", "xla", "cudnn", "auto")
+
 
 def _frozen(cls):
   return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
@@ -37,9 +47,15 @@ class ModelConfig:
   expert_mlp_dim: int = 0
   capacity_factor: float = 1.25
   moe_aux_loss_weight: float = 0.01
+  # Compute dtype (activations, matmul inputs); parameters, gradients and optimizer state stay
+  # in param_dtype. Norms, softmax, logits and the loss always run in float32.
   dtype: str = "float32"
   param_dtype: str = "float32"
-  remat: bool = False
+  remat: str = "none"  # one of REMAT_POLICIES, applied to every layer
+  # Run the layers as a `jax.lax.scan` over groups of len(attention_pattern) layers, so that
+  # compile time does not grow with depth. The stored parameters keep their per-layer layout.
+  scan_layers: bool = False
+  attention_impl: str = "reference"  # one of ATTENTION_IMPLS
   # The model class, by registered name (`diloco.model.registry`); "transformer" is this one.
   arch: str = "transformer"
   # A module to import first, so that it registers `arch`: a dotted module name or a .py file.

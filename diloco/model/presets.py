@@ -15,6 +15,10 @@ from diloco.model.config import ModelConfig
 
 _BYTE_VOCAB = 384
 _GEMMA_VOCAB = 262_144
+# How the accelerator-sized presets run: bf16 compute over fp32 master weights, layers scanned
+# and rematerialised, fused attention where the backend has it.
+_ACCELERATOR = {"dtype": "bfloat16", "remat": "full", "scan_layers": True,
+                "attention_impl": "auto"}
 
 _PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -32,25 +36,25 @@ _PRESETS: dict[str, ModelConfig] = {
     "gemma_2b": ModelConfig(
         vocab_size=_GEMMA_VOCAB, embed_dim=2304, num_layers=26, num_heads=8, num_kv_heads=4,
         head_dim=256, mlp_dim=9216, attention_pattern="LLLLLG", sliding_window=1024,
-        final_logit_softcap=30.0, dtype="bfloat16", remat=True),
+        final_logit_softcap=30.0, **_ACCELERATOR),
     "gemma_5b": ModelConfig(
         vocab_size=_GEMMA_VOCAB, embed_dim=3072, num_layers=30, num_heads=16, num_kv_heads=8,
         head_dim=256, mlp_dim=12288, attention_pattern="LLLLLG", sliding_window=1024,
-        final_logit_softcap=30.0, dtype="bfloat16", remat=True),
+        final_logit_softcap=30.0, **_ACCELERATOR),
     "gemma_9b": ModelConfig(
         vocab_size=_GEMMA_VOCAB, embed_dim=3584, num_layers=42, num_heads=16, num_kv_heads=8,
         head_dim=256, mlp_dim=14336, attention_pattern="LLLLLG", sliding_window=1024,
-        final_logit_softcap=30.0, dtype="bfloat16", remat=True),
+        final_logit_softcap=30.0, **_ACCELERATOR),
     "moe_2_8b": ModelConfig(
         vocab_size=_GEMMA_VOCAB, embed_dim=2048, num_layers=16, num_heads=16, num_kv_heads=8,
         head_dim=128, mlp_dim=8192, attention_pattern="LLLLLG", sliding_window=1024,
         final_logit_softcap=30.0, num_experts=16, experts_per_token=2, expert_mlp_dim=1280,
-        dtype="bfloat16", remat=True),
+        **_ACCELERATOR),
     "moe_3_8b": ModelConfig(
         vocab_size=_GEMMA_VOCAB, embed_dim=2048, num_layers=20, num_heads=16, num_kv_heads=8,
         head_dim=128, mlp_dim=8192, attention_pattern="LLLLLG", sliding_window=1024,
         final_logit_softcap=30.0, num_experts=16, experts_per_token=2, expert_mlp_dim=1536,
-        dtype="bfloat16", remat=True),
+        **_ACCELERATOR),
 }
 
 NAMES = tuple(_PRESETS)

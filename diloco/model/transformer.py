@@ -6,6 +6,10 @@ C expert capacity, T = B * L tokens.
 
 Every parameter carries logical axis names (`out_sharding`); `diloco.model.sharding` maps
 them to mesh axes, so the model knows nothing about meshes.
+
+Speed switches (`ModelConfig`), each computing the same function (tests/model_speed_test.py):
+`dtype` (bf16 compute over fp32 parameters), `attention_impl` (the einsum reference or
+`jax.nn.dot_product_attention`), `scan_layers` (a `jax.lax.scan` over the layers) and `remat`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ from diloco.model.config import ModelConfig
 from diloco.model.sharding import constrain
 
 _NEG_INF = -2.3819763e38  # large negative, finite in fp32 and bf16
+
+# Parameters that the layers only ever read cast to the compute dtype: the scanned path casts
+# them once, before stacking, so that the stacked copy is in the compute dtype (half the bytes
+# under bf16). Norm scales and the MoE router are read in float32 and stay as they are.
+_COMPUTE_DTYPE_PARAMS = frozenset({"q_DNH", "k_DKH", "v_DKH", "o_NHD", "gate_DF", "up_DF",
+                                   "down_FD", *moe.EXPERT_PARAM_NAMES})
 
 
 def _param(rngs: nnx.Rngs, shape, names, dtype, scale: float) -> nnx.Param:
@@ -72,28 +82,77 @@ class Attention(nnx.Module):
     self.scale = (cfg.query_pre_attn_scalar or h) ** -0.5
     self.groups = n // k
     self.dtype = jnp.dtype(cfg.dtype)
+    self.impl = cfg.attention_impl
 
-  def __call__(self, x_BLD, positions_BL):
+  def __call__(self, x_BLD, positions_BL, *, positions_are_arange: bool = False):
+    """`positions_are_arange`: positions are 0..L-1 in every row, so that the fused path may
+    build its causal and window masks from indices instead of reading the positions."""
     dt = self.dtype
     q_BLNH = jnp.einsum("BLD,DNH->BLNH", x_BLD, self.q_DNH[...].astype(dt))
     k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BLD, self.k_DKH[...].astype(dt))
     v_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BLD, self.v_DKH[...].astype(dt))
     if self.qk_norm:
       q_BLNH, k_BSKH = self.q_norm(q_BLNH), self.k_norm(k_BSKH)
-    q_BLNH = apply_rope(q_BLNH, positions_BL, self.rope_base) * self.scale
+    q_BLNH = apply_rope(q_BLNH, positions_BL, self.rope_base)
     k_BSKH = apply_rope(k_BSKH, positions_BL, self.rope_base)
-    b, seq, n, h = q_BLNH.shape
-    q_BLKGH = q_BLNH.reshape(b, seq, n // self.groups, self.groups, h)
-    logits_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH).astype(jnp.float32)
+    if self.impl == "reference":
+      out_BLNH = self._reference(q_BLNH * self.scale, k_BSKH, v_BSKH, positions_BL)
+    else:
+      out_BLNH = self._fused(q_BLNH, k_BSKH, v_BSKH, positions_BL, positions_are_arange)
+    return jnp.einsum("BLNH,NHD->BLD", out_BLNH, self.o_NHD[...].astype(dt))
+
+  def _mask_BLS(self, positions_BL):
     q_pos, k_pos = positions_BL[:, :, None], positions_BL[:, None, :]
     mask_BLS = k_pos <= q_pos
     if self.local:
       mask_BLS &= (q_pos - k_pos) < self.window
+    return mask_BLS
+
+  def _reference(self, q_BLNH, k_BSKH, v_BSKH, positions_BL):
+    """Explicit GQA attention with the full float32 logits: the numerics of record."""
+    b, seq, n, h = q_BLNH.shape
+    q_BLKGH = q_BLNH.reshape(b, seq, n // self.groups, self.groups, h)
+    logits_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH,
+                              preferred_element_type=jnp.float32)
+    mask_BLS = self._mask_BLS(positions_BL)
     logits_BKGLS = jnp.where(mask_BLS[:, None, None], logits_BKGLS, _NEG_INF)
-    probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(dt)
+    probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(self.dtype)
     out_BLKGH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BKGLS, v_BSKH)
-    out_BLNH = out_BLKGH.reshape(b, seq, n, h)
-    return jnp.einsum("BLNH,NHD->BLD", out_BLNH, self.o_NHD[...].astype(dt))
+    return out_BLKGH.reshape(b, seq, n, h)
+
+  def _fused(self, q_BLNH, k_BSKH, v_BSKH, positions_BL, positions_are_arange):
+    """`jax.nn.dot_product_attention` (GQA native, float32 softmax, Gemma's `scale`).
+
+    With positions 0..L-1 the masks are causal plus `local_window_size`, which cuDNN applies
+    without materialising the logits; other positions need an explicit [B, 1, L, S] mask.
+    """
+    if positions_are_arange:
+      mask, causal = None, True
+      window = (self.window - 1, 0) if self.local else None
+    else:
+      mask, causal, window = self._mask_BLS(positions_BL)[:, None], False, None
+    kwargs = {"mask": mask, "scale": self.scale, "is_causal": causal,
+              "local_window_size": window}
+    impl = resolve_attention_impl(self.impl, self.dtype)
+    if impl == "cudnn" and self.impl == "auto":
+      try:
+        return jax.nn.dot_product_attention(q_BLNH, k_BSKH, v_BSKH, implementation="cudnn",
+                                            **kwargs)
+      except (NotImplementedError, RuntimeError):  # shapes cuDNN lacks: XLA computes the same
+        impl = "xla"
+    return jax.nn.dot_product_attention(q_BLNH, k_BSKH, v_BSKH, implementation=impl, **kwargs)
+
+
+def resolve_attention_impl(impl: str, dtype) -> str:
+  """The `jax.nn.dot_product_attention` implementation that `attention_impl` means here.
+
+  "auto" is cuDNN on a GPU default backend with a 16-bit compute dtype (cuDNN's flash attention
+  has no float32 kernel), XLA otherwise (TPU and CPU).
+  """
+  if impl != "auto":
+    return impl
+  half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return "cudnn" if jax.default_backend() == "gpu" and half else "xla"
 
 
 class GeGLU(nnx.Module):
@@ -127,8 +186,10 @@ class Block(nnx.Module):
     self.mlp = moe.MoE(cfg, rngs=rngs) if cfg.num_experts else GeGLU(cfg, rngs=rngs)
     self.post_mlp_norm = RMSNorm(d, "embed", param_dtype=pdt)
 
-  def __call__(self, x_BLD, positions_BL):
-    x_BLD = x_BLD + self.post_attn_norm(self.attn(self.pre_attn_norm(x_BLD), positions_BL))
+  def __call__(self, x_BLD, positions_BL, *, positions_are_arange: bool = False):
+    attn_BLD = self.attn(self.pre_attn_norm(x_BLD), positions_BL,
+                         positions_are_arange=positions_are_arange)
+    x_BLD = x_BLD + self.post_attn_norm(attn_BLD)
     h_BLD = self.pre_mlp_norm(x_BLD)
     if isinstance(self.mlp, moe.MoE):
       h_BLD, aux = self.mlp(h_BLD)
@@ -167,25 +228,96 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None):
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
-    if positions_BL is None:
+    arange = positions_BL is None
+    if arange:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
     table_VD = self.embedder.embedding[...].astype(dt)
     x_BLD = table_VD[tokens_BL] * jnp.asarray(math.sqrt(cfg.embed_dim), dt)
     x_BLD = constrain(x_BLD, "batch", "length", "embed")
+    blocks = list(self.layers)
     aux = jnp.zeros((), jnp.float32)
-    for block in self.layers:
-      if cfg.remat:
-        x_BLD, block_aux = nnx.remat(lambda b, x, p: b(x, p))(block, x_BLD, positions_BL)
-      else:
-        x_BLD, block_aux = block(x_BLD, positions_BL)
+    if cfg.scan_layers:
+      x_BLD, aux, blocks = self._scan_layers(blocks, x_BLD, positions_BL, arange)
+    for block in blocks:  # every layer, or those left over after the scanned groups
+      gd, state = nnx.split(block)
+      x_BLD, block_aux = _layer_fn(gd, cfg.remat, arange, True)(state, x_BLD, positions_BL)
       aux = aux + block_aux
     x_BLD = self.final_norm(x_BLD)
-    logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, table_VD).astype(jnp.float32)
+    logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, table_VD, preferred_element_type=jnp.float32)
     if cfg.final_logit_softcap:
       cap = cfg.final_logit_softcap
       logits_BLV = jnp.tanh(logits_BLV / cap) * cap
     logits_BLV = constrain(logits_BLV, "batch", "length", "vocab")
     return logits_BLV, aux * cfg.moe_aux_loss_weight
+
+  def _scan_layers(self, blocks, x_BLD, positions_BL, arange):
+    """Runs the first `len(pattern) * (num_layers // len(pattern))` layers as one scan.
+
+    The scan steps over groups of len(pattern) consecutive layers, so that every step sees the
+    same local/global sequence (a static property of each layer, as the fused attention needs
+    it). The parameters are stored per layer (`layers/<i>/...`, the layout that fragments,
+    checkpoints and exports name) and stacked here, inside the step: one fused copy per step,
+    cast to the compute dtype first. Returns the layers it did not run.
+    """
+    cfg = self.cfg
+    period = len(cfg.attention_pattern)
+    groups = len(blocks) // period
+    if groups < 2:  # nothing to gain: unroll
+      return x_BLD, jnp.zeros((), jnp.float32), blocks
+    graphdefs, stacked = [], []
+    for j in range(period):
+      members = [nnx.split(b) for b in blocks[j:groups * period:period]]
+      graphdefs.append(members[0][0])
+      stacked.append(_stack_states([state for _, state in members], jnp.dtype(cfg.dtype)))
+    layer_fns = [_layer_fn(gd, cfg.remat, arange, False) for gd in graphdefs]
+
+    def body(carry, states):
+      x_BLD, aux = carry
+      for fn, state in zip(layer_fns, states):
+        x_BLD, block_aux = fn(state, x_BLD, positions_BL)
+        aux = aux + block_aux
+      return (x_BLD, aux), None
+
+    (x_BLD, aux), _ = jax.lax.scan(body, (x_BLD, jnp.zeros((), jnp.float32)), tuple(stacked))
+    return x_BLD, aux, blocks[groups * period:]
+
+
+def _layer_fn(graphdef, remat: str, arange: bool, prevent_cse: bool):
+  """`(state, x_BLD, positions_BL) -> (x_BLD, aux)` of one Block, under the remat policy."""
+
+  def apply(state, x_BLD, positions_BL):
+    return nnx.merge(graphdef, state)(x_BLD, positions_BL, positions_are_arange=arange)
+
+  if remat == "none":
+    return apply
+  policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+  # Inside a scan the loop already keeps XLA from merging the recomputation away.
+  return jax.checkpoint(apply, policy=policy, prevent_cse=prevent_cse)
+
+
+def _stack_states(states, compute_dtype):
+  """One State whose arrays stack those of `states` on a new leading "layers" axis.
+
+  Kernels read only in the compute dtype are cast before stacking (the cast fuses into the
+  stacking copy). The stacked arrays keep each parameter's sharding with the layer axis
+  replicated, so that FSDP gathers one layer at a time inside the scan.
+  """
+  is_var = lambda v: isinstance(v, nnx.Variable)
+  variables = jax.tree_util.tree_leaves_with_path(states[0], is_leaf=is_var)
+  values = [jax.tree.leaves(state) for state in states]
+  treedef = jax.tree.structure(states[0])
+  out = []
+  for i, (path, var) in enumerate(variables):
+    name = getattr(path[-1], "key", None)
+    leaves = [v[i] for v in values]
+    if name in _COMPUTE_DTYPE_PARAMS:
+      leaves = [leaf.astype(compute_dtype) for leaf in leaves]
+    stacked = jnp.stack(leaves)
+    names = var.get_metadata().get("out_sharding")
+    if names is not None:
+      stacked = constrain(stacked, "layers", *names)
+    out.append(stacked)
+  return jax.tree.unflatten(treedef, out)
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:

@@ -91,19 +91,16 @@ class ResumePoints:
 class MergedSteps:
   """Per (learner, incarnation), the newest local step of its deliveries that G has merged.
 
-  Scans the recorder's tape incrementally; read under `Runtime.lock`, like the tape.
+  Follows the recorder's round records (`Recorder.follow`); read under `Runtime.lock`.
   """
 
   def __init__(self):
-    self._seen = 0
     self.newest: dict[tuple[int, int], int] = {}
 
-  def update(self, tape: list[dict]) -> None:
-    for record in tape[self._seen:]:
-      for a in record["admitted"]:
-        key = (a["learner"], a["incarnation"])
-        self.newest[key] = max(self.newest.get(key, -1), a["local_step"])
-    self._seen = len(tape)
+  def add(self, record: dict) -> None:
+    for a in record["admitted"]:
+      key = (a["learner"], a["incarnation"])
+      self.newest[key] = max(self.newest.get(key, -1), a["local_step"])
 
 
 def take_snapshot(rt, points: ResumePoints, merged: MergedSteps, now: float, *,
@@ -115,7 +112,6 @@ def take_snapshot(rt, points: ResumePoints, merged: MergedSteps, now: float, *,
     params = syncer.global_params()
     momentum = {k: v.copy() for k, v in syncer.momentum.items()}
     tape_len, activity_len = rt.recorder.mark()
-    merged.update(rt.recorder.tape)
     meta = {
         "syncer": syncer.export_state(), "versions": list(syncer.versions),
         "rounds": syncer.rounds, "clock": now, "initial_loss": initial_loss,

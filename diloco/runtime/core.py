@@ -12,6 +12,7 @@ its local state, or added from spare device groups, or retired.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -55,49 +56,93 @@ class Slot:
 
 
 class Recorder:
-  """Appends tape and activity records to JSONL files and keeps them for accounting.
+  """Streams tape and activity records to JSONL files as they happen.
 
-  `append=True` (a resumed run) continues files already cut back to its checkpoint.
+  A long run's records never all sit in memory: the recorder keeps how many each file holds
+  (a checkpoint covers exactly these), the newest `recent` of each for the live status line,
+  and hands every round record to its `followers`. `tape()` and `activity()` read the files
+  back whole, for the end of a run. `append=True` (a resumed run) continues files already cut
+  back to its checkpoint.
   """
 
-  def __init__(self, workdir: str, append: bool = False):
+  def __init__(self, workdir: str, append: bool = False, recent: int = 4096):
     self._lock = threading.Lock()
-    tape, activity = (os.path.join(workdir, name) for name in ("tape.jsonl", "activity.jsonl"))
-    self.tape: list[dict] = _read_jsonl(tape) if append else []
-    self.activity: list[dict] = _read_jsonl(activity) if append else []
+    self.tape_path, self.activity_path = (os.path.join(workdir, name)
+                                          for name in ("tape.jsonl", "activity.jsonl"))
+    self.recent_tape: collections.deque = collections.deque(maxlen=recent)
+    self.recent_activity: collections.deque = collections.deque(maxlen=4 * recent)
+    self.tape_count = self.activity_count = 0
+    if append:
+      for record in _iter_jsonl(self.tape_path):
+        self.recent_tape.append(record)
+        self.tape_count += 1
+      for record in _iter_jsonl(self.activity_path):
+        self.recent_activity.append(record)
+        self.activity_count += 1
+    self._followers: list = []
     mode = "a" if append else "w"
-    self._tape_file = open(tape, mode, encoding="utf-8")
-    self._activity_file = open(activity, mode, encoding="utf-8")
+    self._tape_file = open(self.tape_path, mode, encoding="utf-8")
+    self._activity_file = open(self.activity_path, mode, encoding="utf-8")
+
+  def follow(self, fn) -> None:
+    """Calls `fn(record)` with every round record so far (from the file) and from now on."""
+    with self._lock:
+      self._tape_file.flush()
+      for record in _iter_jsonl(self.tape_path):
+        fn(record)
+      self._followers.append(fn)
 
   def round(self, record: dict) -> None:
     with self._lock:
-      self.tape.append(record)
+      self.recent_tape.append(record)
+      self.tape_count += 1
       self._tape_file.write(json.dumps(record) + "\n")
       self._tape_file.flush()
+      for fn in self._followers:
+        fn(record)
 
   def span(self, slot: Slot, kind: str, start: float, end: float, **extra) -> None:
     record = span_record(slot.index, max(slot.incarnation, 0), kind, start, end,
                          devices=slot.devices, slowdown=slot.speed, **extra)
     with self._lock:
-      self.activity.append(record)
+      self.recent_activity.append(record)
+      self.activity_count += 1
       self._activity_file.write(json.dumps(record) + "\n")
+
+  def recent(self) -> tuple[list[dict], list[dict]]:
+    """Copies of the newest tape and activity records (all of them in a short run)."""
+    with self._lock:
+      return list(self.recent_tape), list(self.recent_activity)
 
   def mark(self) -> tuple[int, int]:
     """Flushes both files; returns how many tape and activity records they hold (a checkpoint
     covers exactly these)."""
     with self._lock:
-      self._tape_file.flush()
-      self._activity_file.flush()
-      return len(self.tape), len(self.activity)
+      for f in (self._tape_file, self._activity_file):
+        if not f.closed:
+          f.flush()
+      return self.tape_count, self.activity_count
+
+  def tape(self) -> list[dict]:
+    """Every round record of the run, read back from `tape.jsonl`."""
+    self.mark()
+    return list(_iter_jsonl(self.tape_path))
+
+  def activity(self) -> list[dict]:
+    """Every activity span of the run, read back from `activity.jsonl`."""
+    self.mark()
+    return list(_iter_jsonl(self.activity_path))
 
   def close(self) -> None:
-    self._tape_file.close()
-    self._activity_file.close()
+    with self._lock:
+      self._tape_file.close()
+      self._activity_file.close()
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def _iter_jsonl(path: str):
   with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f]
+    for line in f:
+      yield json.loads(line)
 
 
 def group_sizes(cfg: Config, num_devices: int) -> list[int]:

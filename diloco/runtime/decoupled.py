@@ -18,7 +18,7 @@ import time
 import jax
 from absl import logging
 
-from diloco.config_lib import Config
+from diloco.config_lib import Config, check_in_process_eval
 from diloco.model.sharding import batch_sharding
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
@@ -52,9 +52,8 @@ class Status:
       self._tokens[slot.index] = (now, step)
       parts.append(f"L{slot.index} {slot.status} s{step} {rate:,.0f}tok/s")
     s = self.rt.syncer
-    tape = list(self.rt.recorder.tape)
-    goodput = accounting.goodput(tape, list(self.rt.recorder.activity),
-                                 self.rt.plan.num_fragments)
+    tape, activity = self.rt.recorder.recent()  # a window: all of a short run's records
+    goodput = accounting.goodput(tape, activity, self.rt.plan.num_fragments)
     stats = accounting.round_stats(tape)
     return (" | ".join(parts) + f" || syncer: rounds {s.rounds}, learners/round "
             f"{stats['mean_learners']:.2f} (last {s.last_quorum}), grace {s.last_grace:.2f}s, "
@@ -91,6 +90,7 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
 def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
          ) -> tuple[Runtime, dict[str, float]]:
   tracking.check(cfg.log)
+  check_in_process_eval(cfg, "single-controller runtime")
   snapshot = ckpt.load()
   if snapshot is not None:
     run_checkpoint.check_resumable(snapshot, cfg, workdir)
@@ -125,6 +125,7 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
   status = Status(rt, cfg.log.progress_every_s)
   written: dict[int, int] = {}
   points, merged = run_checkpoint.ResumePoints(), run_checkpoint.MergedSteps()
+  rt.recorder.follow(merged.add)
   every = cfg.checkpoint.every_rounds
   virtual = cfg.learners.virtual_clock
   driver_cls = VirtualDriver if virtual else ThreadedDriver
@@ -132,7 +133,9 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
   def progress() -> int:
     return max(s.learner.local_step if s.learner else s.resume.local_step for s in rt.slots)
 
-  def on_eval(now: float) -> float:
+  def on_eval(now: float) -> float | None:
+    if cfg.train.eval_mode == "off":
+      return None
     loss = rt.evaluate(eval_set)
     if not math.isfinite(loss):
       raise FloatingPointError(f"global eval/loss is {loss} at t={now:.1f}s")
@@ -198,7 +201,8 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
       for w in learner_writers.values():
         w.close()
     status.maybe_print(force=True)
-    print(accounting.fidelity_line(rt.recorder.tape), flush=True)
+    tape = rt.recorder.tape()
+    print(accounting.fidelity_line(tape), flush=True)
     summary = accounting.summary(workdir, num_fragments=rt.plan.num_fragments,
                                  num_params=rt.num_params)
     summary.update({"eval/loss": final, "eval/initial_loss": initial,
@@ -213,7 +217,7 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
   records = metrics_lib.read_metrics(os.path.join(workdir, metrics_lib.METRICS_FILE))
   metrics_lib.plot_loss(records, os.path.join(workdir, "loss.png"),
                         title=f"Decoupled DiLoCo, M={cfg.learners.count}, {cfg.model.name}")
-  timeline.plot_timeline(rt.recorder.tape, rt.recorder.activity,
+  timeline.plot_timeline(tape, rt.recorder.activity(),
                          os.path.join(workdir, "timeline.png"),
                          title=f"M={cfg.learners.count}, K={cfg.sync.quorum or 'M'}, "
                                f"P={rt.plan.num_fragments}, H={cfg.sync.period}")

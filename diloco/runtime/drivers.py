@@ -187,6 +187,8 @@ class ThreadedDriver:
     self._failed: queue.SimpleQueue = queue.SimpleQueue()  # (slot, since) to restart
     self._cohort: set[int] = set()  # initial learners that have not passed the gang start
     self._gang = threading.Barrier(1)
+    self._eval: threading.Thread | None = None
+    self.evals_skipped = 0
 
   def now(self) -> float:
     return time.monotonic() - self._t0
@@ -231,6 +233,7 @@ class ThreadedDriver:
     steps = self.cfg.train.steps
     while not stop.is_set() and learner.local_step < steps and not self._done.is_set():
       self.rt.align_schedule(slot)
+      send_wait = learner.send_wait_s
       learner.step(self.now(), step_time)
       measured = self.now() - previous
       extra = pacing_wait(measured, self.rt.step_duration(slot),
@@ -239,8 +242,12 @@ class ThreadedDriver:
         break
       end = self.now()
       step_time = end - previous
-      self.rt.recorder.span(slot, "step", previous, end, local_step=learner.local_step,
-                            tokens=learner.tokens_per_step)
+      # Time the step waited for room to send (backpressure) is waiting, not training.
+      stalled = min(learner.send_wait_s - send_wait, step_time)
+      self.rt.recorder.span(slot, "step", previous, end - stalled,
+                            local_step=learner.local_step, tokens=learner.tokens_per_step)
+      if stalled > 1e-3:
+        self.rt.recorder.span(slot, "wait", end - stalled, end)
       self.on_step(slot)
       blocked = learner.sync_point()
       waited_from = self.now()
@@ -326,7 +333,7 @@ class ThreadedDriver:
       progress = max((s.resume.local_step if s.learner is None else s.learner.local_step)
                      for s in self.rt.slots)
       if next_eval and progress >= next_eval:
-        self.on_eval(self.now())  # copies G under the lock, evaluates without it
+        self._evaluate_in_background()
         next_eval += cfg.train.eval_every
       if all(s.status in ("idle", "retired", "done") for s in self.rt.slots) and not returns \
           and self._failed.empty():
@@ -336,8 +343,22 @@ class ThreadedDriver:
     syncer.join()
     for thread in self._threads.values():
       thread.join()
+    if self._eval is not None:
+      self._eval.join()
     if self._errors:
       raise self._errors[0]
+
+  def _evaluate_in_background(self) -> None:
+    """The periodic global eval on a thread of its own (it copies G under the lock and
+    evaluates without it): neither merges nor this loop's faults and restarts wait for it.
+    One at a time: an eval due while the previous one runs is skipped (counted)."""
+    if self._eval is not None and self._eval.is_alive():
+      self.evals_skipped += 1
+      logging.warning("the global eval is still running: the one due now is skipped")
+      return
+    self._eval = threading.Thread(target=self._guard, args=(self.on_eval, self.now()),
+                                  daemon=True, name="eval")
+    self._eval.start()
     messages = self.rt.transport.take()
     with self.rt.lock:
       self.rt.syncer.tick(self.now(), *messages)

@@ -14,12 +14,14 @@ Record sources read one text field (`data.text_key`):
     directory (`<builder>-<split>[-NNNNN-of-NNNNN].arrow`). The Arrow files are read
     with pyarrow alone, so training needs no `datasets` install.
 pyarrow is imported only by the sources that need it (`pip install -e ".[hf]"`).
+Every source also reads from URLs (`gs://bucket/corpus/*.jsonl.gz`) through `storage`.
 """
 
 from __future__ import annotations
 
 import glob
 import gzip
+import io
 import json
 import os
 import re
@@ -27,6 +29,7 @@ import sysconfig
 from typing import Iterator
 
 from diloco.errors import ConfigError
+from diloco.train import storage
 
 RECORD_SOURCES = ("jsonl", "parquet", "datasets")
 _SUFFIXES = {"jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"), "parquet": (".parquet",)}
@@ -42,16 +45,7 @@ def stdlib_files() -> list[str]:
 
 def text_files(path: str, suffixes: tuple[str, ...] = ()) -> list[str]:
   """Regular files under a directory (recursively; only `suffixes` if given), or a glob's."""
-  if os.path.isdir(path):
-    found = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-             if not suffixes or f.endswith(suffixes)]
-  else:
-    found = glob.glob(path, recursive=True)
-  files = sorted(f for f in found if os.path.isfile(f))
-  if not files:
-    kinds = f" ({', '.join(suffixes)})" if suffixes else ""
-    raise ConfigError(f"data.path: no files{kinds} found at {path!r}")
-  return files
+  return storage.list_files(path, suffixes)
 
 
 def _pyarrow():
@@ -74,8 +68,9 @@ def _check_text(value, key: str, where: str):
 
 def _jsonl_documents(path: str, key: str) -> Iterator[str]:
   for name in text_files(path, () if _is_single(path) else _SUFFIXES["jsonl"]):
-    opener = gzip.open if name.endswith(".gz") else open
-    with opener(name, "rt", encoding="utf-8") as f:
+    with storage.open_file(name, "rb") as raw:
+      binary = gzip.GzipFile(fileobj=raw) if name.endswith(".gz") else raw
+      f = io.TextIOWrapper(binary, encoding="utf-8")
       for lineno, line in enumerate(f, 1):
         if not line.strip():
           continue
@@ -109,7 +104,8 @@ def _parquet_documents(path: str, key: str) -> Iterator[str]:
   pa = _pyarrow()
   for name in text_files(path, () if _is_single(path) else _SUFFIXES["parquet"]):
     try:
-      pf = pa.parquet.ParquetFile(name)
+      pf = pa.parquet.ParquetFile(name if not storage.is_url(name)
+                                  else storage.open_file(name, "rb"))
     except (pa.ArrowInvalid, OSError) as e:
       raise ConfigError(f"data.path: {name} is not a parquet file ({e})") from None
     schema = pf.schema_arrow
@@ -118,32 +114,34 @@ def _parquet_documents(path: str, key: str) -> Iterator[str]:
 
 
 def _read_json(path: str) -> dict:
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  return storage.read_json(path)
 
 
 def datasets_arrow_files(path: str, split: str) -> list[str]:
   """The Arrow files of one split of a `save_to_disk` or cache directory, in row order."""
-  if not os.path.isdir(path):
+  if not storage.isdir(path):
     raise ConfigError(f"data.path: {path!r} is not a directory (source=datasets expects one "
                       "written by Dataset.save_to_disk or DatasetDict.save_to_disk)")
-  if os.path.isfile(os.path.join(path, "dataset_dict.json")):       # a DatasetDict
-    splits = _read_json(os.path.join(path, "dataset_dict.json"))["splits"]
+  if storage.isfile(storage.join(path, "dataset_dict.json")):       # a DatasetDict
+    splits = _read_json(storage.join(path, "dataset_dict.json"))["splits"]
     if split not in splits:
       raise ConfigError(f"data.split: {split!r} is not a split of {path!r}; it has {splits}")
-    path = os.path.join(path, split)
-  if os.path.isfile(os.path.join(path, "state.json")):              # a Dataset
-    names = [f["filename"] for f in _read_json(os.path.join(path, "state.json"))["_data_files"]]
-    files = [os.path.join(path, n) for n in names]
-    missing = [f for f in files if not os.path.isfile(f)]
+    path = storage.join(path, split)
+  if storage.isfile(storage.join(path, "state.json")):              # a Dataset
+    names = [f["filename"] for f in _read_json(storage.join(path, "state.json"))["_data_files"]]
+    files = [storage.join(path, n) for n in names]
+    missing = [f for f in files if not storage.isfile(f)]
     if missing:
       raise ConfigError(f"data.path: {path!r} lists Arrow files that are missing: {missing}")
     return files
   # A `datasets` cache directory: <builder>-<split>.arrow or <builder>-<split>-N-of-M.arrow.
   pattern = re.compile(rf".+-{re.escape(split)}(-\d{{5}}-of-\d{{5}})?\.arrow$")
-  found = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-                 if pattern.match(f))
-  dirs = sorted({os.path.dirname(f) for f in found})
+  try:
+    names = storage.list_files(path)
+  except ConfigError:  # an empty directory: reported below
+    names = []
+  found = sorted(f for f in names if pattern.match(f.rsplit("/", 1)[-1]))
+  dirs = sorted({storage.dirname(f) for f in found})
   if len(dirs) > 1:
     raise ConfigError(f"data.path: {path!r} holds several cached datasets with split "
                       f"{split!r}: {dirs}; point data.path at one of them")
@@ -156,7 +154,7 @@ def datasets_arrow_files(path: str, split: str) -> list[str]:
 def _datasets_documents(path: str, key: str, split: str) -> Iterator[str]:
   pa = _pyarrow()
   for name in datasets_arrow_files(path, split):
-    source = pa.memory_map(name)
+    source = storage.open_file(name, "rb") if storage.is_url(name) else pa.memory_map(name)
     try:
       reader = pa.ipc.open_stream(source)
     except pa.ArrowInvalid:
@@ -171,14 +169,14 @@ def _datasets_documents(path: str, key: str, split: str) -> Iterator[str]:
 
 
 def _is_single(path: str) -> bool:
-  return os.path.isfile(path)
+  return storage.isfile(path)
 
 
 def root(cfg) -> str:
   """The directory that text files' names are taken relative to."""
   if cfg.source == "stdlib":
     return sysconfig.get_paths()["stdlib"]
-  return cfg.path if os.path.isdir(cfg.path) else os.path.dirname(cfg.path)
+  return cfg.path if storage.isdir(cfg.path) else storage.dirname(cfg.path)
 
 
 def documents(cfg) -> Iterator[tuple[str | bytes, bytes]]:
@@ -186,10 +184,10 @@ def documents(cfg) -> Iterator[tuple[str | bytes, bytes]]:
   if cfg.source in ("stdlib", "text"):
     top = root(cfg)
     for path in stdlib_files() if cfg.source == "stdlib" else text_files(cfg.path):
-      with open(path, "rb") as f:
+      with storage.open_file(path, "rb") as f:
         raw = f.read()
       if raw:
-        yield os.path.relpath(path, top), raw
+        yield storage.relpath(path, top), raw
     return
   if cfg.source == "jsonl":
     texts = _jsonl_documents(cfg.path, cfg.text_key)

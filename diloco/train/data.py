@@ -20,8 +20,6 @@ disjoint and deterministic; the Grain iterator state is what checkpoints save.
 from __future__ import annotations
 
 import functools
-import json
-import os
 import zlib
 
 import grain
@@ -29,9 +27,11 @@ import numpy as np
 from absl import logging
 
 from diloco.config_lib import ConfigError, DataConfig
-from diloco.train import corpus, tokenizers
+from diloco.train import corpus, storage, tokenizers
 
 META_FILE = "meta.json"
+# URL schemes that ArrayRecord's own reader opens (its C++ reader has a GCS client).
+ARRAY_RECORD_URLS = ("gs://",)
 
 
 stdlib_files = corpus.stdlib_files
@@ -95,24 +95,32 @@ class TokenWindows:
 
 
 def read_meta(directory: str) -> dict:
-  path = os.path.join(directory, META_FILE)
-  if not os.path.isfile(path):
+  path = storage.join(directory, META_FILE)
+  if not storage.isfile(path):
     raise ConfigError(f"data.path: {directory!r} has no {META_FILE}; write shards with "
                       "scripts/prepare_data.py")
-  with open(path) as f:
-    return json.load(f)
+  return storage.read_json(path)
 
 
-def _array_record_source(cfg: DataConfig, split: str):
+def shard_paths(cfg: DataConfig, split: str) -> list[str]:
+  """The ArrayRecord files of `split`, all checked to exist (by name: nothing is read)."""
   meta = read_meta(cfg.path)
   if meta["seq_len"] != cfg.seq_len:
     raise ConfigError(f"data.seq_len={cfg.seq_len} does not match the shards in {cfg.path!r}, "
                       f"which hold windows for seq_len={meta['seq_len']}")
-  paths = [os.path.join(cfg.path, name) for name in meta["shards"][split]]
-  missing = [p for p in paths if not os.path.isfile(p)]
+  if storage.is_url(cfg.path) and not cfg.path.startswith(ARRAY_RECORD_URLS):
+    raise ConfigError(f"data.path: {cfg.path!r}: ArrayRecord's reader opens local files and "
+                      f"{', '.join(ARRAY_RECORD_URLS)} URLs only; copy the shards or mount the "
+                      "bucket (e.g. gcsfuse)")
+  paths = [storage.join(cfg.path, name) for name in meta["shards"][split]]
+  missing = [p for p in paths if not storage.isfile(p)]
   if missing:
     raise ConfigError(f"data.path: shard files missing: {missing}")
-  source = grain.sources.ArrayRecordDataSource(paths)
+  return paths
+
+
+def _array_record_source(cfg: DataConfig, split: str):
+  source = grain.sources.ArrayRecordDataSource(shard_paths(cfg, split))
   return grain.MapDataset.source(source).map(
       lambda record: np.frombuffer(record, dtype=np.int32))
 

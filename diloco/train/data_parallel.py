@@ -19,7 +19,7 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.config_lib import Config, ConfigError
+from diloco.config_lib import Config, ConfigError, check_in_process_eval
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import tracking
@@ -68,6 +68,7 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
 
   Returns the last evaluation metrics.
   """
+  check_in_process_eval(cfg, "data-parallel runtime")
   os.makedirs(workdir, exist_ok=True)
   mesh = mesh_lib.learner_mesh(jax.devices(), cfg.mesh)
   check_batch(cfg, mesh)
@@ -106,6 +107,7 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
   progress = metrics_lib.Progress(total, cfg.log.progress_every_s, start_step=start)
   pending = None  # (step, device metrics) of the step dispatched last
   last_eval: dict[str, float] = {}
+  evaluating = cfg.train.eval_mode != "off"
 
   def flush():
     nonlocal pending
@@ -120,7 +122,7 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
 
   try:
     with jax.set_mesh(mesh):
-      if start == 0:
+      if start == 0 and evaluating:
         last_eval = evaluate(eval_fn, state["params"], eval_set)
         writer.write(0, last_eval)
       t_start = time.monotonic()
@@ -129,7 +131,8 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
         state, device_metrics = step_fn(state, batch)
         flush()  # step - 1's metrics: ready by now, read while step runs
         pending = (step, device_metrics)
-        eval_due = step == total or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+        eval_due = evaluating and (
+            step == total or (cfg.train.eval_every and step % cfg.train.eval_every == 0))
         if eval_due:
           flush()
           last_eval = evaluate(eval_fn, state["params"], eval_set)

@@ -1,0 +1,166 @@
+"""The global model's evaluation in the multi-process runtime, kept off the merge path.
+
+Where it runs is `train.eval_mode`:
+  * "background": in the syncer process, on a thread. The syncer never waits for it (the
+    first evaluation included); only the final one, after the last merge, is waited for.
+    Fine on CPU hosts and small models; it shares the syncer host's cores.
+  * "process": in a process of its own (`--role=evaluator`, started and supervised by the
+    launcher), on its own devices (an accelerator where the host has one). It reads the
+    published versions from the store, as a learner does, and never writes there. At large
+    scale this is the one to use: a syncer host's CPU takes on the order of an hour to
+    evaluate a 2B model.
+  * "off": no global evaluation; `eval/loss` is absent from the run's results.
+
+Evaluations follow the learners' progress (their heartbeats' local steps): one at the start,
+one every `train.eval_every` steps (skipped while the previous one is still running), and
+one on the final versions. Records go to `WORKDIR/metrics.jsonl` with role "syncer" (the
+global model's metrics, whoever computes them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from diloco import fragments as fragments_lib
+from diloco.config_lib import Config
+from diloco.distributed.store import Store
+from diloco.model.sharding import batch_sharding
+from diloco.observe import metrics as metrics_lib
+from diloco.train import data as data_lib
+from diloco.train import mesh as mesh_lib
+from diloco.train import optim
+from diloco.train import state as train_state
+from diloco.train import step as train_step
+from diloco.train.island import initial_global
+
+# How often the evaluator process looks at the store's heartbeats and registry.
+_POLL_S = 0.5
+# A version named by the index can be collected before it is read: read a fresh index.
+_READ_ATTEMPTS = 20
+
+
+def model_on_first_device(cfg: Config):
+  """Spec, init and eval step of the model on this process's first device."""
+  mesh = mesh_lib.learner_mesh(jax.devices()[:1], type(cfg.mesh)(data=1, fsdp=1, tensor=1))
+  spec = train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, cfg.train.steps),
+                               mesh)
+  return spec, train_state.make_init(cfg.model, spec), train_step.make_eval_step(spec)
+
+
+class Evaluator:
+  """Evaluates flat global parameters on the held-out batches, in place or on a thread (one
+  at a time: a request while one runs is skipped, so evaluations never queue up)."""
+
+  def __init__(self, cfg: Config, spec, eval_fn, writer: metrics_lib.MetricWriter):
+    self.spec, self.eval_fn, self.writer = spec, eval_fn, writer
+    self.batches = [jax.device_put(b, batch_sharding(spec.mesh)) for b in data_lib.eval_batches(
+        cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
+    self._thread: threading.Thread | None = None
+    self.last: float | None = None
+    self.skipped = 0
+
+  def evaluate(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
+    params = jax.device_put(fragments_lib.unflatten_tree(flat_params),
+                            self.spec.shardings["params"])
+    with jax.set_mesh(self.spec.mesh):
+      loss = float(np.mean(jax.device_get([self.eval_fn(params, b) for b in self.batches])))
+    if not math.isfinite(loss):
+      raise FloatingPointError(f"global eval/loss is {loss} at t={now:.1f}s")
+    self.writer.write(step, {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),
+                             "time": now, "outer/rounds": rounds})
+    print(f"t={now:.1f}s step {step}: global eval/loss {loss:.4f} after {rounds} rounds",
+          flush=True)
+    self.last = loss
+    return loss
+
+  def start(self, flat_params: dict, step: int, now: float, rounds: int) -> bool:
+    """Evaluates on a background thread; False (skipped) while the previous one runs."""
+    if self._thread is not None and self._thread.is_alive():
+      self.skipped += 1
+      return False
+    self._thread = threading.Thread(target=self.evaluate, args=(flat_params, step, now, rounds),
+                                    daemon=True, name="eval")
+    self._thread.start()
+    return True
+
+  def join(self) -> None:
+    if self._thread is not None:
+      self._thread.join()
+
+
+def read_global(store: Store) -> tuple[dict[str, np.ndarray], dict[int, int]]:
+  """The newest published version of every fragment, joined into flat global parameters."""
+  error: Exception | None = None
+  for _ in range(_READ_ATTEMPTS):
+    index = store.merged_index()
+    flat: dict[str, np.ndarray] = {}
+    try:
+      for p, version in sorted(index.items()):
+        merged, _ = store.read_merged(p, version)
+        flat.update(merged.tensors)
+      return flat, index
+    except Exception as e:  # pylint: disable=broad-except  # collected under us: re-read
+      error = e
+      time.sleep(_POLL_S)
+  raise RuntimeError(f"evaluator: could not read the published versions in {store.root} "
+                     f"({error!r})") from error
+
+
+def _progress(store: Store) -> int:
+  """The learners' furthest local step, from their heartbeats."""
+  steps = [0]
+  for record in store.heartbeats().values():
+    try:
+      steps.append(int(record["local_step"]))
+    except (KeyError, TypeError, ValueError):
+      continue
+  return max(steps)
+
+
+def run(cfg: Config, workdir: str, store_root: str) -> dict:
+  """`--role=evaluator`: evaluates published versions until the syncer has stopped."""
+  store = Store(store_root)
+  spec, init_fn, eval_fn = model_on_first_device(cfg)
+  metrics_path = os.path.join(workdir, metrics_lib.METRICS_FILE)
+  restarted = os.path.exists(metrics_path) and any(
+      "eval/loss" in r for r in metrics_lib.read_metrics(metrics_path))
+  writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="evaluator")
+  evaluator = Evaluator(cfg, spec, eval_fn, writer)
+  origin = store.run_start() or time.time()
+  clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
+  try:
+    if not restarted:  # version 0, as the syncer seeds it (merges may be published already)
+      with jax.set_mesh(spec.mesh):
+        start = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"])
+      evaluator.evaluate(start, 0, clock(), 0)
+    while not store.merged_index():  # the syncer publishes version 0 of every fragment
+      time.sleep(_POLL_S)
+    index = store.merged_index()
+    progress = _progress(store)
+    every = cfg.train.eval_every
+    next_eval = (progress // every + 1) * every if every else 0
+    print(f"evaluator: on {jax.devices()[0].device_kind}, from step {progress}", flush=True)
+    while True:
+      registry = store.read_json("registry.json") or {}
+      if registry.get("stopped"):
+        flat, index = read_global(store)
+        final = evaluator.evaluate(flat, _progress(store), clock(), int(registry["rounds"]))
+        break
+      progress = _progress(store)
+      if next_eval and progress >= next_eval:
+        flat, index = read_global(store)
+        evaluator.evaluate(flat, progress, clock(), int(registry.get("rounds", 0)))
+        next_eval = (progress // every + 1) * every
+      time.sleep(_POLL_S)
+  finally:
+    writer.close()
+  logging.info("evaluator: final versions %s", index)
+  print(f"evaluator: stopped, eval/loss {final:.4f}", flush=True)
+  return {"eval/loss": final}
