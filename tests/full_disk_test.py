@@ -7,6 +7,7 @@ import builtins
 import errno
 import io
 import os
+import time
 
 import numpy as np
 import object_store
@@ -17,6 +18,7 @@ from diloco import syncer as syncer_lib
 from diloco.config_lib import OuterConfig, SyncConfig
 from diloco.distributed import syncer_process
 from diloco.distributed.store import WRITE_FAILED, Store, StoreError
+from diloco.distributed.store_transport import LearnerStoreLink
 from diloco.transport import Heartbeat, Merged, Payload
 
 SHAPES = {"a": (16, 8), "b": (8,)}
@@ -199,3 +201,28 @@ def test_the_syncer_retries_a_commit_until_space_is_freed(where, tmp_path):
   assert waits == [0.1, 0.2, 0.4]
   assert store.merged_index() == {0: 1} and store.merged_versions(0) == [0, 1]
   assert len((tmp_path / "tape.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_learner_retries_its_delivery_until_space_is_freed(where):
+  """`LearnerStoreLink`: a delivery whose write fails is retried with backoff (the learner is
+  told nothing, loses nothing, and waits only through the bounded outbox); it lands once
+  space comes back."""
+  root, disk = where
+  store = Store(root)
+  disk.left = 0
+  link = LearnerStoreLink(store, 0, 0, poll_s=0.01, send_queue=1)
+  try:
+    link.deliver(_payload(4))
+    deadline = time.monotonic() + 60
+    while link.write_failures < 2 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert link.write_failures >= 2  # failed, and was tried again
+    assert store.committed_payloads() == []  # nothing half-written is visible meanwhile
+    disk.left = None  # space freed
+    link.flush(timeout=60)
+    assert store.committed_payloads() == ["f0_l0_i0_s4"]
+    got = store.read_payload("f0_l0_i0_s4", EXPECTED)
+    for k, v in _payload(4).tensors.items():
+      np.testing.assert_array_equal(got.tensors[k], v)
+  finally:
+    link.close()

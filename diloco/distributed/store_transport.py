@@ -20,7 +20,7 @@ from typing import Callable
 from absl import logging
 
 from diloco.distributed import wan
-from diloco.distributed.store import GONE, Store, StoreError, parse_payload_name
+from diloco.distributed.store import GONE, WRITE_FAILED, Store, StoreError, parse_payload_name
 from diloco.transport import Heartbeat, Merged, Payload
 
 UP, RETIRED, DONE = "up", "retired", "done"
@@ -29,6 +29,8 @@ READ_ERROR = "read_error"
 # A merged version the index still names but that cannot be read this many polls in a row is
 # broken, not merely collected between the index read and the entry read.
 _MAX_READ_FAILURES = 20
+# Backoff of a delivery whose write failed (write_failed): from this, doubling, up to the max.
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.1, 10.0
 
 
 class LearnerStoreLink:
@@ -57,6 +59,7 @@ class LearnerStoreLink:
     self.bytes_up = self.bytes_down = self.bytes_applied = 0
     self.wan_wait_s = 0.0
     self.send_wait_s = 0.0  # seconds `deliver` waited for room in the full outbox
+    self.write_failures = 0  # failed delivery writes, each retried
     self._threads = [threading.Thread(target=self._guard, args=(fn,), daemon=True,
                                       name=f"store-{name}-l{learner}")
                      for name, fn in (("send", self._send_loop), ("beat", self._beat_loop),
@@ -158,14 +161,33 @@ class LearnerStoreLink:
       except queue.Empty:
         continue
       try:
-        self._write_beat_if_new()  # the syncer must know this incarnation before its payload
         self.wan_wait_s += self._up.transfer(payload.nbytes)
-        # Queueing and the emulated link are transit (durations on this host's clock).
-        waited = time.monotonic() - queued_at
-        payload = dataclasses.replace(payload, transit_s=payload.transit_s + waited)
-        self.bytes_up += self.store.put_payload(payload)
+        self._put_until_written(payload, queued_at)
       finally:
         self._outbox.task_done()
+
+  def _put_until_written(self, payload: Payload, queued_at: float) -> None:
+    """Writes the delivery, retrying a failed write (a full disk, an unreachable bucket) with
+    backoff: the store removes what a failed write left, and the bounded outbox makes the
+    learner wait (backpressure) instead of losing the delivery or dying."""
+    backoff = _RETRY_FIRST_S
+    while True:
+      # Queueing, the emulated link and retries are transit (durations on this host's clock).
+      waited = time.monotonic() - queued_at
+      try:
+        self._write_beat_if_new()  # the syncer must know this incarnation before its payload
+        self.bytes_up += self.store.put_payload(
+            dataclasses.replace(payload, transit_s=payload.transit_s + waited))
+        return
+      except StoreError as e:
+        if e.reason != WRITE_FAILED:
+          raise
+        self.write_failures += 1
+        logging.error("learner %d: delivery not written, retrying in %.1f s: %s",
+                      self.learner, backoff, e)
+        if self._stop.wait(backoff):
+          raise
+        backoff = min(2 * backoff, _RETRY_MAX_S)
 
   def _write_beat_if_new(self) -> None:
     with self._cond:
@@ -193,7 +215,12 @@ class LearnerStoreLink:
   def _beat_loop(self) -> None:
     while not self._stop.wait(self._beat_every):
       if self._beat_state == UP:
-        self._write_beat_if_new()
+        try:
+          self._write_beat_if_new()
+        except StoreError as e:  # a full disk: the next beat tries again
+          if e.reason != WRITE_FAILED:
+            raise
+          logging.warning("learner %d: heartbeat not written: %s", self.learner, e)
 
   def _poll_loop(self) -> None:
     failures: dict[tuple[int, int], int] = {}  # (fragment, version) -> failed reads in a row
