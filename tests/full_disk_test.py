@@ -5,7 +5,7 @@ on a local directory and on the emulated object store."""
 
 import builtins
 import errno
-import io
+import gc
 import os
 import time
 
@@ -53,11 +53,10 @@ class Disk:
     return fits
 
 
-class _Metered(io.RawIOBase):
+class _Metered:
   """A file whose writes draw on the disk's budget; a short write raises ENOSPC."""
 
   def __init__(self, f, disk):
-    super().__init__()
     self._f, self._disk = f, disk
 
   def write(self, data):
@@ -74,25 +73,11 @@ class _Metered(io.RawIOBase):
   def __getattr__(self, name):
     return getattr(self._f, name)
 
-  def writable(self):
-    return True
-
-  def fileno(self):
-    return self._f.fileno()
-
-  def flush(self):
-    self._f.flush()
-
-  def close(self):
-    if not self.closed:
-      super().close()  # flushes first
-      self._f.close()
-
   def __enter__(self):
     return self
 
   def __exit__(self, *exc):
-    self.close()
+    self._f.close()
     return False
 
 
@@ -226,3 +211,13 @@ def test_a_learner_retries_its_delivery_until_space_is_freed(where):
       np.testing.assert_array_equal(got.tensors[k], v)
   finally:
     link.close()
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_after_each_test():
+  """Collects each test's garbage (failed Orbax writes: event loops, futures, files) before
+  the next test patches `open` again. Left to pile up over the file, it crashed CPython
+  3.12.1's collector (a segfault in `gc`) in about 4 runs of 10; never on 3.11, and never in
+  10 runs with this (BUILD_NOTES, "Reliability: durability, lease, object stores")."""
+  yield
+  gc.collect()
