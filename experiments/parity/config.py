@@ -23,13 +23,21 @@ The runs, in the order they are run:
   against Decoupled with M = 1 (the same batch: a check of the outer loop), a second seed of
   data-parallel and Decoupled, and Decoupled warm-started from that data-parallel run's
   step-40 checkpoint for the remaining 80 steps (the DiLoCo paper starts from a
-  data-parallel checkpoint; its row counts the 40 data-parallel steps' tokens too).
+  data-parallel checkpoint; its row counts the 40 data-parallel steps' tokens too), then a
+  second seed of synchronous and Streaming DiLoCo and of the M = 1 check;
+- longer runs: data-parallel and the tuned Decoupled at each of `LENGTHS` (2x and 4x the
+  steps, the same batches, warmup and H; the cosine decays over the whole run), so the
+  Decoupled / data-parallel ratio is seen against run length (about 25 minutes per run of
+  480 steps on an idle 2-core CPU).
 
 Expected outcome: with the design's outer optimiser, Decoupled lands far above data-parallel
 at this length (the issue measured 1.92 vs 1.63, on different held-out windows); the outer
 optimiser's settings or a shorter period should close much of the gap. Target: Decoupled /
 data-parallel eval-loss ratio <= 1.02. M = 1 should match data-parallel at the same batch.
+The DiLoCo papers reach parity over many outer steps: the ratio should fall with run length.
 """
+
+import dataclasses
 
 from experiments.harness import Run
 
@@ -40,6 +48,9 @@ STEPS = 120  # the cpu presets'
 # The warm start: data-parallel trains the first WARM_STEPS steps (its checkpoint every 40
 # steps), Decoupled the remaining STEPS - WARM_STEPS with the same tokens per step.
 WARM_STEPS = 40
+# Longer runs of data-parallel and the tuned Decoupled (longest first: the most telling if the
+# experiment is stopped before the end).
+LENGTHS = (480, 240)
 VC = (("learners.virtual_clock", True),)
 DESIGN = (0.7, 0.9)  # the design's outer learning rate and Nesterov momentum
 
@@ -58,7 +69,7 @@ SWEEP: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = (
                                               ("sync.tau", 1))),
     ("outer 1.4/0.0", _outer(1.4, 0.0)),
 )
-COLUMNS = ("method", "seed", "tokens", "eval_loss", "ratio_to_dp", "mean_learners_per_round",
+COLUMNS = ("method", "seed", "steps", "tokens", "eval_loss", "ratio_to_dp", "mean_learners_per_round",
            "staleness_mean", "goodput", "bytes_up", "bytes_down", "wall_s")
 
 
@@ -66,24 +77,32 @@ def _eval(batch: int) -> tuple[tuple[str, object], ...]:
   return (("train.eval_batches", EVAL_WINDOWS // batch),)
 
 
-def dp(preset: str, seed: int = 0, batch: int = DP_BATCH) -> Run:
-  name = "data-parallel" if batch == DP_BATCH else f"data-parallel B={batch}"
+def _length(steps: int) -> tuple[str, tuple[tuple[str, object], ...]]:
+  """The method-name suffix and overrides of a run of `steps` steps (none at the presets')."""
+  return ("", ()) if steps == STEPS else (f" {steps} steps", (("train.steps", steps),))
+
+
+def dp(preset: str, seed: int = 0, batch: int = DP_BATCH, steps: int = STEPS) -> Run:
+  suffix, length = _length(steps)
+  name = ("data-parallel" if batch == DP_BATCH else f"data-parallel B={batch}") + suffix
   return Run(name, f"configs/dp.py:{preset}", seed,
-             (("train.batch_size", batch),) + _eval(batch))
+             (("train.batch_size", batch),) + _eval(batch) + length, labels=(("steps", steps),))
 
 
-def diloco(preset: str, kind: str, setting, seed: int = 0, learners: int = 4) -> Run:
+def diloco(preset: str, kind: str, setting, seed: int = 0, learners: int = 4,
+           steps: int = STEPS) -> Run:
   """`kind` is decoupled, diloco (synchronous) or streaming: configs/<kind>.py:<preset>, with
-  `setting` = (label, overrides) from SWEEP."""
+  `setting` = (label, overrides) from SWEEP, for `steps` inner steps per learner."""
   label, overrides = setting
   if kind == "diloco":  # synchronous DiLoCo: the whole model is one fragment, every H steps
     overrides = tuple((k, v) for k, v in overrides if k != "sync.num_fragments")
     if "sync.period" not in dict(overrides):  # the same H as Decoupled (its config has 40)
       overrides += (("sync.period", 24),)
   method = kind if learners == 4 else f"{kind} M={learners}"
-  return Run(f"{method} {label}", f"configs/{kind}.py:{preset}", seed,
+  suffix, length = _length(steps)
+  return Run(f"{method} {label}{suffix}", f"configs/{kind}.py:{preset}", seed,
              VC + (("learners.count", learners), ("train.batch_size", LEARNER_BATCH))
-             + overrides + _eval(LEARNER_BATCH))
+             + overrides + _eval(LEARNER_BATCH) + length, labels=(("steps", steps),))
 
 
 def sweep(preset: str = "cpu") -> list[Run]:
@@ -92,19 +111,29 @@ def sweep(preset: str = "cpu") -> list[Run]:
 
 
 def with_tuned(tuned, preset: str = "cpu", outdir: str = "runs/experiments/parity") -> list[Run]:
-  """The baselines and checks at the tuned setting (its outer optimiser and H), then
-  Decoupled warm-started from the second data-parallel run's checkpoint at WARM_STEPS."""
+  """The baselines and checks at the tuned setting (its outer optimiser and H), Decoupled
+  warm-started from the second data-parallel run's checkpoint at WARM_STEPS, then second
+  seeds of the baselines and of the M = 1 check."""
   label, overrides = tuned
   warm = Run(f"decoupled warm start {label}", f"configs/decoupled.py:{preset}", 1,
              diloco(preset, "decoupled", tuned).overrides + (
                  ("train.init_from", f"{outdir}/data-parallel__s1/checkpoints/{WARM_STEPS}"),
-                 ("train.steps", STEPS - WARM_STEPS)))
+                 ("train.steps", STEPS - WARM_STEPS)), labels=(("steps", STEPS),))
   dp_seed1 = dp(preset, seed=1)
-  dp_seed1 = Run(dp_seed1.method, dp_seed1.config, 1, dp_seed1.overrides + (
+  dp_seed1 = dataclasses.replace(dp_seed1, overrides=dp_seed1.overrides + (
       ("checkpoint.max_to_keep", STEPS // WARM_STEPS),))  # keep the step-40 checkpoint
-  return [diloco(preset, "diloco", tuned), diloco(preset, "streaming", tuned),
-          dp(preset, batch=LEARNER_BATCH), diloco(preset, "decoupled", tuned, learners=1),
-          dp_seed1, diloco(preset, "decoupled", tuned, seed=1), warm]
+  checks = lambda seed: [  # noqa: E731
+      diloco(preset, "diloco", tuned, seed), diloco(preset, "streaming", tuned, seed),
+      dp(preset, seed, batch=LEARNER_BATCH),
+      diloco(preset, "decoupled", tuned, seed, learners=1)]
+  return (checks(0) + [dp_seed1, diloco(preset, "decoupled", tuned, seed=1), warm]
+          + checks(1))
+
+
+def longer(tuned, preset: str = "cpu") -> list[Run]:
+  """Data-parallel and Decoupled at the tuned setting for each of LENGTHS (seed 0)."""
+  return [run for steps in LENGTHS
+          for run in (dp(preset, steps=steps), diloco(preset, "decoupled", tuned, steps=steps))]
 
 
 def tuned_setting(losses: dict[str, float]):
@@ -117,6 +146,6 @@ def tuned_setting(losses: dict[str, float]):
 
 def shrink(runs: list[Run], steps: int) -> list[Run]:
   """The same runs cut to a few steps: the smoke tests' size of the pipeline."""
-  return [Run(r.method, r.config, r.seed, r.overrides + (
+  return [dataclasses.replace(r, overrides=r.overrides + (
       ("train.steps", steps), ("train.eval_every", 0), ("optim.warmup_steps", 1)))
           for r in runs]

@@ -17,13 +17,63 @@ from experiments import harness  # noqa: E402
 from experiments.parity import config  # noqa: E402
 
 
+def _is_dp(row: dict) -> bool:
+  """Data-parallel at the full batch (the reference), of any length."""
+  return row["method"].startswith("data-parallel") and "B=" not in row["method"]
+
+
 def with_ratios(rows: list[dict]) -> list[dict]:
-  """Adds each row's eval loss over data-parallel's (same seed, else the seeds' mean)."""
-  dp = {r["seed"]: r["eval_loss"] for r in rows if r["method"] == "data-parallel"}
+  """Adds each row's eval loss over data-parallel's of the same length (in steps) and seed,
+  else the mean over that length's seeds."""
+  by_length: dict[int, dict[int, float]] = {}
   for r in rows:
+    if _is_dp(r):
+      by_length.setdefault(r.get("steps", config.STEPS), {})[r["seed"]] = r["eval_loss"]
+  for r in rows:
+    dp = by_length.get(r.get("steps", config.STEPS), {})
     base = dp.get(r["seed"], sum(dp.values()) / len(dp) if dp else None)
     r["ratio_to_dp"] = round(r["eval_loss"] / base, 4) if base else None
   return rows
+
+
+def length_section(rows: list[dict], folder: str) -> list[str]:
+  """Data-parallel and the tuned Decoupled (seed 0) at each run length: a table and
+  length.png (both eval losses and their ratio against steps)."""
+  dp = {r["steps"]: r for r in rows if _is_dp(r) and r["seed"] == 0}
+  dec = {r["steps"]: r for r in rows if r["seed"] == 0 and r["steps"] in dp
+         and r["method"].removesuffix(f" {r['steps']} steps") in _tuned_methods(rows)}
+  lengths = sorted(set(dp) & set(dec))
+  if len(lengths) < 2:
+    return []
+  table = [{"steps": n, "tokens": dp[n]["tokens"], "data-parallel": dp[n]["eval_loss"],
+            "decoupled": dec[n]["eval_loss"], "method": dec[n]["method"],
+            "ratio_to_dp": dec[n]["ratio_to_dp"]} for n in lengths]
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+  left.plot(lengths, [dp[n]["eval_loss"] for n in lengths], "o-", label="data-parallel")
+  left.plot(lengths, [dec[n]["eval_loss"] for n in lengths], "s-", label="Decoupled (tuned)")
+  left.set_ylabel("final global eval loss")
+  left.legend(fontsize=8)
+  right.plot(lengths, [dec[n]["ratio_to_dp"] for n in lengths], "s-", color="tab:orange")
+  right.axhline(1.02, color="tab:red", ls=":", lw=1, label="target 1.02")
+  right.set_ylabel("Decoupled / data-parallel eval loss")
+  right.legend(fontsize=8)
+  for ax in (left, right):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("steps (per learner; same tokens per step)")
+  fig.tight_layout()
+  fig.savefig(os.path.join(folder, "length.png"), dpi=120)
+  plt.close(fig)
+  return ["## Run length (seed 0)", "",
+          harness.table(table, ("steps", "tokens", "data-parallel", "decoupled",
+                                "ratio_to_dp", "method")), "",
+          "![run length](length.png)", ""]
+
+
+def _tuned_methods(rows: list[dict]) -> set[str]:
+  """The Decoupled M = 4 method names of the tuned setting: the ones the longer runs use."""
+  return {r["method"].removesuffix(f" {r['steps']} steps") for r in rows
+          if r["steps"] != config.STEPS and r["method"].startswith("decoupled ")}
 
 
 def sections(folder: str):
@@ -52,7 +102,8 @@ def sections(folder: str):
             harness.table(sorted(sweep, key=lambda r: r["eval_loss"]),
                           ("setting", "eval_loss", "ratio_to_dp", "mean_learners_per_round",
                            "bytes_up")), "",
-            "## Every method", "", "![methods](methods.png)", ""]
+            "## Every method", "", "![methods](methods.png)", "",
+            *length_section(rows, folder)]
   return write
 
 
@@ -80,7 +131,8 @@ def all_runs(outdir: str, preset: str, steps: int, only: str = "",
   shrink = (lambda runs: config.shrink(runs, steps)) if steps else (lambda runs: runs)
   sweep = shrink(config.sweep(preset))
   wall = harness.run_all([r for r in sweep if only in r.method], outdir) if execute else 0.0
-  rest = shrink(config.with_tuned(tuned(outdir, sweep), preset, outdir))
+  setting = tuned(outdir, sweep)
+  rest = shrink(config.with_tuned(setting, preset, outdir) + config.longer(setting, preset))
   if execute:
     wall += harness.run_all([r for r in rest if only in r.method], outdir)
   return sweep + rest, wall
