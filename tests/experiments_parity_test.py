@@ -12,7 +12,7 @@ from experiments.parity import config, run as parity_run
 def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():
   tuned = config.SWEEP[3]
   assert tuned[0] == "outer 1.4/0.0"
-  runs = config.sweep("cpu") + config.with_tuned(tuned, "cpu")
+  runs = config.sweep("cpu") + config.with_tuned(tuned, "cpu") + config.longer(tuned, "cpu")
   assert len({r.name for r in runs}) == len(runs)
   methods = {r.method for r in runs}
   for needed in ("data-parallel", "data-parallel B=8", "decoupled outer 0.7/0.9",
@@ -26,8 +26,9 @@ def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():
     assert o["train.batch_size"] * o["train.eval_batches"] == config.EVAL_WINDOWS
     if r.method.startswith("decoupled warm"):
       continue
-    if r.method == "data-parallel" or learners == 4:
+    if (r.method.startswith("data-parallel") and "B=" not in r.method) or learners == 4:
       assert learners * o["train.batch_size"] == config.DP_BATCH  # equal tokens per step
+    assert o.get("train.steps", config.STEPS) == dict(r.labels)["steps"]
   by_method = {r.method: dict(r.overrides) for r in runs}
   warm = by_method["decoupled warm start outer 1.4/0.0"]
   assert warm["train.init_from"] == "runs/experiments/parity/data-parallel__s1/checkpoints/40"
@@ -36,6 +37,17 @@ def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():
   assert (config.WARM_STEPS * config.DP_BATCH + warm["train.steps"] * 4 * 8
           == config.STEPS * config.DP_BATCH)
   assert by_method["diloco outer 1.4/0.0"]["sync.period"] == 24  # the same H as Decoupled
+  # Second seeds of the baselines and the M = 1 check; the longer runs at the tuned setting.
+  seeds = {}
+  for r in runs:
+    seeds.setdefault(r.method, set()).add(r.seed)
+  for method in ("diloco outer 1.4/0.0", "streaming outer 1.4/0.0", "data-parallel B=8",
+                 "decoupled M=1 outer 1.4/0.0", "data-parallel", "decoupled outer 1.4/0.0"):
+    assert seeds[method] == {0, 1}, method
+  for steps in config.LENGTHS:
+    assert by_method[f"data-parallel {steps} steps"]["train.steps"] == steps
+    long = by_method[f"decoupled outer 1.4/0.0 {steps} steps"]
+    assert long["train.steps"] == steps and long["outer.learning_rate"] == 1.4
   h8 = dict(config.SWEEP)["H=8 outer 1.0/0.0"]
   assert "sync.num_fragments" not in dict(config.diloco("cpu", "diloco", ("x", h8)).overrides)
 
@@ -54,6 +66,25 @@ def test_ratios_are_taken_against_data_parallel_of_the_same_seed():
                                                          "eval_loss": 3.0}]
   ratios = [r["ratio_to_dp"] for r in parity_run.with_ratios(rows)]
   assert ratios == [1.0, 1.0, 1.5, 2.0]  # seed 7 has no data-parallel row: the mean (1.5)
+  # A longer run is compared with data-parallel of its own length, not the presets'.
+  rows = [{"method": "data-parallel", "seed": 0, "steps": 120, "eval_loss": 2.0},
+          {"method": "data-parallel 480 steps", "seed": 0, "steps": 480, "eval_loss": 1.6},
+          {"method": "data-parallel B=8", "seed": 0, "steps": 120, "eval_loss": 2.2},
+          {"method": "decoupled x 480 steps", "seed": 0, "steps": 480, "eval_loss": 1.68}]
+  ratios = [r["ratio_to_dp"] for r in parity_run.with_ratios(rows)]
+  assert ratios == [1.0, 1.0, 1.1, 1.05]
+
+
+def test_run_length_section_pairs_each_length(tmp_path):
+  rows = [{"method": m, "seed": 0, "steps": n, "tokens": n * 32 * 128, "eval_loss": loss}
+          for m, n, loss in [("data-parallel", 120, 2.0), ("decoupled x", 120, 2.3),
+                             ("decoupled M=1 x", 120, 2.5), ("data-parallel 480 steps", 480, 1.6),
+                             ("decoupled x 480 steps", 480, 1.68)]]
+  text = "\n".join(parity_run.length_section(parity_run.with_ratios(rows), str(tmp_path)))
+  assert "| 120 | 491520 | 2 | 2.3 | 1.15 | decoupled x |" in text
+  assert "| 480 | 1966080 | 1.6 | 1.68 | 1.05 | decoupled x 480 steps |" in text
+  assert os.path.getsize(tmp_path / "length.png") > 10_000
+  assert parity_run.length_section(rows[:3], str(tmp_path)) == []  # one length: no section
 
 
 @pytest.mark.slow
@@ -66,7 +97,8 @@ def test_pipeline_writes_results_readme_and_plots(tmp_path):
            if r.method in ("data-parallel", "decoupled outer 0.7/0.9")]
   wall = harness.run_all(first, outdir)
   runs, _ = parity_run.all_runs(outdir, "tiny", 4, execute=False)
-  assert len(runs) == len(config.SWEEP) + 1 + len(config.with_tuned(config.SWEEP[0]))
+  assert len(runs) == (len(config.SWEEP) + 1 + len(config.with_tuned(config.SWEEP[0]))
+                       + 2 * len(config.LENGTHS))
   assert "diloco outer 0.7/0.9" in {r.method for r in runs}
   results = harness.report("parity", runs, outdir, folder, columns=config.COLUMNS, wall_s=wall,
                            derive=parity_run.with_ratios, sections=parity_run.sections(folder),
