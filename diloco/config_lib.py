@@ -419,6 +419,8 @@ def validate(cfg: Config) -> None:
            f"must be one of {DTYPES}, got {getattr(m, field)!r}")
   _check(m.remat in REMAT_POLICIES, "model.remat",
          f"must be one of {REMAT_POLICIES}, got {m.remat!r}")
+  _check(m.loss_chunk >= 0, "model.loss_chunk",
+         f"must be >= 0 (0 = the whole sequence at once), got {m.loss_chunk}")
   _check(m.attention_impl in ATTENTION_IMPLS, "model.attention_impl",
          f"must be one of {ATTENTION_IMPLS}, got {m.attention_impl!r}")
   if m.attention_impl == "cudnn":

@@ -49,6 +49,8 @@ _DTYPE = flags.DEFINE_string("dtype", "", "Compute dtype, float32 or bfloat16 ('
 _SCAN = flags.DEFINE_enum("scan_layers", "", ["", "true", "false"], "'' = the preset's.")
 _REMAT = flags.DEFINE_string("remat", "", "Remat policy ('' = the preset's).")
 _ATTN = flags.DEFINE_string("attention_impl", "", "reference|xla|cudnn|auto ('' = preset's).")
+_CHUNK = flags.DEFINE_integer("loss_chunk", -1, "Positions per output-head chunk (-1 = the "
+                              "preset's, 0 = the whole sequence).")
 _LAYERS = flags.DEFINE_integer("num_layers", 0, "Override the depth (0 = the preset's).")
 _MESH = flags.DEFINE_string("mesh", "", "data,fsdp,tensor sizes ('' = the preset's mesh if it "
                             "fits the devices, else FSDP over all of them).")
@@ -129,6 +131,8 @@ def make_config() -> config_lib.Config:
       cd.model.remat = _REMAT.value
     if _ATTN.value:
       cd.model.attention_impl = _ATTN.value
+    if _CHUNK.value >= 0:
+      cd.model.loss_chunk = _CHUNK.value
     if _LAYERS.value:
       cd.model.num_layers = _LAYERS.value
     num_devices = len(jax.devices())
@@ -200,7 +204,8 @@ def main(argv):
       "device_kind": kind, "devices": len(devices), "mesh": dict(mesh.shape),
       "batch_size": batch_size, "seq_len": seq_len, "num_layers": m.num_layers,
       "dtype": m.dtype, "param_dtype": m.param_dtype, "scan_layers": m.scan_layers,
-      "remat": m.remat, "attention_impl": m.attention_impl,
+      "remat": m.remat, "attention_impl": m.attention_impl, "loss_chunk": m.loss_chunk,
+      "compiled_temp_bytes": getattr(compiled.memory_analysis(), "temp_size_in_bytes", None),
       "attention_resolved": (m.attention_impl if m.attention_impl == "reference" else
                              model.resolve_attention_impl(m.attention_impl, m.dtype)),
       "compile_s": round(compile_s, 3), "step_s": round(step_s, 5),

@@ -213,6 +213,8 @@ def test_train_step_on_an_fsdp_mesh_with_every_switch(tiny_config, replace):
     ("attention_impl", "cudnn", r"model.attention_impl: 'cudnn' needs model.dtype='bfloat16'"),
     ("dtype", "float16", r"model.dtype: must be one of \('float32', 'bfloat16'\)"),
     ("scan_layers", "yes", r"model.scan_layers must be bool, got 'yes'"),
+    ("loss_chunk", -1, r"model.loss_chunk: must be >= 0 \(0 = the whole sequence at once\)"),
+    ("loss_chunk", "1k", r"model.loss_chunk must be int, got '1k'"),
 ])
 def test_bad_speed_switches_name_the_field(field, value, message):
   from configs import dp
@@ -225,11 +227,11 @@ def test_bad_speed_switches_name_the_field(field, value, message):
 def test_accelerator_presets_turn_the_switches_on():
   for name in ("gemma_2b", "gemma_5b", "gemma_9b", "moe_2_8b", "moe_3_8b"):
     cfg = model_presets.get(name)
-    assert (cfg.dtype, cfg.param_dtype, cfg.scan_layers, cfg.remat, cfg.attention_impl) == (
-        "bfloat16", "float32", True, "full", "auto"), name
+    assert (cfg.dtype, cfg.param_dtype, cfg.scan_layers, cfg.remat, cfg.attention_impl,
+            cfg.loss_chunk) == ("bfloat16", "float32", True, "full", "auto", 1024), name
   tiny = model_presets.get("tiny")
-  assert (tiny.dtype, tiny.scan_layers, tiny.remat, tiny.attention_impl) == (
-      "float32", False, "none", "reference")
+  assert (tiny.dtype, tiny.scan_layers, tiny.remat, tiny.attention_impl, tiny.loss_chunk) == (
+      "float32", False, "none", "reference", 0)
 
 
 def test_peak_table_matches_device_kinds_and_unknown_is_none():

@@ -56,6 +56,9 @@ class ModelConfig:
   # compile time does not grow with depth. The stored parameters keep their per-layer layout.
   scan_layers: bool = False
   attention_impl: str = "reference"  # one of ATTENTION_IMPLS
+  # Apply the output head and the loss to this many positions at a time (0: the whole
+  # sequence), so that the float32 (batch, length, vocab) logits are never held whole.
+  loss_chunk: int = 0
   # The model class, by registered name (`diloco.model.registry`); "transformer" is this one.
   arch: str = "transformer"
   # A module to import first, so that it registers `arch`: a dotted module name or a .py file.

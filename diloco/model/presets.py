@@ -16,9 +16,11 @@ from diloco.model.config import ModelConfig
 _BYTE_VOCAB = 384
 _GEMMA_VOCAB = 262_144
 # How the accelerator-sized presets run: bf16 compute over fp32 master weights, layers scanned
-# and rematerialised, fused attention where the backend has it.
+# and rematerialised, fused attention where the backend has it, and the 262k-vocabulary head
+# and loss 1024 positions at a time (the whole-sequence float32 logits would be the largest
+# activation: scripts/bench_loss_chunk.py).
 _ACCELERATOR = {"dtype": "bfloat16", "remat": "full", "scan_layers": True,
-                "attention_impl": "auto"}
+                "attention_impl": "auto", "loss_chunk": 1024}
 
 _PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(

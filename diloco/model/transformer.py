@@ -226,6 +226,13 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(cfg.embed_dim, "embed", param_dtype=pdt)
 
   def __call__(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None):
+    x_BLD, aux = self.hidden(tokens_BL, positions_BL)
+    return self.logits(x_BLD), aux
+
+  def hidden(self, tokens_BL: jax.Array, positions_BL: jax.Array | None = None):
+    """The final-normed hidden states and the weighted MoE aux loss: everything but the output
+    head, so that a loss can apply the head a chunk of positions at a time
+    (`model.loss_chunk`)."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     arange = positions_BL is None
@@ -242,13 +249,18 @@ class Transformer(nnx.Module):
       gd, state = nnx.split(block)
       x_BLD, block_aux = _layer_fn(gd, cfg.remat, arange, True)(state, x_BLD, positions_BL)
       aux = aux + block_aux
-    x_BLD = self.final_norm(x_BLD)
-    logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, table_VD, preferred_element_type=jnp.float32)
+    return self.final_norm(x_BLD), aux * cfg.moe_aux_loss_weight
+
+  def logits(self, x_BLD: jax.Array) -> jax.Array:
+    """The tied output head on hidden states: float32 logits, soft-capped."""
+    cfg = self.cfg
+    table_VD = self.embedder.embedding[...].astype(jnp.dtype(cfg.dtype))
+    logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD.astype(table_VD.dtype), table_VD,
+                            preferred_element_type=jnp.float32)
     if cfg.final_logit_softcap:
       cap = cfg.final_logit_softcap
       logits_BLV = jnp.tanh(logits_BLV / cap) * cap
-    logits_BLV = constrain(logits_BLV, "batch", "length", "vocab")
-    return logits_BLV, aux * cfg.moe_aux_loss_weight
+    return constrain(logits_BLV, "batch", "length", "vocab")
 
   def _scan_layers(self, blocks, x_BLD, positions_BL, arange):
     """Runs the first `len(pattern) * (num_layers // len(pattern))` layers as one scan.

@@ -24,12 +24,45 @@ def token_losses(logits_BLV: jax.Array, targets_BL: jax.Array):
   return log_z_BL - target_logit_BL, jnp.square(log_z_BL)
 
 
+def chunked_token_losses(head: Callable[[jax.Array], jax.Array], x_BLD: jax.Array,
+                         targets_BL: jax.Array, chunk: int):
+  """`token_losses(head(x_BLD), targets_BL)` computed `chunk` positions at a time.
+
+  The (B, L, V) float32 logits are never whole: each chunk's are made, reduced to two numbers
+  per token and dropped, and rematerialised for the backward pass. At a 262k vocabulary the
+  full logits of a 4096-token sequence are 4 GiB, more than the rest of the activations.
+  The length is padded up to a multiple of `chunk`; the padded positions are dropped."""
+  batch, length = targets_BL.shape
+  n = -(-length // chunk)
+  pad = n * chunk - length
+  x_BLD = jnp.pad(x_BLD, ((0, 0), (0, pad), (0, 0)))
+  targets_BL = jnp.pad(targets_BL, ((0, 0), (0, pad)))
+  # Chunks lead (the axis lax.map walks); the batch axis keeps its sharding.
+  x_nBcD = x_BLD.reshape(batch, n, chunk, -1).swapaxes(0, 1)
+  t_nBc = targets_BL.reshape(batch, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(args):
+    x_BcD, t_Bc = args
+    return token_losses(head(x_BcD), t_Bc)
+
+  ce_nBc, z_nBc = jax.lax.map(one, (x_nBcD, t_nBc))
+  unchunk = lambda v: v.swapaxes(0, 1).reshape(batch, n * chunk)[:, :length]  # noqa: E731
+  return unchunk(ce_nBc), unchunk(z_nBc)
+
+
 def _forward(graphdef, params, tokens_BL1):
   inputs_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
-  out = nnx.merge(graphdef, params)(inputs_BL)
-  # A registered model returns logits, or (logits, aux loss) like the built-in transformer.
-  logits_BLV, aux = out if isinstance(out, tuple) else (out, jnp.zeros((), jnp.float32))
-  ce_BL, z_BL = token_losses(logits_BLV, targets_BL)
+  model = nnx.merge(graphdef, params)
+  chunk = getattr(getattr(model, "cfg", None), "loss_chunk", 0)
+  if chunk and chunk < targets_BL.shape[1] and hasattr(model, "hidden"):
+    x_BLD, aux = model.hidden(inputs_BL)
+    ce_BL, z_BL = chunked_token_losses(model.logits, x_BLD, targets_BL, chunk)
+  else:
+    out = model(inputs_BL)
+    # A registered model returns logits, or (logits, aux loss) like the built-in transformer.
+    logits_BLV, aux = out if isinstance(out, tuple) else (out, jnp.zeros((), jnp.float32))
+    ce_BL, z_BL = token_losses(logits_BLV, targets_BL)
   # Sequences are packed windows of real text: every target counts, none is padding.
   return jnp.mean(ce_BL), jnp.mean(z_BL), aux
 
