@@ -1,6 +1,7 @@
 """Durable single-controller runs (diloco/runtime/checkpoint.py): snapshot, restore, kill,
 resume."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -141,6 +142,14 @@ def test_finished_run_or_other_config_is_refused(tmp_path):
   with pytest.raises(ConfigError, match=r"different config \(sync.period: 8 -> 4\)"):
     run_checkpoint.check_resumable(snap, _config(sync__period=4), "w")
   run_checkpoint.check_resumable(snap, _config(log__progress_every_s=1.0), "w")
+  # The model's speed switches may change; its shape may not.
+  run_checkpoint.check_resumable(snap, _config(model__remat="full", model__loss_chunk=8), "w")
+  with pytest.raises(ConfigError, match=r"different config \(model.embed_dim: 64 -> 32\)"):
+    run_checkpoint.check_resumable(snap, _config(model__embed_dim=32), "w")
+  # A snapshot written before the switches were left out of the identity still resumes.
+  old = dict(snap.meta["identity"], model=dataclasses.asdict(cfg.model))
+  run_checkpoint.check_resumable(dataclasses.replace(snap, meta=dict(snap.meta, identity=old)),
+                                 _config(model__dtype="bfloat16"), "w")
   snap.meta["finished"] = True
   with pytest.raises(ConfigError, match="holds a finished run"):
     run_checkpoint.check_resumable(snap, cfg, "w")

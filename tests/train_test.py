@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from diloco.errors import ConfigError
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.train import data_parallel as train
@@ -105,6 +106,25 @@ def test_resume_is_bit_identical(tiny_config, replace, tmp_path):
         metrics_lib.read_metrics(os.path.join(w, "metrics.jsonl")), "train/loss")
   assert loss(straight) == loss(resumed)
   assert len(loss(straight)[0]) == 12
+
+
+@pytest.mark.slow
+def test_resume_takes_other_speed_switches_but_not_another_model(tiny_config, replace,
+                                                                 tmp_path):
+  cfg = replace(tiny_config, "train", steps=4, eval_every=0)
+  cfg = replace(cfg, "checkpoint", every_steps=2)
+  workdir = str(tmp_path / "run")
+  train.run(cfg, workdir)
+  # Out of memory, say: go on with remat and the loss in chunks. The parameters are the same.
+  faster = replace(replace(cfg, "model", remat="full", loss_chunk=16), "train", steps=6,
+                   eval_every=0)
+  train.run(faster, workdir)
+  records = metrics_lib.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  # Each step once: the second run went on from step 4 rather than starting again.
+  assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
+  with pytest.raises(ConfigError, match=r"written with model.embed_dim=64, but this run has "
+                                        r"model.embed_dim=32"):
+    train.run(replace(faster, "model", embed_dim=32), workdir)
 
 
 @pytest.mark.slow

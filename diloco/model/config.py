@@ -16,6 +16,18 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "auto")
 
 
+# The fields that change how the model computes, not what its parameters are: a run may
+# resume with other values of these (e.g. remat or smaller loss chunks after running out of
+# memory, bf16 compute on an accelerator after a CPU start).
+SPEED_SWITCHES = ("dtype", "remat", "scan_layers", "attention_impl", "loss_chunk")
+
+
+def layout(model_fields: dict) -> dict:
+  """A model config's fields (as a dict) without its speed switches: what a checkpoint of its
+  parameters must match."""
+  return {k: v for k, v in model_fields.items() if k not in SPEED_SWITCHES}
+
+
 def _frozen(cls):
   return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
 

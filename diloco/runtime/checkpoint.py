@@ -29,6 +29,7 @@ from absl import logging
 from diloco import fragments as fragments_lib
 from diloco.config_lib import Config, ConfigError
 from diloco.learner import Resume
+from diloco.model import config as model_config
 from diloco.train import data as data_lib
 
 DIRECTORY = "run_checkpoints"
@@ -47,9 +48,15 @@ class Snapshot:
 
 
 def identity(cfg: Config) -> dict[str, Any]:
-  """The config fields a resumed run must share with the checkpoint's."""
+  """The config fields a resumed run must share with the checkpoint's: all but the free
+  groups and the model's speed switches."""
   raw = dataclasses.asdict(cfg)
-  return {k: v for k, v in raw.items() if k not in _FREE_GROUPS}
+  return _without_switches({k: v for k, v in raw.items() if k not in _FREE_GROUPS})
+
+
+def _without_switches(fields: dict[str, Any]) -> dict[str, Any]:
+  # Also applied to a saved identity: snapshots written before the switches were left out.
+  return dict(fields, model=model_config.layout(fields["model"])) if "model" in fields else fields
 
 
 def _differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
@@ -190,7 +197,7 @@ def check_resumable(snapshot: Snapshot, cfg: Config, workdir: str) -> None:
   if snapshot.meta.get("finished"):
     raise ConfigError(f"--workdir={workdir} holds a finished run (its final checkpoint is in "
                       f"{DIRECTORY}/); use a fresh --workdir")
-  diff = _differences(snapshot.meta["identity"], identity(cfg))
+  diff = _differences(_without_switches(snapshot.meta["identity"]), identity(cfg))
   if diff:
     raise ConfigError(f"--workdir={workdir} holds a checkpoint of a different config ("
                       f"{'; '.join(diff[:3])}{'; ...' if len(diff) > 3 else ''}); use a fresh "

@@ -15,6 +15,7 @@ import grain
 import orbax.checkpoint as ocp
 
 from diloco.config_lib import CheckpointConfig, ConfigError
+from diloco.model import config as model_config
 
 PyTree = Any
 
@@ -51,14 +52,23 @@ class Checkpointer:
     """Restores `step` into `abstract_state`'s shardings and advances `data_iter` in place.
 
     `expect_meta` entries must equal the saved ones (e.g. the model config), so a
-    checkpoint of another model fails with a readable error, not a shape mismatch.
+    checkpoint of another model fails with a readable error, not a shape mismatch. A "model"
+    entry is compared without its speed switches (`model.config.layout`).
     """
     meta = self._manager.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore())).meta
     for key, expected in (expect_meta or {}).items():
-      if meta.get(key) != expected:
+      saved = meta.get(key)
+      if key == "model" and isinstance(saved, dict) and isinstance(expected, dict):
+        saved, expected = model_config.layout(saved), model_config.layout(expected)
+      if saved != expected:
+        if isinstance(saved, dict) and isinstance(expected, dict):  # name the first field
+          key = next(f"{key}.{k}" for k in sorted(set(saved) | set(expected))
+                     if saved.get(k) != expected.get(k))
+          field = key.split(".", 1)[1]
+          saved, expected = saved.get(field), expected.get(field)
         raise ConfigError(f"checkpoint {self.directory}/{step} was written with {key}="
-                          f"{meta.get(key)!r}, but this run has {key}={expected!r}; use a "
+                          f"{saved!r}, but this run has {key}={expected!r}; use a "
                           "fresh --workdir or the original config")
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
