@@ -12,7 +12,8 @@ from experiments.parity import config, run as parity_run
 def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():
   tuned = config.SWEEP[3]
   assert tuned[0] == "outer 1.4/0.0"
-  runs = config.sweep("cpu") + config.with_tuned(tuned, "cpu") + config.longer(tuned, "cpu")
+  runs = (config.sweep("cpu") + config.with_tuned(tuned, "cpu") + config.inner(tuned, "cpu")
+          + config.longer(tuned, "cpu"))
   assert len({r.name for r in runs}) == len(runs)
   methods = {r.method for r in runs}
   for needed in ("data-parallel", "data-parallel B=8", "decoupled outer 0.7/0.9",
@@ -26,7 +27,7 @@ def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():
     assert o["train.batch_size"] * o["train.eval_batches"] == config.EVAL_WINDOWS
     if r.method.startswith("decoupled warm"):
       continue
-    if (r.method.startswith("data-parallel") and "B=" not in r.method) or learners == 4:
+    if (r.method.startswith("data-parallel") and "B=" not in r.method) or learners > 1:
       assert learners * o["train.batch_size"] == config.DP_BATCH  # equal tokens per step
     assert o.get("train.steps", config.STEPS) == dict(r.labels)["steps"]
   by_method = {r.method: dict(r.overrides) for r in runs}
@@ -48,6 +49,9 @@ def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():
     assert by_method[f"data-parallel {steps} steps"]["train.steps"] == steps
     long = by_method[f"decoupled outer 1.4/0.0 {steps} steps"]
     assert long["train.steps"] == steps and long["outer.learning_rate"] == 1.4
+  for lr in config.INNER_LRS:
+    assert by_method[f"decoupled outer 1.4/0.0 inner lr {lr:g}"]["optim.learning_rate"] == lr
+  assert by_method["decoupled M=2 outer 1.4/0.0"]["train.batch_size"] == 16
   h8 = dict(config.SWEEP)["H=8 outer 1.0/0.0"]
   assert "sync.num_fragments" not in dict(config.diloco("cpu", "diloco", ("x", h8)).overrides)
 
@@ -98,7 +102,7 @@ def test_pipeline_writes_results_readme_and_plots(tmp_path):
   wall = harness.run_all(first, outdir)
   runs, _ = parity_run.all_runs(outdir, "tiny", 4, execute=False)
   assert len(runs) == (len(config.SWEEP) + 1 + len(config.with_tuned(config.SWEEP[0]))
-                       + 2 * len(config.LENGTHS))
+                       + len(config.inner(config.SWEEP[0])) + 2 * len(config.LENGTHS))
   assert "diloco outer 0.7/0.9" in {r.method for r in runs}
   results = harness.report("parity", runs, outdir, folder, columns=config.COLUMNS, wall_s=wall,
                            derive=parity_run.with_ratios, sections=parity_run.sections(folder),

@@ -25,6 +25,8 @@ The runs, in the order they are run:
   step-40 checkpoint for the remaining 80 steps (the DiLoCo paper starts from a
   data-parallel checkpoint; its row counts the 40 data-parallel steps' tokens too), then a
   second seed of synchronous and Streaming DiLoCo and of the M = 1 check;
+- at the tuned setting: the inner learning rate halved and doubled (`INNER_LRS`), and M = 2
+  learners of 16 sequences (the same tokens per step);
 - longer runs: data-parallel and the tuned Decoupled at each of `LENGTHS` (2x and 4x the
   steps, the same batches, warmup and H; the cosine decays over the whole run), so the
   Decoupled / data-parallel ratio is seen against run length (about 25 minutes per run of
@@ -48,6 +50,8 @@ STEPS = 120  # the cpu presets'
 # The warm start: data-parallel trains the first WARM_STEPS steps (its checkpoint every 40
 # steps), Decoupled the remaining STEPS - WARM_STEPS with the same tokens per step.
 WARM_STEPS = 40
+# Inner learning rates tried at the tuned outer setting: half and twice the presets' 3e-3.
+INNER_LRS = (1.5e-3, 6e-3)
 # Longer runs of data-parallel and the tuned Decoupled (longest first: the most telling if the
 # experiment is stopped before the end).
 LENGTHS = (480, 240)
@@ -90,9 +94,10 @@ def dp(preset: str, seed: int = 0, batch: int = DP_BATCH, steps: int = STEPS) ->
 
 
 def diloco(preset: str, kind: str, setting, seed: int = 0, learners: int = 4,
-           steps: int = STEPS) -> Run:
+           steps: int = STEPS, batch: int = LEARNER_BATCH) -> Run:
   """`kind` is decoupled, diloco (synchronous) or streaming: configs/<kind>.py:<preset>, with
-  `setting` = (label, overrides) from SWEEP, for `steps` inner steps per learner."""
+  `setting` = (label, overrides) from SWEEP, for `steps` inner steps of `batch` sequences per
+  learner."""
   label, overrides = setting
   if kind == "diloco":  # synchronous DiLoCo: the whole model is one fragment, every H steps
     overrides = tuple((k, v) for k, v in overrides if k != "sync.num_fragments")
@@ -101,8 +106,8 @@ def diloco(preset: str, kind: str, setting, seed: int = 0, learners: int = 4,
   method = kind if learners == 4 else f"{kind} M={learners}"
   suffix, length = _length(steps)
   return Run(f"{method} {label}{suffix}", f"configs/{kind}.py:{preset}", seed,
-             VC + (("learners.count", learners), ("train.batch_size", LEARNER_BATCH))
-             + overrides + _eval(LEARNER_BATCH) + length, labels=(("steps", steps),))
+             VC + (("learners.count", learners), ("train.batch_size", batch))
+             + overrides + _eval(batch) + length, labels=(("steps", steps),))
 
 
 def sweep(preset: str = "cpu") -> list[Run]:
@@ -128,6 +133,16 @@ def with_tuned(tuned, preset: str = "cpu", outdir: str = "runs/experiments/parit
       diloco(preset, "decoupled", tuned, seed, learners=1)]
   return (checks(0) + [dp_seed1, diloco(preset, "decoupled", tuned, seed=1), warm]
           + checks(1))
+
+
+def inner(tuned, preset: str = "cpu") -> list[Run]:
+  """The tuned Decoupled with the inner learning rate halved and doubled (the presets' is
+  tuned for data-parallel's batch of 32; each learner steps on 8), and with M = 2 learners of
+  16 sequences (the same tokens per step: how the gap grows with M). Seed 0."""
+  label, overrides = tuned
+  return [diloco(preset, "decoupled", (f"{label} inner lr {lr:g}", overrides + (
+              ("optim.learning_rate", lr),))) for lr in INNER_LRS] + [
+          diloco(preset, "decoupled", tuned, learners=2, batch=DP_BATCH // 2)]
 
 
 def longer(tuned, preset: str = "cpu") -> list[Run]:

@@ -132,7 +132,8 @@ def all_runs(outdir: str, preset: str, steps: int, only: str = "",
   sweep = shrink(config.sweep(preset))
   wall = harness.run_all([r for r in sweep if only in r.method], outdir) if execute else 0.0
   setting = tuned(outdir, sweep)
-  rest = shrink(config.with_tuned(setting, preset, outdir) + config.longer(setting, preset))
+  rest = shrink(config.with_tuned(setting, preset, outdir) + config.inner(setting, preset)
+                + config.longer(setting, preset))
   if execute:
     wall += harness.run_all([r for r in rest if only in r.method], outdir)
   return sweep + rest, wall
