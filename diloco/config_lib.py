@@ -192,6 +192,8 @@ class OuterConfig:
   error_feedback: bool = False
 
 
+JOIN_SCHEDULES = ("own", "cohort")
+
 @_frozen
 class LearnersConfig:
   """Who trains: 0 learners is the data-parallel baseline (no syncer)."""
@@ -219,6 +221,11 @@ class LearnersConfig:
   # A learner whose metrics turn NaN/Inf fails alone and rejoins from the global fragments;
   # after this many such failures it is retired instead.
   nonfinite_retries: int = 3
+  # Where a learner with no progress of its own that joins running peers (one added mid-run,
+  # or a restart with no checkpoint) starts its step count, hence its learning-rate schedule
+  # and its share of train.steps: "own" at 0 (a warmup and a whole schedule of its own),
+  # "cohort" at the median step of its live peers (their learning rate; it ends with them).
+  join_schedule: str = "own"
 
 
 @_frozen
@@ -531,6 +538,8 @@ def _validate_diloco(cfg: Config) -> None:
   _check(o.quantize_block >= 1, "outer.quantize_block", "must be >= 1")
   _check(lc.count >= 0, "learners.count", f"must be >= 0 (0 = data-parallel), got {lc.count}")
   _check(lc.nonfinite_retries >= 0, "learners.nonfinite_retries", "must be >= 0")
+  _check(lc.join_schedule in JOIN_SCHEDULES, "learners.join_schedule",
+         f"must be one of {JOIN_SCHEDULES}, got {lc.join_schedule!r}")
   _check(lc.step_jitter >= 0 and lc.step_jitter < 1, "learners.step_jitter", "must be in [0, 1)")
   _check(lc.min_step_s >= 0 and math.isfinite(lc.min_step_s), "learners.min_step_s",
          "must be a finite number of seconds >= 0")

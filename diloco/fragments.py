@@ -209,8 +209,14 @@ def aligned_phase(own_step: int, peer_steps: list[int], period: int) -> int:
   """
   if not peer_steps:
     return 0
+  return (cohort_step(peer_steps) - own_step) % period
+
+
+def cohort_step(peer_steps: list[int]) -> int:
+  """The step of the live peers' cohort: their median (the upper one of an even count); 0
+  without peers. A joining learner with `learners.join_schedule=cohort` starts there."""
   ordered = sorted(peer_steps)
-  return (ordered[len(ordered) // 2] - own_step) % period
+  return ordered[len(ordered) // 2] if ordered else 0
 
 
 def is_due(p: int, step: int, period: int, num_fragments: int) -> bool:

@@ -28,6 +28,7 @@ from diloco import outer
 from diloco.config_lib import Config
 from diloco.model.sharding import batch_sharding
 from diloco.train import data as data_lib
+from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.transport import Heartbeat, LearnerTransport, Merged, Payload
 
@@ -63,10 +64,9 @@ class Learner:
     self._clock = clock
     key = jax.random.fold_in(jax.random.key(cfg.seed), learner_id)
     self.state = init_fn(key)  # replaced fragment by fragment by `load_global`
-    self.local_step = resume.local_step
-    if self.local_step:
-      self.state["step"] = jax.device_put(jnp.asarray(self.local_step, jnp.int32),
-                                          spec.shardings["step"])
+    self.local_step = 0
+    if resume.local_step:
+      self.start_at(resume.local_step)
     dataset = data_lib.train_dataset(cfg.data, batch_size=cfg.train.batch_size,
                                      learner_id=learner_id, num_learners=num_groups,
                                      seed=cfg.seed)
@@ -95,6 +95,14 @@ class Learner:
     self.phase = 0  # schedule shift of a rejoining learner (`fragments.aligned_phase`)
     self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     self.last_values: tuple[int, dict[str, float]] | None = None  # (local step, metrics)
+
+  def start_at(self, step: int) -> None:
+    """Places a learner with fresh AdamW state at local step `step`: its step count and its
+    learning-rate schedule (`optim.at_schedule_step`) go on from there, not from a warmup."""
+    self.local_step = step
+    self.state["step"] = jax.device_put(jnp.asarray(step, jnp.int32),
+                                        self.spec.shardings["step"])
+    self.state["opt_state"] = optim.at_schedule_step(self.state["opt_state"], step)
 
   def resume_point(self) -> Resume:
     return Resume(self.local_step, self.data_iter.get_state())

@@ -44,6 +44,8 @@ def _with(preset="tiny", **dotted):
     ({"model__dtype": "float8"}, r"model.dtype: must be one of \('float32', 'bfloat16'\)"),
     ({"model__num_experts": 4, "model__expert_mlp_dim": 0}, r"model.expert_mlp_dim: must be >= 1"),
     ({"learners__min_step_s": -0.5}, r"learners.min_step_s: must be a finite number of seconds"),
+    ({"learners__join_schedule": "peers"},
+     r"learners.join_schedule: must be one of \('own', 'cohort'\), got 'peers'"),
     ({"store__on_sigterm": "ignore"}, r"store.on_sigterm: must be 'retire' or 'restart'"),
     ({"launch__hosts_per_learner": 0}, r"launch.hosts_per_learner: must be >= 1"),
     ({"launch__hosts_per_learner": 3}, r"launch.hosts_per_learner: must divide every learner"),

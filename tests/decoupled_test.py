@@ -166,6 +166,28 @@ def test_threaded_wall_clock_run_with_faults(tmp_path):
   assert (tmp_path / "loss.png").stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("join_schedule", ["own", "cohort"])
+def test_an_added_learner_starts_its_schedule_by_learners_join_schedule(tmp_path, join_schedule):
+  steps, add_at = 16, 6.0
+  cfg = _config(learners__count=2, learners__devices="2,2,2", train__steps=steps,
+                train__eval_every=0, learners__faults=f"add@{add_at}",
+                learners__join_schedule=join_schedule)
+  decoupled.run_with_runtime(cfg, str(tmp_path))
+  with open(tmp_path / "activity.jsonl") as f:
+    spans = [json.loads(line) for line in f]
+  def local_steps(m):
+    return [r["local_step"] for r in spans if r["kind"] == "step" and r["learner"] == m]
+  added = local_steps(2)
+  if join_schedule == "own":  # a warmup and a whole schedule of its own
+    assert added == list(range(1, steps + 1))
+  else:  # the peers' step when it takes its first, so their learning rate; it ends with them
+    first = next(r["start"] for r in spans if r["kind"] == "step" and r["learner"] == 2)
+    ends = [r["end"] for r in spans if r["kind"] == "step" and r["learner"] == 0]
+    # Steps ending at the very moment it starts may be counted either way.
+    assert sum(e < first for e in ends) <= added[0] - 1 <= sum(e <= first for e in ends)
+    assert added == list(range(added[0], steps + 1)) and added[0] > add_at
+
+
 @pytest.mark.parametrize("measured, factor, min_step, wait", [
     (0.1, 1.0, 0.0, 0.0),    # no pacing
     (0.1, 1.5, 0.0, 0.05),   # a learner 1.5x slower than its hardware

@@ -24,8 +24,12 @@ def test_heterogeneous_runs_cover_every_policy_and_outer_setting_at_equal_tokens
 def test_scavenging_schedule_adds_two_learners_and_retires_them():
   assert scav_config.faults(24, 88) == "add@24;add@24;remove:2@88;remove:3@88"
   runs = scav_config.runs(seeds=(0,))
-  assert [r.method for r in runs] == ["fixed M=2", "scavenging", "fixed M=4"]
+  assert [r.method for r in runs] == ["fixed M=2", "scavenging", "fixed M=4",
+                                      "scavenging, cohort schedule"]
   assert dict(runs[1].overrides)["learners.faults"] == scav_config.faults()
+  cohort = dict(runs[3].overrides)
+  assert cohort["learners.join_schedule"] == "cohort"
+  assert cohort == dict(dict(runs[1].overrides), **{"learners.join_schedule": "cohort"})
 
 
 def test_time_to_loss_interpolates_between_evaluations():
@@ -39,7 +43,8 @@ def test_time_to_loss_interpolates_between_evaluations():
 
 @pytest.mark.slow
 def test_scavenging_pipeline_writes_results_readme_and_plot(tmp_path):
-  runs = [r for r in scav_config.runs(seeds=(0,), steps=16) if r.method != "fixed M=4"]
+  runs = [r for r in scav_config.runs(seeds=(0,), steps=16)
+          if r.method in ("fixed M=2", "scavenging")]
   outdir, folder = str(tmp_path / "runs"), str(tmp_path / "results")
   os.makedirs(folder)
   wall = harness.run_all(runs, outdir)

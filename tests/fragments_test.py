@@ -206,3 +206,12 @@ def test_flatten_errors():
     fragments.flatten_tree({"a/b": 1})
   with pytest.raises(ValueError, match="leaf"):
     fragments.unflatten_tree({"a": 1, "a/b": 2})
+
+
+def test_cohort_step_is_the_median_of_the_peers():
+  assert fragments.cohort_step([]) == 0
+  assert fragments.cohort_step([5]) == 5
+  assert fragments.cohort_step([9, 3, 7]) == 7
+  assert fragments.cohort_step([2, 4]) == 4  # the upper median of an even count
+  # A joiner placed at the cohort step is in phase with its peers.
+  assert fragments.aligned_phase(fragments.cohort_step([13, 13, 21]), [13, 13, 21], 8) == 0

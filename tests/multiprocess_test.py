@@ -2,7 +2,8 @@
 
 One launched run (3 learner processes + a syncer, tiny model) carries every fault the
 runtime must survive: a SIGKILLed learner, a SIGSTOPped one, a SIGKILLed syncer, a
-learner added mid-run and one retired, plus seeded random faults (at least 10 in all).
+learner added mid-run (at its peers' step: `learners.join_schedule=cohort`) and one retired,
+plus seeded random faults (at least 10 in all).
 Each test checks one property of that run from what it left on disk. Every wait is
 bounded (launch.timeout_s and the subprocess timeout).
 """
@@ -35,6 +36,7 @@ def run_dir(tmp_path_factory):
        "--config.launch.chaos_faults=6", "--config.launch.chaos_start_s=57",
        "--config.launch.chaos_end_s=75", "--config.launch.timeout_s=900",
        "--config.train.steps=300", "--config.learners.min_step_s=0.25",
+       "--config.learners.join_schedule=cohort",
        f"--config.sync.max_staleness={MAX_STALENESS}"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1000, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -184,7 +186,9 @@ def test_added_learner_joins_from_global_and_retired_one_leaves(run_dir):
   assert any(a["learner"] == 3 for r in tape if r["closed_at"] < retire["at"]
              for a in r["admitted"]), "the added learner never contributed before retiring"
   log = open(os.path.join(workdir, "logs", "learner3.log")).read()
-  assert "learner 3 incarnation 0: joined at local step 0" in log
+  # learners.join_schedule=cohort: it starts at its live peers' step (their learning rate).
+  joined_at = int(log.split("learner 3 incarnation 0: joined at local step")[1].split()[0])
+  assert 0 < joined_at < 300
   assert "learner 3 incarnation 0: retired at local step" in log
   # Nothing it did after retiring is merged: only steps up to the one it retired at.
   retired_at = int(log.split("learner 3 incarnation 0: retired at local step")[1].split()[0])

@@ -104,6 +104,21 @@ def _tokens_per_step(cfg):
   return cfg.train.batch_size * cfg.data.seq_len
 
 
+def test_a_restarted_learner_goes_on_at_its_steps_learning_rate(setup):
+  # A restart gives fresh AdamW state (DESIGN.md 2.5); the schedule must not warm up again.
+  learner = learner_lib.Learner(
+      learner_id=0, incarnation=1, num_groups=1, cfg=setup.cfg, spec=setup.spec,
+      init_fn=setup.init_fn, step_fn=setup.step_fn, plan=setup.plan,
+      transport=_transport(setup, setup.cfg), resume=learner_lib.Resume(local_step=7),
+      background_io=False)
+  kinds = (optax.ScaleByScheduleState, optax.ScaleByAdamState)
+  counts = [(type(s).__name__, int(s.count)) for s in jax.tree.leaves(
+      learner.state["opt_state"], is_leaf=lambda s: isinstance(s, kinds)) if isinstance(s, kinds)]
+  assert sorted(counts) == [("ScaleByAdamState", 0), ("ScaleByScheduleState", 7)]
+  assert int(learner.state["step"]) == 7
+  learner.close()
+
+
 # sync.mixing_alpha and sync.reset_moments (DESIGN.md 2.3, receipt).
 
 

@@ -59,6 +59,23 @@ def _one_step(cfg):
   return loss0, loss1, jax.device_get(metrics), state
 
 
+def test_a_fresh_optimizer_placed_at_step_t_takes_step_ts_learning_rate(tiny_config):
+  cfg = tiny_config.optim
+  tx = optim.inner_optimizer(cfg, 100)
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.zeros((3, 4), jnp.float32)}  # zero weights: weight decay adds nothing
+  grads = {"w": jnp.asarray(rng.normal(size=(3, 4)) * 0.05, jnp.float32)}  # norm < clip
+  g = np.asarray(grads["w"], np.float64)
+  schedule = optim.lr_schedule(cfg, 100)
+  for step in (0, 10, 57):
+    state = optim.at_schedule_step(tx.init(params), step)
+    updates, _ = tx.update(grads, state, params)
+    # Adam's first step on fresh moments (bias-corrected): g / (|g| + eps), times -lr(t).
+    want = -float(schedule(step)) * g / (np.abs(g) + cfg.eps)
+    np.testing.assert_allclose(np.asarray(updates["w"]), want, rtol=1e-5, atol=1e-9)
+  assert float(schedule(57)) > 0 and float(schedule(0)) == 0.0  # the check can fail
+
+
 def test_golden_loss_after_one_step(tiny_config, replace):
   cfg = replace(tiny_config, "train", batch_size=8)
   cfg = replace(cfg, "optim", warmup_steps=0)

@@ -41,6 +41,7 @@ from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
 from diloco.train import checkpoint as checkpoint_lib
 from diloco.train import island
+from diloco.train import optim
 from diloco.transport import Heartbeat
 
 
@@ -120,8 +121,16 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
                                        expect_meta=_identity(cfg))
     learner.local_step = int(meta["local_step"])
     logging.info("learner %d: resumed its checkpoint at local step %d", learner_id, latest)
-  elif cfg.store.peer_optimizer:
-    _adopt_peer_optimizer(cfg, store, learner, spec, hosts)
+  else:
+    if cfg.store.peer_optimizer:
+      _adopt_peer_optimizer(cfg, store, learner, spec, hosts)
+    initial = incarnation == 0 and learner_id < cfg.learners.count
+    if cfg.learners.join_schedule == "cohort" and not initial:
+      step = hosts.share("cohort_step", lambda: fragments_lib.cohort_step(
+          _live_peer_steps(cfg, store, learner_id)))
+      if step:
+        learner.start_at(step)
+        logging.info("learner %d: starts at its peers' local step %d", learner_id, step)
   learner.load_global()  # the published fragments replace whatever parameters it had
   link.heartbeat(Heartbeat(learner_id, incarnation, learner.local_step, 0.0, clock()))
   learner.phase = hosts.share("phase", lambda: _phase(cfg, store, learner))
@@ -166,18 +175,24 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
           "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}
 
 
-def _phase(cfg: Config, store: Store, learner: Learner) -> int:
-  """`fragments.aligned_phase` against the live peers' last heartbeats (written within the
-  heartbeat timeout, by their wall clocks: a generous bound across machines)."""
+def _live_peer_steps(cfg: Config, store: Store, learner_id: int) -> list[int]:
+  """The local steps in the live peers' last heartbeats (written within the heartbeat
+  timeout, by their wall clocks: a generous bound across machines)."""
   now = time.time()
   peers = []
   for m, record in store.heartbeats().items():
     try:
-      if m != learner.id and record.get("state") == "up" and \
+      if m != learner_id and record.get("state") == "up" and \
           now - float(record["sent_at"]) < cfg.sync.heartbeat_timeout_s:
         peers.append(int(record["local_step"]))
     except (KeyError, TypeError, ValueError):
       continue
+  return peers
+
+
+def _phase(cfg: Config, store: Store, learner: Learner) -> int:
+  """`fragments.aligned_phase` against the live peers' heartbeats."""
+  peers = _live_peer_steps(cfg, store, learner.id)
   phase = fragments_lib.aligned_phase(learner.local_step, peers, cfg.sync.period)
   if phase:
     logging.info("learner %d: schedule phase %d to deliver with its peers", learner.id, phase)
@@ -308,5 +323,7 @@ def _adopt_peer_optimizer(cfg: Config, store: Store, learner: Learner, spec,
   if error is not None:
     raise RuntimeError(f"learner {learner.id}: host {hosts.index} could not read learner "
                        f"{m}'s checkpoint {step} that host 0 read: {error!r}") from error
-  learner.state = dict(learner.state, opt_state=state["opt_state"])
+  # The peer's moments, but this learner's own place in the learning-rate schedule.
+  learner.state = dict(learner.state, opt_state=optim.at_schedule_step(state["opt_state"],
+                                                                       learner.local_step))
   print(f"learner {learner.id}: adopted learner {m}'s AdamW state (its step {step})", flush=True)

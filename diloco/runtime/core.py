@@ -239,10 +239,14 @@ class Runtime:
     if not slot.align_pending:
       return
     slot.align_pending = False
-    peers = [s.learner.local_step for s in self.slots
-             if s is not slot and s.learner is not None and s.status == "up"]
-    slot.learner.phase = fragments_lib.aligned_phase(slot.learner.local_step, peers,
-                                                     self.cfg.sync.period)
+    learner, peers = slot.learner, self._live_peer_steps(slot)
+    if not learner.local_step and peers and self.cfg.learners.join_schedule == "cohort":
+      learner.start_at(fragments_lib.cohort_step(peers))  # no progress of its own
+    learner.phase = fragments_lib.aligned_phase(learner.local_step, peers, self.cfg.sync.period)
+
+  def _live_peer_steps(self, slot: Slot) -> list[int]:
+    return [s.learner.local_step for s in self.slots
+            if s is not slot and s.learner is not None and s.status == "up"]
 
   def stop_learner(self, slot: Slot, status: str) -> None:
     """Ends the slot's incarnation. A learner that retires or finishes flushes its deliveries

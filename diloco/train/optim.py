@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from diloco.config_lib import OptimConfig
@@ -18,6 +19,22 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 def _decay_mask(params):
   # Matrices and the embedding decay; norm scales (vectors) do not.
   return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def at_schedule_step(opt_state, step: int):
+  """`opt_state` with its learning-rate schedule at `step`.
+
+  The schedule's position is the optimizer's own counter, not the train state's `step`: a
+  learner that restarts with fresh AdamW state at local step t (a rejoin, a resumed
+  single-controller run) must go on at the learning rate of step t, not warm up again. Adam's
+  own count, which sets the bias correction of its fresh moments, stays as it is."""
+  def place(s):
+    if isinstance(s, optax.ScaleByScheduleState):
+      return s._replace(count=jax.device_put(jnp.asarray(step, s.count.dtype),
+                                             getattr(s.count, "sharding", None)))
+    return s
+  return jax.tree.map(place, opt_state,
+                      is_leaf=lambda s: isinstance(s, optax.ScaleByScheduleState))
 
 
 def inner_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:

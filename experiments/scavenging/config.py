@@ -9,7 +9,9 @@ inner steps per learner, evaluated every 8 virtual seconds. "fixed M=2": two lea
 the whole run. "scavenging": the same two, plus two learners that join at t = 24 s on spare
 device groups and retire at t = 88 s (`learners.faults`: add@24;add@24;remove:2@88;remove:3@88),
 as idle capacity would come and go. "fixed M=4" is the run with that capacity throughout.
-Two seeds.
+"scavenging, cohort schedule" is the scavenging run with `learners.join_schedule=cohort`: the
+added learners start at their peers' step, so at their learning rate, instead of a warmup and
+a whole schedule of their own (the default, "own"). Two seeds.
 
 Measured: the virtual time at which each run's global eval loss first reaches the fixed-M=2
 run's final loss (same seed; linear interpolation between evaluations), and the final loss.
@@ -38,11 +40,13 @@ def faults(add_at: float = ADD_AT, remove_at: float = REMOVE_AT) -> str:
 
 def runs(seeds=SEEDS, steps: int = STEPS) -> list[Run]:
   out = []
+  scavenging = (("learners.count", 2),
+                ("learners.faults", faults(ADD_AT * steps / STEPS, REMOVE_AT * steps / STEPS)))
   for seed in seeds:
     common = BASE + (("train.steps", steps),)
     out += [Run("fixed M=2", CONFIG, seed, common + (("learners.count", 2),)),
-            Run("scavenging", CONFIG, seed, common + (
-                ("learners.count", 2),
-                ("learners.faults", faults(ADD_AT * steps / STEPS, REMOVE_AT * steps / STEPS)))),
-            Run("fixed M=4", CONFIG, seed, common + (("learners.count", 4),))]
+            Run("scavenging", CONFIG, seed, common + scavenging),
+            Run("fixed M=4", CONFIG, seed, common + (("learners.count", 4),)),
+            Run("scavenging, cohort schedule", CONFIG, seed, common + scavenging + (
+                ("learners.join_schedule", "cohort"),))]
   return out
