@@ -194,6 +194,7 @@ class OuterConfig:
 
 JOIN_SCHEDULES = ("own", "cohort")
 
+
 @_frozen
 class LearnersConfig:
   """Who trains: 0 learners is the data-parallel baseline (no syncer)."""

@@ -62,13 +62,13 @@ class Checkpointer:
       if key == "model" and isinstance(saved, dict) and isinstance(expected, dict):
         saved, expected = model_config.layout(saved), model_config.layout(expected)
       if saved != expected:
+        name = key
         if isinstance(saved, dict) and isinstance(expected, dict):  # name the first field
-          key = next(f"{key}.{k}" for k in sorted(set(saved) | set(expected))
-                     if saved.get(k) != expected.get(k))
-          field = key.split(".", 1)[1]
-          saved, expected = saved.get(field), expected.get(field)
-        raise ConfigError(f"checkpoint {self.directory}/{step} was written with {key}="
-                          f"{saved!r}, but this run has {key}={expected!r}; use a "
+          field = next(k for k in sorted(set(saved) | set(expected))
+                       if saved.get(k) != expected.get(k))
+          name, saved, expected = f"{key}.{field}", saved.get(field), expected.get(field)
+        raise ConfigError(f"checkpoint {self.directory}/{step} was written with {name}="
+                          f"{saved!r}, but this run has {name}={expected!r}; use a "
                           "fresh --workdir or the original config")
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
