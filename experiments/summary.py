@@ -33,6 +33,9 @@ def _by_method(rows: Sequence[dict], key: str = "eval_loss", fmt: str = "{:.3f}"
 
 
 def parity(rows: Sequence[dict]) -> str:
+  """The presets' length (methods without a " N steps" suffix), then the longest run pair."""
+  longer = [r for r in rows if r["method"].endswith(" steps")]
+  rows = [r for r in rows if r not in longer]
   dp = _mean(rows, "data-parallel")
   decoupled = sorted((s for s in harness.summarise(rows)
                       if s["method"].startswith("decoupled") and " M=" not in s["method"]),
@@ -47,6 +50,13 @@ def parity(rows: Sequence[dict]) -> str:
   if warm:
     text += (f"; warm-started ({warm[0]['method']}) {warm[0]['eval_loss_mean']:.3f}, ratio "
              f"{warm[0]['eval_loss_mean'] / dp:.3f}")
+  if longer:
+    steps = max(r["steps"] for r in longer)
+    pair = {r["method"].split()[0]: r for r in longer if r["steps"] == steps and r["seed"] == 0}
+    if {"data-parallel", "decoupled"} <= set(pair):
+      dp_long, dec_long = pair["data-parallel"]["eval_loss"], pair["decoupled"]["eval_loss"]
+      text += (f"; at {steps} steps: data-parallel {dp_long:.3f}, Decoupled {dec_long:.3f}, "
+               f"ratio {dec_long / dp_long:.3f}")
   return text + " (target <= 1.02)"
 
 

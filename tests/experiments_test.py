@@ -94,6 +94,10 @@ def test_compare_flags_runs_scored_on_different_held_out_windows(tmp_path):
 def test_summary_table_is_generated_from_results_files(tmp_path):
   rows = [{"method": "data-parallel", "seed": s, "eval_loss": v} for s, v in ((0, 2.0), (1, 2.2))]
   rows += [{"method": "decoupled outer 1.0/0.0", "seed": 0, "eval_loss": 2.31}]
+  # Longer runs: reported apart, never "best" against the presets' length.
+  rows += [{"method": "data-parallel 480 steps", "seed": 0, "steps": 480, "eval_loss": 1.5},
+           {"method": "decoupled outer 1.0/0.0 480 steps", "seed": 0, "steps": 480,
+            "eval_loss": 1.56}]
   os.makedirs(tmp_path / "parity")
   with open(tmp_path / "parity" / "results.json", "w") as f:
     json.dump({"experiment": "parity", "commit": "ab" * 20, "rows": rows}, f)
@@ -101,8 +105,9 @@ def test_summary_table_is_generated_from_results_files(tmp_path):
   new = summary.update(readme, str(tmp_path))
   assert new.startswith("intro\n") and new.endswith("rest\n") and "old" not in new
   assert ("| [`parity`](experiments/parity/README.md) | eval loss: data-parallel 2.100; best "
-          "Decoupled from scratch (decoupled outer 1.0/0.0) 2.310, ratio 1.100 (target <= 1.02) "
-          "| 3 | `abababab` |") in new
+          "Decoupled from scratch (decoupled outer 1.0/0.0) 2.310, ratio 1.100; at 480 steps: "
+          "data-parallel 1.500, Decoupled 1.560, ratio 1.040 (target <= 1.02) "
+          "| 5 | `abababab` |") in new
   with pytest.raises(ValueError, match="markers"):
     summary.update("no markers", str(tmp_path))
 
