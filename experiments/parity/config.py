@@ -1,7 +1,8 @@
 """Parity: data-parallel vs synchronous, Streaming and Decoupled DiLoCo at equal tokens.
 
-Command (the full experiment is about 90 minutes on an idle 2-core CPU; it resumes where it
-stopped, and `--only=` runs a subset of methods):
+Command (the full experiment is about 3 hours on an idle 2-core CPU, half of it the longer
+runs; it resumes where it stopped, and `--only=` runs a subset of methods, e.g.
+`--only="480 steps"`):
 
     python -m experiments.parity.run
 

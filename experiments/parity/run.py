@@ -82,7 +82,8 @@ def sections(folder: str):
     sweep = [dict(r, setting=r["method"].removeprefix("decoupled "))
              for r in rows if r["method"].removeprefix("decoupled ") in dict(config.SWEEP)
              and r["seed"] == 0]
-    summary = harness.summarise(rows)
+    # The presets' length only: the longer runs have their own plot (length.png).
+    summary = harness.summarise([r for r in rows if r.get("steps", config.STEPS) == config.STEPS])
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(summary) + 1.2))
     ax.barh([s["method"] for s in summary], [s["eval_loss_mean"] for s in summary],
             xerr=[s["eval_loss_spread"] / 2 for s in summary], color="tab:blue")
@@ -102,7 +103,7 @@ def sections(folder: str):
             harness.table(sorted(sweep, key=lambda r: r["eval_loss"]),
                           ("setting", "eval_loss", "ratio_to_dp", "mean_learners_per_round",
                            "bytes_up")), "",
-            "## Every method", "", "![methods](methods.png)", "",
+            f"## Every method at {config.STEPS} steps", "", "![methods](methods.png)", "",
             *length_section(rows, folder)]
   return write
 
