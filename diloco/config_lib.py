@@ -214,6 +214,9 @@ class LearnersConfig:
   # Devices per learner group, e.g. "2,2,2,2"; empty splits all devices evenly over `count`.
   # Groups beyond `count` are spare capacity for learners added by the fault schedule.
   devices: str = ""
+  # Every learner runs on all visible devices, one after another (time-shared). Only on the
+  # virtual clock, where step times come from `speeds`: M learners on one accelerator.
+  share_devices: bool = False
   # Step-time factor per learner group, e.g. "1,1,1.18,1.18" (empty: all 1).
   speeds: str = ""
   # Each step takes its nominal time times U(1 - j, 1 + j).
@@ -561,6 +564,10 @@ def _validate_diloco(cfg: Config) -> None:
          "must be a finite number of seconds >= 0")
   _check(lc.virtual_step_s > 0 and lc.virtual_sync_s >= 0, "learners.virtual_step_s/sync_s",
          "must be > 0 and >= 0")
+  _check(not lc.share_devices or lc.virtual_clock, "learners.share_devices",
+         "needs learners.virtual_clock=True (time-shared learners have no wall-clock speed)")
+  _check(not (lc.share_devices and lc.devices), "learners.share_devices",
+         f"excludes learners.devices={lc.devices!r} (every learner uses all devices)")
   devices = [int(x) for x in parse_floats(lc.devices, "learners.devices")]
   speeds = parse_floats(lc.speeds, "learners.speeds")
   if lc.count:
