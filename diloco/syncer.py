@@ -65,9 +65,7 @@ class Syncer:
     self._merge_workspace = np.empty(max((v.size for v in self.params.values()), default=0),
                                      np.float32)
     self.versions = [0] * plan.num_fragments
-    self.policy = policy.PolicyConfig(
-        quorum=sync.quorum, tau=sync.tau, gamma=sync.gamma,
-        heartbeat_timeout_s=sync.heartbeat_timeout_s, max_staleness=sync.max_staleness)
+    self.policy = policy.PolicyConfig.from_config(sync)
     self.outer_cfg = outer_cfg
     self.registry: dict[int, policy.LearnerStatus] = {}
     self._step_ema: dict[int, policy.Ema] = {}
