@@ -462,39 +462,48 @@ def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
   if unknown:
     raise ConfigError(f"unknown config groups {sorted(unknown)}; allowed: "
                       f"{sorted(_GROUPS) + ['seed']}")
-  kwargs: dict[str, Any] = {}
-  for name, cls in _GROUPS.items():
-    values = dict(raw.get(name, {}))
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in values:
-      if key not in fields:
-        raise ConfigError(f"unknown field {name}.{key}; allowed: {sorted(fields)}")
-    for key, value in values.items():
-      expected = type(getattr(cls(), key))
-      if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        values[key] = float(value)
-      elif not isinstance(values[key], expected) or (
-          expected is int and isinstance(value, bool)):
-        raise ConfigError(f"{name}.{key} must be {expected.__name__}, got {value!r}")
-    kwargs[name] = cls(**values)
+  kwargs = {name: group_from_dict(name, raw.get(name, {})) for name in _GROUPS}
   config = Config(**kwargs, seed=int(raw.get("seed", 0)))
   validate(config)
   return config
 
 
+def group_from_dict(name: str, values: dict[str, Any]) -> Any:
+  """The group `name` (its defaults overridden by `values`), each value of its field's type
+  (an int is taken for a float); not yet checked against the rules (`check_group`)."""
+  cls = _GROUPS[name]
+  values = dict(values)
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  for key in values:
+    if key not in fields:
+      raise ConfigError(f"unknown field {name}.{key}; allowed: {sorted(fields)}")
+  for key, value in values.items():
+    expected = type(getattr(cls(), key))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+      values[key] = float(value)
+    elif not isinstance(values[key], expected) or (
+        expected is int and isinstance(value, bool)):
+      raise ConfigError(f"{name}.{key} must be {expected.__name__}, got {value!r}")
+  return cls(**values)
+
+
+def check_group(name: str, group: Any) -> None:
+  """ConfigError for the first rule of group `name` that `group` breaks: each field's own
+  rule, then the group's `check` (the rules across its fields)."""
+  check_fields(name, group)
+  if hasattr(group, "check"):
+    group.check()
+
+
 def validate_data(d: DataConfig) -> None:
   """The `data` group's checks, also run by scripts/prepare_data.py on its flags."""
-  check_fields("data", d)
-  d.check()
+  check_group("data", d)
 
 
 def validate(cfg: Config) -> None:
   """Raises ConfigError naming the first invalid field. Device-free checks only."""
   for name in _GROUPS:
-    group = getattr(cfg, name)
-    check_fields(name, group)
-    if hasattr(group, "check"):
-      group.check()
+    check_group(name, getattr(cfg, name))
   _check_across_groups(cfg)
 
 
