@@ -52,6 +52,14 @@ def _with(preset="tiny", **dotted):
     ({"launch__hosts_per_learner": 0}, r"launch.hosts_per_learner: must be >= 1"),
     ({"launch__hosts_per_learner": 3}, r"launch.hosts_per_learner: must divide every learner"),
     ({"outer__quantize_bits": 3}, r"outer.quantize_bits: must be one of \(0, 16, 8, 4, 2, 1\)"),
+    ({"outer__anchor": "G"}, r"outer.anchor: must be one of \('syncer', 'base'\), got 'G'"),
+    ({"sync__scheme": "random"}, r"sync.scheme: must be one of \('balanced', 'layer', 'tensor'\)"),
+    ({"sync__gamma": 11.0}, r"sync.gamma: must be in \[0, 10\] \(0 disables grace\), got 11.0"),
+    ({"learners__devices": "2,2.5"},
+     r"learners.devices: expected comma-separated whole numbers, got '2,2.5'"),
+    ({"learners__devices": "2,x"}, r"learners.devices: expected comma-separated numbers"),
+    ({"learners__devices": "2,0"}, r"learners.devices: counts must be >= 1"),
+    ({"store__wan_mbps": "10,-1"}, r"store.wan_mbps: values must be >= 0, got '10,-1'"),
 ])
 def test_invalid_values_name_the_field(dotted, message):
   with pytest.raises(ConfigError, match=message):

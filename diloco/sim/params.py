@@ -71,7 +71,8 @@ class SimConfig:
     seed: seeds failures, step jitter and sampled rounds.
     quorum: K of the syncer (capped by the number of alive learners; 0 = all of them).
     grace: use the adaptive grace window (gamma below) or not (gamma = 0).
-    gamma, tau, heartbeat_timeout_s, max_staleness: the syncer policy (`diloco.policy`).
+    gamma, tau, heartbeat_timeout_s, max_staleness: the syncer policy (`diloco.policy`); these
+      and P, H default to the config's `sync` group (`config_lib.SyncConfig`).
     fragments, inner_steps: P and H; fragment p is due every H steps at offset p * H // P.
     speeds: per-learner step-time factors (cycled if shorter than the number of learners).
     step_jitter: per-step variation; a step takes `step_s * factor * U(1 - j, 1 + j)`.
