@@ -136,7 +136,7 @@ class LogConfig:
 
 @_frozen
 class SyncConfig:
-  """Fragments, schedule, quorum and receipt rules of the outer loop (DESIGN.md 2.2-2.4)."""
+  """Fragments, schedule, quorum and receipt rules of the outer loop (docs/design.md 2.2-2.4)."""
   # P: the parameters are split into this many fragments, each synchronised on its own.
   num_fragments: int = 24
   # H: each fragment is due every `period` local steps, at offset p * H // P.
@@ -170,7 +170,7 @@ class SyncConfig:
 
 @_frozen
 class OuterConfig:
-  """The syncer's merge and Nesterov outer step (DESIGN.md 2.4)."""
+  """The syncer's merge and Nesterov outer step (docs/design.md 2.4)."""
   # Outer SGD with Nesterov momentum on the merged outer gradient.
   learning_rate: float = 0.7
   momentum: float = 0.9
@@ -182,8 +182,8 @@ class OuterConfig:
   anchor: str = "syncer"
   # What a stale delivery (base older than the fragment's current version) counts for. Both
   # count it toward the quorum with its token weight. "paper": its outer gradient is anchored
-  # at the current G (DESIGN 2.4). "rebase": it is the learner's own progress G_base - theta,
-  # scaled by 1 / (1 + staleness), so it no longer undoes the rounds it missed.
+  # at the current G (docs/design.md 2.4). "rebase": it is the learner's own progress
+  # G_base - theta, scaled by 1 / (1 + staleness), so it no longer undoes the rounds it missed.
   stale: str = "paper"
   # 0 sends float32 values; 16 / 8 / 4 / 2 / 1 send a quantised delta from the base version
   # (bf16; int8, int4, int2 max-abs codes per block; 1 = sign times the block's mean |x|).
@@ -231,7 +231,7 @@ class LearnersConfig:
 
 @_frozen
 class StoreConfig:
-  """The store of the multi-process runtime (DESIGN.md 3.1) and its emulated WAN links."""
+  """The store of the multi-process runtime (docs/design.md 3.1) and its emulated WAN links."""
   # A local path or an object-store URL (gs://bucket/run); empty: WORKDIR/store.
   root: str = ""
   # How often readers look for new entries, and learners write their heartbeat.
@@ -517,7 +517,7 @@ def _validate_diloco(cfg: Config) -> None:
   # A learner applies the result of a delivery tau steps later; with H <= tau its next delivery
   # of the same fragment would come first and it could never apply a merged version.
   _check(s.period > s.tau, "sync.period",
-         f"must be greater than sync.tau={s.tau} (DESIGN 2.3), got {s.period}")
+         f"must be greater than sync.tau={s.tau} (docs/design.md 2.3), got {s.period}")
   _check(s.scheme in FRAGMENT_SCHEMES, "sync.scheme",
          f"must be one of {FRAGMENT_SCHEMES}, got {s.scheme!r}")
   _check(s.gamma >= 0, "sync.gamma", f"must be >= 0 (0 disables grace), got {s.gamma}")

@@ -29,7 +29,7 @@ class Heartbeat:
 
 @dataclasses.dataclass(frozen=True)
 class Payload:
-  """One delivery of fragment `fragment` by a learner (DESIGN.md 2.3).
+  """One delivery of fragment `fragment` by a learner (docs/design.md 2.3).
 
   `tensors` maps parameter paths to float32 values (`kind="values"`) or to quantised
   deltas `G_base - theta` (`kind="delta"`, `outer.QuantizedTensor`).

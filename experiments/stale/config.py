@@ -1,4 +1,4 @@
-"""What a stale delivery should count for: `outer.stale=paper` vs `rebase` (issue 11, item 3).
+"""What a stale delivery should count for: `outer.stale=paper` vs `rebase` (docs/design.md 2.4).
 
 Command (about 30 minutes on a 2-core CPU; `--preset=tiny` runs the same pipeline in minutes):
 
