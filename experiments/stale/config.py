@@ -2,7 +2,7 @@
 
 Command (about 30 minutes on a 2-core CPU; `--preset=tiny` runs the same pipeline in minutes):
 
-    python experiments/stale/run.py
+    python -m experiments.stale.run
 
 Setting: 4 learners of the `configs/decoupled.py:cpu` model on the deterministic virtual clock,
 half of them 18% slower with 10% per-step variation (the paper's heterogeneous setting), so the
