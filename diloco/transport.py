@@ -54,7 +54,7 @@ class Payload:
   tensors: dict[str, Any]
   transit_s: float
   lead_s: float = 0.0
-  final: bool = False  # the learner's last delivery of this fragment (DESIGN.md 2.3)
+  final: bool = False  # the learner's last delivery of this fragment (docs/design.md 2.3)
 
   @property
   def nbytes(self) -> int:
