@@ -185,7 +185,7 @@ class LogConfig:
 
 @_frozen
 class SyncConfig:
-  """Fragments, schedule, quorum and receipt rules of the outer loop (DESIGN.md 2.2-2.4)."""
+  """Fragments, schedule, quorum and receipt rules of the outer loop (docs/design.md 2.2-2.4)."""
   # P: the parameters are split into this many fragments, each synchronised on its own.
   num_fragments: int = setting(24, AT_LEAST_ONE)
   # H: each fragment is due every `period` local steps, at offset p * H // P.
@@ -204,7 +204,7 @@ class SyncConfig:
   heartbeat_timeout_s: float = setting(30.0, policy.SYNC_BOUNDS["heartbeat_timeout_s"])
   # Deliveries whose base is more than this many versions behind are rejected.
   max_staleness: int = setting(8, policy.SYNC_BOUNDS["max_staleness"])
-  # How a learner takes a merged fragment G_p (DESIGN.md 2.3, `receipt.RECEIPT_MODES`):
+  # How a learner takes a merged fragment G_p (docs/design.md 2.3, `receipt.RECEIPT_MODES`):
   # "overwrite" theta_p = G_p (the paper; drops the tau steps made since the delivery);
   # "mix" theta_p = alpha * theta_p + (1 - alpha) * G_p with alpha = `mixing_alpha`;
   # "keep_local" theta_p = G_p + (theta_p - theta_p at the delivery), the kept steps counted
@@ -231,14 +231,14 @@ class SyncConfig:
     # A learner applies the result of a delivery tau steps later; with H <= tau its next
     # delivery of the same fragment would come first and it could never apply a merged version.
     require(self.period > self.tau, "sync.period",
-            f"must be greater than sync.tau={self.tau} (DESIGN 2.3), got {self.period}")
+            f"must be greater than sync.tau={self.tau} (docs/design.md 2.3), got {self.period}")
     require(self.receipt == "mix" or self.mixing_alpha == 0, "sync.mixing_alpha",
             f"only applies with sync.receipt='mix', got receipt={self.receipt!r}")
 
 
 @_frozen
 class OuterConfig:
-  """The syncer's merge and Nesterov outer step (DESIGN.md 2.4)."""
+  """The syncer's merge and Nesterov outer step (docs/design.md 2.4)."""
   # Outer SGD with Nesterov momentum on the merged outer gradient.
   learning_rate: float = setting(0.7, POSITIVE)
   momentum: float = setting(0.9, FRACTION)
@@ -250,8 +250,8 @@ class OuterConfig:
   anchor: str = setting("syncer", OneOf(merge_lib.ANCHORS))
   # What a stale delivery (base older than the fragment's current version) counts for. Both
   # count it toward the quorum with its token weight. "paper": its outer gradient is anchored
-  # at the current G (DESIGN 2.4). "rebase": it is the learner's own progress G_base - theta,
-  # scaled by 1 / (1 + staleness), so it no longer undoes the rounds it missed.
+  # at the current G (docs/design.md 2.4). "rebase": it is the learner's own progress
+  # G_base - theta, scaled by 1 / (1 + staleness), so it no longer undoes the rounds it missed.
   stale: str = setting("paper", OneOf(merge_lib.STALE_RULES))
   # 0 sends float32 values; 16 / 8 / 4 / 2 / 1 send a quantised delta from the base version
   # (bf16; int8, int4, int2 max-abs codes per block; 1 = sign times the block's mean |x|).
@@ -324,7 +324,7 @@ class LearnersConfig:
 
 @_frozen
 class StoreConfig:
-  """The store of the multi-process runtime (DESIGN.md 3.1) and its emulated WAN links."""
+  """The store of the multi-process runtime (docs/design.md 3.1) and its emulated WAN links."""
   # A local path or an object-store URL (gs://bucket/run); empty: WORKDIR/store.
   root: str = ""
   # How often readers look for new entries, and learners write their heartbeat.

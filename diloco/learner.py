@@ -217,7 +217,7 @@ class Learner:
     return step, values
 
   def deliver_final(self) -> list[int]:
-    """Delivers every fragment with progress not yet delivered, flagged final (DESIGN.md 2.3,
+    """Delivers every fragment with progress not yet delivered, flagged final (docs/design.md 2.3,
     "Final sync"): called when the learner finishes or retires on purpose, so that its last
     steps reach G. Returns the fragments delivered."""
     due = [p for p in range(self.plan.num_fragments)

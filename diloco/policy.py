@@ -1,6 +1,6 @@
 """The syncer's decision policy: eligibility, quorum, grace window and round closing.
 
-Everything here is a pure function of its inputs (DESIGN.md 2.4 and 3.1). Times are plain
+Everything here is a pure function of its inputs (docs/design.md 2.4 and 3.1). Times are plain
 floats in seconds on whatever clock the caller injects: the real syncer passes its wall clock,
 the goodput simulator (`diloco.sim`) its virtual clock, so both run the very same decisions.
 Nothing here reads the time, sleeps, logs or mutates its arguments.
@@ -19,7 +19,7 @@ A round of fragment `p`:
    seconds. `lead_time` is how much of its tau steps a learner has already spent when the
    values of its delivery reach its host: a learner that dispatches steps asynchronously
    (reading metrics one step late) only has them once the step completes, about one step
-   after its delivery point. It is 0 on the virtual clock, which makes this DESIGN 2.4's
+   after its delivery point. It is 0 on the virtual clock, which makes this docs/design.md 2.4's
    formula; without it the window would spend slack the learners do not have and they would
    wait at t + tau.
 4. `decide_round` closes the round at the end of the grace window, or at once when every alive
@@ -75,7 +75,7 @@ EMA_DECAY_BOUND = config_rules.FRACTION
 
 @_frozen
 class PolicyConfig:
-  """Settings of the syncer policy (DESIGN.md 2.3-2.4).
+  """Settings of the syncer policy (docs/design.md 2.3-2.4).
 
   Build it with `from_config(sync)` from the config's `sync` group, which holds the defaults
   (`config_lib.SyncConfig`); `SYNC_BOUNDS` holds the bounds of both.
@@ -307,7 +307,7 @@ def decide_round(arrival_times: Sequence[float], *, num_alive: int, opened_at: f
 
 def decide_final_round(arrival_times: Sequence[float], *, num_alive: int, final_since: float,
                        opened_at: float, now: float, timeout_s: float) -> RoundDecision:
-  """The round of a fragment that holds a final-sync delivery (DESIGN.md 2.3, "Final sync").
+  """The round of a fragment that holds a final-sync delivery (docs/design.md 2.3, "Final sync").
 
   It waits for a fresh delivery from every alive learner (the learners still training deliver
   this fragment within H steps), so that the last G merges every learner's last steps

@@ -1,4 +1,4 @@
-"""How a learner takes a merged fragment G_p (DESIGN.md 2.3, "Receipt").
+"""How a learner takes a merged fragment G_p (docs/design.md 2.3, "Receipt").
 
 Three modes, selected by `sync.receipt`:
   * overwrite:  theta_p = G_p. The paper's rule; the tau steps made on p since the delivery

@@ -274,7 +274,7 @@ class Syncer:
 
   def _outer_gradient(self, payload: Payload, anchor_now: dict[str, np.ndarray],
                       slot: int) -> dict:
-    """The delivery's outer gradient `anchor - theta` (DESIGN 2.4 step 3).
+    """The delivery's outer gradient `anchor - theta` (docs/design.md 2.4 step 3).
 
     A stale delivery (its base is older than the current version) is anchored at the
     syncer's current G under `outer.stale="paper"`, so it also pulls G back toward the

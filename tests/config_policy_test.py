@@ -1,4 +1,4 @@
-"""The config's `sync` group and the syncer policy accept exactly the same values (DESIGN.md
+"""The config's `sync` group and the syncer policy accept exactly the same values (docs/design.md
 2.3-2.4): values drawn around every bound go through both, and both accept or both reject."""
 
 import math
@@ -59,7 +59,7 @@ def test_config_and_policy_accept_the_same_values(field):
 
 
 @pytest.mark.parametrize("field, accepted, rejected", [
-    # Independent statements of DESIGN.md 2.3-2.4's ranges, not read from the bounds table.
+    # Independent statements of docs/design.md 2.3-2.4's ranges, not read from the bounds table.
     ("quorum", [0, 1, 7], [-1, 1.0, True]),
     ("tau", [0, 1, 23], [-1, 2.5]),
     ("gamma", [0, 0.0, 0.8, 10, 10.0], [-1e-9, 10.000001, math.nan, math.inf]),

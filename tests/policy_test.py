@@ -22,7 +22,7 @@ def _delivery(lid=0, inc=0, base=3, steps=5):
 def test_defaults_are_the_sync_groups():
   cfg = policy.PolicyConfig.from_config(SyncConfig())
   assert (cfg.quorum, cfg.tau, cfg.gamma, cfg.heartbeat_timeout_s, cfg.max_staleness) == (
-      1, 2, 0.8, 30.0, 8)  # DESIGN.md 2.3-2.4
+      1, 2, 0.8, 30.0, 8)  # docs/design.md 2.3-2.4
   assert cfg.ema_decay == 0.9
   assert policy.PolicyConfig.from_config(SyncConfig(), gamma=0.0).gamma == 0.0
 

@@ -3,7 +3,7 @@
 On a fault-free run every fragment is delivered every H steps and its merge is applied tau
 steps after each delivery. Overwriting drops those tau steps, so a delivery after the first
 carries at most H - tau steps; keep_local keeps them and counts them, so it carries exactly H
-(DESIGN.md 2.3). The same learner code runs in both runtimes; these runs show each runtime
+(docs/design.md 2.3). The same learner code runs in both runtimes; these runs show each runtime
 hands it what that needs.
 """
 

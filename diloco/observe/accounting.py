@@ -1,4 +1,4 @@
-"""Accounting of a run from its event tape and activity log (DESIGN.md 3.2). Pure, no JAX.
+"""Accounting of a run from its event tape and activity log (docs/design.md 3.2). Pure, no JAX.
 
 Inputs are the records of two JSON-lines files in the run's workdir, read by `read_jsonl`:
 `tape.jsonl` (one record per closed syncer round, with its `admitted` and `rejected` deliveries,
@@ -475,7 +475,7 @@ def summary(workdir: str, num_fragments: int, num_params: int, *,
     out[f"{kind}_fraction"] = kinds[kind] / allocated if allocated > 0.0 else 0.0
   for reason, count in stats["rejected_by_reason"].items():
     out[f"rejected/{reason}"] = count
-  # The fidelity report (issue 11): how rounds closed, how many learners they merged, and how
+  # The fidelity report (docs/design.md 2.3-2.4): how rounds closed, how many learners they merged, and how
   # stale the admitted deliveries were.
   for reason in CLOSE_REASONS:
     out[f"closed_by/{reason}"] = (stats["close_reasons"].get(reason, 0) / stats["rounds"]

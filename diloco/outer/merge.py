@@ -1,4 +1,4 @@
-"""Merging the learners' outer gradients of one fragment (DESIGN.md 2.4).
+"""Merging the learners' outer gradients of one fragment (docs/design.md 2.4).
 
 - weights `w_m = tokens_m**2 / steps_m` (`token_weights`), normalised to sum to 1;
 - per tensor, radial-directional averaging (RDA)

@@ -162,7 +162,7 @@ class Runtime:
   """Builds the slots, the syncer and the transport; drivers move time."""
 
   def __init__(self, cfg: Config, workdir: str, devices=None, resume: bool = False):
-    """`resume`: a run restored from a checkpoint (`diloco.run_checkpoint.restore` follows)."""
+    """`resume`: a run restored from a checkpoint (`diloco.runtime.checkpoint.restore` follows)."""
     self.cfg, self.workdir = cfg, workdir
     devices = list(devices if devices is not None else jax.devices())
     if cfg.learners.share_devices:  # time-shared on the virtual clock
@@ -275,7 +275,7 @@ class Runtime:
         slot.learner.poison()
 
   def learner_failed(self, slot: Slot, error: Exception) -> bool:
-    """A learner's step went non-finite: that learner fails, the run goes on (DESIGN 2.5).
+    """A learner's step went non-finite: that learner fails, the run goes on (docs/design.md 2.5).
 
     Returns True when it should rejoin from the global fragments (a new incarnation at its
     resume point, fresh AdamW moments); after `learners.nonfinite_retries` such failures

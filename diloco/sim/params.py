@@ -25,7 +25,7 @@ def _require(ok: bool, owner: str, field: str, value: object, allowed: str) -> N
 
 @_frozen
 class FailureModel:
-  """Failure costs. Defaults: fitted once by `experiments/calibrate_goodput.py` (DESIGN.md 4).
+  """Failure costs. Defaults: fitted once by `experiments/goodput/calibrate.py` (docs/design.md 4).
 
   Attributes:
     mtbi_years: mean time between interruptions of one chip, in years.
