@@ -214,6 +214,9 @@ class LearnersConfig:
   # Devices per learner group, e.g. "2,2,2,2"; empty splits all devices evenly over `count`.
   # Groups beyond `count` are spare capacity for learners added by the fault schedule.
   devices: str = ""
+  # Single-controller runtime: every learner on all the visible devices (one GPU holding
+  # all M learners, their steps taking turns), e.g. a parity study on one accelerator.
+  share_devices: bool = False
   # Step-time factor per learner group, e.g. "1,1,1.18,1.18" (empty: all 1).
   speeds: str = ""
   # Each step takes its nominal time times U(1 - j, 1 + j).
@@ -563,6 +566,8 @@ def _validate_diloco(cfg: Config) -> None:
          "must be > 0 and >= 0")
   devices = [int(x) for x in parse_floats(lc.devices, "learners.devices")]
   speeds = parse_floats(lc.speeds, "learners.speeds")
+  _check(not (lc.share_devices and devices), "learners.share_devices",
+         "puts every learner on all devices: leave learners.devices empty")
   if lc.count:
     _check(not devices or len(devices) >= lc.count, "learners.devices",
            f"lists {len(devices)} groups, fewer than learners.count={lc.count}")

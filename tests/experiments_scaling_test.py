@@ -170,3 +170,52 @@ def test_runner_end_to_end_with_real_short_runs(tmp_path):
                                          "decoupled M=2 keep_local outer 1/0"}
   assert all(r["machine"] == "ci" and r["device"].startswith("cpu") for r in found)
   assert "Decoupled DiLoCo (ours)" in open(os.path.join(folder, "README.md")).read()
+
+
+def test_share_devices_refuses_a_device_list():
+  from diloco import config_lib
+  from diloco.errors import ConfigError
+  raw = config_lib.load("configs/decoupled.py:tiny").to_dict()
+  raw["learners"].update(share_devices=True, devices="1,1,1,1")
+  with pytest.raises(ConfigError, match="learners.share_devices"):
+    config_lib.from_config_dict(raw)
+
+
+def test_gpu35m_budget_and_runs():
+  from experiments.scaling import gpu35m
+  n = config.params("m35")
+  assert 34e6 < n < 37e6
+  steps = gpu35m.budget("m35", 1.0, 64, 512)
+  assert abs(steps * 64 * 512 - 20 * n) <= 64 * 512
+  assert gpu35m.budget("m35", 0.25, 64, 512) == round(steps / 4)
+  with pytest.raises(ValueError, match="token_fraction"):
+    gpu35m.budget("m35", 1.5, 64, 512)
+  planned = gpu35m.runs("m35", 100, 64, 512, [2, 4], "outer 0.8/0.9", "keep_local outer 1/0")
+  assert [r.method for r in planned] == [
+      "m35 data-parallel", "m35 diloco M=2 outer 0.8/0.9",
+      "m35 decoupled M=2 keep_local outer 1/0", "m35 diloco M=4 outer 0.8/0.9",
+      "m35 decoupled M=4 keep_local outer 1/0"]
+  overrides = dict(planned[4].overrides)
+  assert overrides["learners.share_devices"] is True and overrides["train.batch_size"] == 16
+  assert overrides["train.eval_batches"] * 16 == dict(planned[0].overrides)[
+      "train.eval_batches"] * 64  # the same held-out windows
+
+
+@pytest.mark.slow
+def test_gpu35m_rehearsal_on_one_cpu_device(tmp_path):
+  """The GPU command at a tiny size: three runs on ONE device (learners sharing it), then
+  its table, labelled partial, in gpu35m.md."""
+  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "out")
+  code = subprocess.call(
+      [sys.executable, "-m", "experiments.scaling.gpu35m", "--preset=tiny",
+       "--token_fraction=0.01", "--seq_len=64", "--batch=16", "--learners=2", "--devices=1",
+       "--parallel=3", f"--outdir={outdir}", f"--results_dir={folder}"],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert code == 0
+  found = rows.collect(outdir)
+  assert sorted(r["method"] for r in found) == [
+      "data-parallel", "decoupled M=2 keep_local outer 1/0", "diloco M=2 outer 0.8/0.9"]
+  assert all(r["device"] == "cpu: cpu x 1" for r in found)
+  text = open(os.path.join(folder, "gpu35m.md")).read()
+  assert "Partial run: 1.0% of the 20N budget" in text
+  assert "| Decoupled DiLoCo (ours) |" in text and "passes over it" in text

@@ -165,8 +165,12 @@ class Runtime:
     """`resume`: a run restored from a checkpoint (`diloco.run_checkpoint.restore` follows)."""
     self.cfg, self.workdir = cfg, workdir
     devices = list(devices if devices is not None else jax.devices())
-    sizes = group_sizes(cfg, len(devices))
-    groups = mesh_lib.device_groups(devices[:sum(sizes)], sizes)
+    if cfg.learners.share_devices:  # every learner on every device, steps taking turns
+      groups = [devices] * cfg.learners.count
+      sizes = [len(devices)] * cfg.learners.count
+    else:
+      sizes = group_sizes(cfg, len(devices))
+      groups = mesh_lib.device_groups(devices[:sum(sizes)], sizes)
     speeds = parse_floats(cfg.learners.speeds, "learners.speeds") or [1.0] * len(sizes)
     self.slots = []
     for g, group in enumerate(groups):

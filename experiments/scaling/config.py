@@ -72,29 +72,36 @@ def outer_label(lr: float, momentum: float) -> str:
   return f"outer {lr:g}/{momentum:g}"
 
 
-def _common(steps: int, batch: int, seq_len: int, eval_every: int) -> tuple:
+def _common(steps: int, batch: int, seq_len: int, eval_every: int, *,
+            eval_windows: int = EVAL_WINDOWS, warmup: int = WARMUP) -> tuple:
+  """The overrides every run of a comparison shares: the same tokens per step in all, the
+  same held-out windows at the same steps."""
   return (("train.steps", steps), ("train.batch_size", batch), ("data.seq_len", seq_len),
-          ("train.eval_every", eval_every), ("train.eval_batches", EVAL_WINDOWS // batch),
-          ("optim.warmup_steps", WARMUP), ("checkpoint.every_steps", 0))
+          ("train.eval_every", eval_every), ("train.eval_batches", eval_windows // batch),
+          ("optim.warmup_steps", warmup), ("checkpoint.every_steps", 0))
 
 
 def dp(seed: int, steps: int, batch: int = DP_BATCH, preset: str = "tiny",
-       seq_len: int = SEQ_LEN, eval_every: int = EVAL_EVERY) -> Run:
-  """Data-parallel at `batch` sequences per step (one learner's batch when < DP_BATCH)."""
-  method = "data-parallel" if batch == DP_BATCH else f"data-parallel B={batch}"
+       seq_len: int = SEQ_LEN, eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH,
+       extra: tuple = (), **common) -> Run:
+  """Data-parallel at `batch` sequences per step (one learner's batch when < `dp_batch`).
+  `extra` overrides are appended; `common` goes to `_common` (eval_windows, warmup)."""
+  method = "data-parallel" if batch == dp_batch else f"data-parallel B={batch}"
   return Run(f"{preset} {method}", f"configs/dp.py:{preset}", seed,
-             _common(steps, batch, seq_len, eval_every),
+             _common(steps, batch, seq_len, eval_every, **common) + extra,
              labels=(("model", preset), ("kind", "data-parallel"), ("M", 1),
                      ("batch", batch)))
 
 
 def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, steps: int,
            receipt: str = "overwrite", preset: str = "tiny", seq_len: int = SEQ_LEN,
-           eval_every: int = EVAL_EVERY) -> Run:
-  """Synchronous DiLoCo (`kind` = "diloco") or Decoupled with `receipt`, M = `learners`."""
-  batch = DP_BATCH // learners
+           eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH, extra: tuple = (),
+           **common) -> Run:
+  """Synchronous DiLoCo (`kind` = "diloco") or Decoupled with `receipt`, M = `learners`,
+  each learner on `dp_batch` / M sequences."""
+  batch = dp_batch // learners
   lr, momentum = outer
-  overrides = _common(steps, batch, seq_len, eval_every) + (
+  overrides = _common(steps, batch, seq_len, eval_every, **common) + (
       ("learners.count", learners), ("learners.virtual_clock", True),
       ("outer.learning_rate", lr), ("outer.momentum", momentum), ("sync.period", PERIOD),
       ("checkpoint.every_rounds", 0))
@@ -109,7 +116,7 @@ def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, step
   else:
     raise ValueError(f"kind must be 'diloco' or 'decoupled', got {kind!r}")
   return Run(f"{preset} {kind} M={learners} {setting}", f"configs/{kind}.py:{preset}", seed,
-             overrides, labels=(("model", preset), ("kind", kind), ("M", learners),
+             overrides + extra, labels=(("model", preset), ("kind", kind), ("M", learners),
                                 ("batch", batch), ("setting", setting)))
 
 
