@@ -132,11 +132,15 @@ def sweep_table(group: list[dict]) -> str:
 
 
 def goodput_table(group: list[dict]) -> str:
+  """Every run with its gap, goodput and where it ran. `wall_s` is the run's own training
+  time (accounting.json, or a data-parallel run's evaluations); `process_wall_s` the whole
+  process, compilation included (provenance.json)."""
   ref = rows_lib.stats(group).get("data-parallel")
   rows = [dict(r, gap_pct=round(gap(r["eval_loss"], ref["mean"]), 2) if ref else "")
           for r in sorted(group, key=lambda r: (r["kind"], r["M"], r["setting"], r["seed"]))]
   return harness.table(rows, ("method", "seed", "tokens", "eval_loss", "gap_pct", "goodput",
-                              "mean_learners_per_round", "wall_s", "machine", "device"))
+                              "mean_learners_per_round", "wall_s", "process_wall_s", "machine",
+                              "device"))
 
 
 def trend_table(rows: list[dict]) -> str:
@@ -187,5 +191,8 @@ def section(model: str, steps: int, group: list[dict], outdirs: dict[str, str],
   sweep = sweep_table(group)
   if sweep:
     parts += ["### Outer sweep (seed 0; * = picked per M and method)", "", sweep, ""]
-  parts += ["### Every run (goodput from accounting.json)", "", goodput_table(group), ""]
+  parts += ["### Every run (goodput from accounting.json)", "",
+            "`wall_s`: the run's own training time; `process_wall_s`: its whole process, "
+            "compilation included; machine and device from its provenance.json.", "",
+            goodput_table(group), ""]
   return parts

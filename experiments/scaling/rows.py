@@ -64,7 +64,8 @@ def collect(outdir: str) -> list[dict]:
     where = _read(os.path.join(workdir, PROVENANCE_FILE))
     row.update(labels, run=os.path.basename(workdir),
                machine=where.get("label") or where.get("machine", "unrecorded"),
-               device=where.get("device", "unrecorded"))
+               device=where.get("device", "unrecorded"),
+               process_wall_s=where.get("wall_s", ""))
     rows.append(row)
   return with_methods(rows)
 
