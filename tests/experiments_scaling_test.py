@@ -219,3 +219,22 @@ def test_gpu35m_rehearsal_on_one_cpu_device(tmp_path):
   text = open(os.path.join(folder, "gpu35m.md")).read()
   assert "Partial run: 1.0% of the 20N budget" in text
   assert "| Decoupled DiLoCo (ours) |" in text and "passes over it" in text
+
+
+def test_headline_gives_each_picked_gap(tmp_path):
+  from experiments import summary
+  _stage_one(str(tmp_path), LOSSES)
+  line = summary.HEADLINES["scaling"](rows.collect(str(tmp_path)))
+  assert line.startswith(f"tiny {STEPS} steps: data-parallel 2.000; gap ")
+  assert "Decoupled M=4 +3.50%" in line and "synchronous M=2 +1.00%" in line
+
+
+def test_small_stage_takes_the_best_decoupled_m4_setting(tmp_path):
+  with pytest.raises(ValueError, match="stage one's Decoupled M = 4"):
+    run.stage_runs("small", str(tmp_path), STEPS, (1, 2, 4), 100)
+  _stage_one(str(tmp_path), LOSSES)
+  small = run.stage_runs("small", str(tmp_path), STEPS, (1, 2, 4), 100)
+  assert [r.method for r in small] == ["small data-parallel",
+                                       "small decoupled M=4 keep_local outer 1/0"]
+  assert all(dict(r.overrides)["train.steps"] == 100 for r in small)
+  assert dict(small[1].overrides)["train.batch_size"] == 8

@@ -54,8 +54,9 @@ def slot_cores(slot: int, threads: int, cores: Sequence[int]) -> list[int]:
 
 
 def _start(run: harness.Run, workdir: str, env: dict, cores: list[int] | None):
+  """Starts a run's process (pinned to `cores` if given); its log stays open until it ends."""
   os.makedirs(workdir, exist_ok=True)
-  log = open(os.path.join(workdir, "run.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  log = open(os.path.join(workdir, "run.log"), "w", encoding="utf-8")  # noqa: SIM115
   pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
   proc = subprocess.Popen(run.command(workdir), stdout=log, stderr=subprocess.STDOUT,
                           env=env, cwd=harness.REPO, preexec_fn=pin)

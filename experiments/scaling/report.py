@@ -9,15 +9,8 @@ size side by side (the trend with N).
 
 from __future__ import annotations
 
-import os
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from experiments import harness  # noqa: E402
-from experiments.scaling import config, rows as rows_lib, stages  # noqa: E402
+from experiments import harness
+from experiments.scaling import config, rows as rows_lib, stages
 
 KIND_NAMES = {"diloco": "synchronous DiLoCo", "decoupled": "Decoupled DiLoCo"}
 ROW_NAMES = {"diloco": "synchronous DiLoCo (ours)", "decoupled": "Decoupled DiLoCo (ours)",
@@ -196,3 +189,19 @@ def section(model: str, steps: int, group: list[dict], outdirs: dict[str, str],
             "compilation included; machine and device from its provenance.json.", "",
             goodput_table(group), ""]
   return parts
+
+
+def headline(rows: list[dict]) -> str:
+  """One line for the top-level results table: per (model, steps), each picked method's gap
+  to data-parallel per M (mean over seeds)."""
+  parts = []
+  for (model, steps), group in sorted(rows_lib.groups(rows).items()):
+    ps = picked_stats(group)
+    dp = ps.get(("data-parallel", 0))
+    if dp is None:
+      continue
+    gaps = [f"{KIND_NAMES[kind].split()[0]} M={m} {gap(s['mean'], dp['mean']):+.2f}%"
+            for (kind, m), s in sorted(ps.items()) if kind != "data-parallel"]
+    parts.append(f"{model} {steps} steps: data-parallel {dp['mean']:.3f}; gap "
+                 + ", ".join(gaps))
+  return "; ".join(parts) or "no runs with a data-parallel reference"
