@@ -42,6 +42,8 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
+from diloco import config_rules
+
 # Reasons returned by `check_delivery` for rejected deliveries (stable strings, used as counter
 # names by the syncer and the simulator).
 OK = "ok"
@@ -57,9 +59,26 @@ def _frozen(cls):
   return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
 
 
+# The bounds of the settings that the syncer policy takes from the config's `sync` group: one
+# table, read by `PolicyConfig` and by `config_lib.SyncConfig`'s fields, so the config and the
+# policy accept the same values (tests/config_policy_test.py).
+SYNC_BOUNDS = {
+    "quorum": config_rules.Range(low=0, integer=True, text=">= 1, or 0 for all learners"),
+    "tau": config_rules.Range(low=0, integer=True),
+    # The window is capped at one step time anyway; a gain beyond 10 is a typo.
+    "gamma": config_rules.Range(low=0, high=10),
+    "heartbeat_timeout_s": config_rules.POSITIVE,
+    "max_staleness": config_rules.Range(low=0, integer=True),
+}
+EMA_DECAY_BOUND = config_rules.FRACTION
+
+
 @_frozen
 class PolicyConfig:
-  """Settings of the syncer policy (defaults from DESIGN.md 2.3-2.4).
+  """Settings of the syncer policy (DESIGN.md 2.3-2.4).
+
+  Build it with `from_config(sync)` from the config's `sync` group, which holds the defaults
+  (`config_lib.SyncConfig`); `SYNC_BOUNDS` holds the bounds of both.
 
   Attributes:
     quorum: K, the number of fresh eligible deliveries a round waits for (capped by the number
@@ -72,21 +91,25 @@ class PolicyConfig:
     max_staleness: the largest accepted `current_version - base_version` of a delivery.
     ema_decay: weight of the old value in the EMAs of step, quorum and sync times.
   """
-  quorum: int = 1
-  tau: int = 2
-  gamma: float = 0.8
-  heartbeat_timeout_s: float = 60.0
-  max_staleness: int = 8
+  quorum: int
+  tau: int
+  gamma: float
+  heartbeat_timeout_s: float
+  max_staleness: int
   ema_decay: float = 0.9
 
   def __post_init__(self):
-    _require(self.quorum >= 0, "quorum", self.quorum, "an integer >= 1, or 0 for all learners")
-    _require(self.tau >= 0, "tau", self.tau, "an integer >= 0")
-    _require(0.0 <= self.gamma <= 10.0, "gamma", self.gamma, "[0, 10]")
-    _require(self.heartbeat_timeout_s > 0.0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
-             "a number > 0")
-    _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "an integer >= 0")
-    _require(0.0 <= self.ema_decay < 1.0, "ema_decay", self.ema_decay, "[0, 1)")
+    for field, bound in SYNC_BOUNDS.items():
+      _require(bound.admits(getattr(self, field)), field, getattr(self, field), bound.describe())
+    _require(EMA_DECAY_BOUND.admits(self.ema_decay), "ema_decay", self.ema_decay,
+             EMA_DECAY_BOUND.describe())
+
+  @classmethod
+  def from_config(cls, sync, **changes) -> PolicyConfig:
+    """The policy of a `sync` config group (or any object with the `SYNC_BOUNDS` fields, such
+    as the simulator's `SimConfig`), with `changes` (e.g. `gamma=0.0`) applied."""
+    values = {field: getattr(sync, field) for field in SYNC_BOUNDS}
+    return cls(**{**values, **changes})
 
 
 def _require(ok: bool, field: str, value: object, allowed: str) -> None:

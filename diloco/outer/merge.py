@@ -28,6 +28,14 @@ WEIGHT_SCHEMES = ("tokens2_per_step", "uniform", "tokens")
 
 MERGE_METHODS = ("rda", "mean")
 
+# Where a delivery's outer gradient is anchored (the syncer's `_outer_gradient`): "syncer", the
+# current global fragment G (`outer_gradient`), or "base", G at the version it started from.
+ANCHORS = ("syncer", "base")
+
+# What a stale delivery counts for (the syncer's `_outer_gradient`): "paper", anchored like any
+# other; "rebase", the learner's own progress from its base, scaled down by its staleness.
+STALE_RULES = ("paper", "rebase")
+
 # RDA falls back to the weighted mean when |sum_m w_m unit(d_m)| <= RDA_DIRECTION_EPS * sum_m w_m
 # (sums over the non-zero deltas). The float32 round-off of that sum is about 1e-7 of its bound,
 # while M orthogonal deltas give about 1/sqrt(M), so 1e-4 separates "the unit vectors cancel" from

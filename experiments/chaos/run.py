@@ -11,6 +11,7 @@ import shutil
 
 from absl import app, flags
 
+from diloco.distributed import chaos
 from diloco.observe.accounting import read_jsonl
 from experiments import harness
 from experiments.chaos import config
@@ -66,7 +67,7 @@ def figures(run: harness.Run, workdir: str) -> dict:
   rounds_up = sum(1 for r in tape if lo <= r["published_at"] <= hi) - rounds_down
   steps_down = sum(1 for r in steps if is_down(r["end"]))
   return {
-      "kills": sum(1 for e in overrides.get("launch.chaos", "").split(";") if e),
+      "kills": len(chaos.parse(overrides.get("launch.chaos", ""))),
       "kills_applied": int(acc.get("chaos/applied", 0)),
       "restarts": int(acc.get("restarts", 0)),
       "down_fraction": float(acc.get("accounting/down_fraction", 0.0)),
