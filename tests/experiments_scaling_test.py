@@ -195,6 +195,8 @@ def test_gpu35m_budget_and_runs():
       "m35 data-parallel", "m35 diloco M=2 outer 0.8/0.9",
       "m35 decoupled M=2 keep_local outer 1/0", "m35 diloco M=4 outer 0.8/0.9",
       "m35 decoupled M=4 keep_local outer 1/0"]
+  assert dict(planned[1].overrides)["sync.tau"] == 0  # synchronous: no overlap
+  assert dict(planned[2].overrides)["sync.tau"] == config.TAU
   overrides = dict(planned[4].overrides)
   assert overrides["learners.share_devices"] is True and overrides["train.batch_size"] == 16
   assert overrides["train.eval_batches"] * 16 == dict(planned[0].overrides)[

@@ -7,7 +7,7 @@ M learners on 32 / M, so every method trains the same tokens and evaluates the s
 and synchronous DiLoCo run on the virtual clock (deterministic interleaving).
 
 Stage one (seed 0), for each M in `LEARNERS`: synchronous DiLoCo (configs/diloco.py: P = 1,
-K = M, H = 30) and Decoupled (configs/decoupled.py: K = 1, grace, tau = 2, H = 30 over
+K = M, H = 30, and tau = 0: no overlap, as in the study) and Decoupled (configs/decoupled.py: K = 1, grace, tau = 2, H = 30 over
 `DECOUPLED_FRAGMENTS` fragments) with every receipt mode, each at every outer setting of
 `OUTER` (the DiLoCo scaling-law study's sweep); data-parallel at batch 32 and at one learner's
 batch. Stage two: the second seed of data-parallel and of the setting of lowest eval loss
@@ -111,7 +111,8 @@ def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, step
     if receipt == "mix":
       overrides += (("sync.mixing_alpha", MIX_ALPHA),)
     setting = f"{receipt} {outer_label(lr, momentum)}"
-  elif kind == "diloco":
+  elif kind == "diloco":  # the study's DiLoCo: no overlap, the merge applied at once
+    overrides += (("sync.tau", 0),)
     setting = outer_label(lr, momentum)
   else:
     raise ValueError(f"kind must be 'diloco' or 'decoupled', got {kind!r}")
