@@ -19,6 +19,7 @@ import ml_collections
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
 from diloco.model.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
+from diloco.receipt import RECEIPT_MODES
 from diloco.train import storage
 
 
@@ -155,8 +156,18 @@ class SyncConfig:
   heartbeat_timeout_s: float = 30.0
   # Deliveries whose base is more than this many versions behind are rejected.
   max_staleness: int = 8
-  # Receipt: theta = alpha * theta + (1 - alpha) * G; 0 overwrites (the default).
+  # How a learner takes a merged fragment G_p (DESIGN.md 2.3, `receipt.RECEIPT_MODES`):
+  # "overwrite" theta_p = G_p (the paper; drops the tau steps made since the delivery);
+  # "mix" theta_p = alpha * theta_p + (1 - alpha) * G_p with alpha = `mixing_alpha`;
+  # "keep_local" theta_p = G_p + (theta_p - theta_p at the delivery), the kept steps counted
+  # in the next delivery, so the overlap throws nothing away.
+  receipt: str = "overwrite"
+  # alpha of the "mix" receipt.
   mixing_alpha: float = 0.0
+  # A learner that finishes (or retires on purpose) delivers every fragment at its last step,
+  # and that fragment's last round waits for every live learner (bounded by the heartbeat
+  # timeout): the final G, its eval and the export hold every learner's last step.
+  final_sync: bool = True
   # Zero the AdamW moments of a fragment's tensors when its merged values arrive.
   reset_moments: bool = False
   # A learner whose round is not merged tau steps after its delivery waits for it (False:
@@ -524,7 +535,11 @@ def _validate_diloco(cfg: Config) -> None:
   _check(s.heartbeat_timeout_s > 0, "sync.heartbeat_timeout_s", "must be > 0")
   _check(s.max_staleness >= 0, "sync.max_staleness", "must be >= 0")
   _check(s.send_queue >= 1, "sync.send_queue", f"must be >= 1, got {s.send_queue}")
+  _check(s.receipt in RECEIPT_MODES, "sync.receipt",
+         f"must be one of {RECEIPT_MODES}, got {s.receipt!r}")
   _check(0 <= s.mixing_alpha < 1, "sync.mixing_alpha", "must be in [0, 1) (0 = overwrite)")
+  _check(s.receipt == "mix" or s.mixing_alpha == 0, "sync.mixing_alpha",
+         f"only applies with sync.receipt='mix', got receipt={s.receipt!r}")
   _check(o.learning_rate > 0, "outer.learning_rate", f"must be > 0, got {o.learning_rate}")
   _check(0 <= o.momentum < 1, "outer.momentum", f"must be in [0, 1), got {o.momentum}")
   _check(o.weights in WEIGHT_SCHEMES, "outer.weights",

@@ -149,7 +149,8 @@ class RoundDecision:
     quorum_wait: `quorum_reached_at - opened_at`, the sample for the quorum-time EMA, else None.
     grace: the grace window in seconds (0 before quorum).
     reason: "all_delivered", "quorum_reached" (no grace), "grace_expired", "in_grace" or
-      "waiting_for_quorum".
+      "waiting_for_quorum"; for a final-sync round (`decide_final_round`)
+      "final_all_delivered", "final_timeout" or "final_waiting".
   """
   close: bool
   deadline: float | None
@@ -279,3 +280,30 @@ def decide_round(arrival_times: Sequence[float], *, num_alive: int, opened_at: f
                          quorum_wait=wait, grace=grace, reason=reason)
   return RoundDecision(close=False, deadline=deadline, quorum=quorum, quorum_reached_at=reached,
                        quorum_wait=wait, grace=grace, reason="in_grace")
+
+
+def decide_final_round(arrival_times: Sequence[float], *, num_alive: int, final_since: float,
+                       opened_at: float, now: float, timeout_s: float) -> RoundDecision:
+  """The round of a fragment that holds a final-sync delivery (DESIGN.md 2.3, "Final sync").
+
+  It waits for a fresh delivery from every alive learner (the learners still training deliver
+  this fragment within H steps), so that the last G merges every learner's last steps
+  together; it never waits longer than `timeout_s` after the first final delivery arrived.
+
+  Args:
+    arrival_times: arrival times of the round's deliveries from alive learners.
+    num_alive: the number of alive learners (those that finished and left are not alive).
+    final_since: arrival time of the round's first final delivery.
+    opened_at: when the round opened (for `quorum_wait`).
+    now: the current time.
+    timeout_s: the longest wait (the heartbeat timeout).
+  """
+  reached = max(arrival_times, default=final_since)
+  deadline = final_since + timeout_s
+  if len(arrival_times) >= num_alive or now >= deadline:
+    reason = "final_all_delivered" if len(arrival_times) >= num_alive else "final_timeout"
+    return RoundDecision(close=True, deadline=None, quorum=num_alive,
+                         quorum_reached_at=min(reached, now), quorum_wait=None, grace=0.0,
+                         reason=reason)
+  return RoundDecision(close=False, deadline=deadline, quorum=num_alive, quorum_reached_at=None,
+                       quorum_wait=None, grace=0.0, reason="final_waiting")

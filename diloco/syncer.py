@@ -215,6 +215,11 @@ class Syncer:
     self._pending[p][payload.learner] = _Pending(payload, now)  # a newer one replaces the older
 
   # Rounds.
+  def settled(self) -> bool:
+    """Whether no delivery waits in an open round (the end of a run waits for this, so that
+    the final G holds every final-sync delivery)."""
+    return not any(self._pending.values())
+
   def alive(self, now: float) -> list[int]:
     return [s.learner_id for s in policy.alive_learners(
         self.registry.values(), now, self.policy.heartbeat_timeout_s)]
@@ -245,7 +250,10 @@ class Syncer:
       counted = [e.arrived_at for m, e in entries.items()
                  if m in alive and self.registry[m].incarnation == e.payload.incarnation]
       step_time = policy.slowest_step_time(self.registry[m].step_time for m in alive)
-      decision = policy.decide_round(
+      finals = [e.arrived_at for e in entries.values() if e.payload.final]
+      decision = policy.decide_final_round(
+          counted, num_alive=len(alive), final_since=min(finals), opened_at=self._opened_at[p],
+          now=now, timeout_s=self.policy.heartbeat_timeout_s) if finals else policy.decide_round(
           counted if alive else [e.arrived_at for e in entries.values()], num_alive=len(alive),
           opened_at=self._opened_at[p], now=now, config=self.policy, step_time=step_time,
           quorum_time=self._quorum_ema.get(), sync_time=self._sync_ema.get(),
@@ -396,6 +404,7 @@ class Syncer:
             "local_step": e.payload.local_step, "steps": e.payload.steps,
             "tokens": e.payload.tokens, "base_version": e.payload.base_version,
             "staleness": old_version - e.payload.base_version, "weight": float(w),
+            "final": e.payload.final,
             "delta_norm": d, "payload_bytes": e.payload.nbytes, "arrived_at": e.arrived_at,
         } for (m, e), w, d in zip(entries, weights, delta_norms)],
         "rejected": self._rejected.pop(p, []),

@@ -281,6 +281,8 @@ _ENTRY_CASES = {
     "lead null": (lambda e: _edit_marker(e, lead_s=None), "bad_time"),
     "transit 'soon'": (lambda e: _edit_marker(e, transit_s="soon"), "bad_time"),
     "no kind": (lambda e: _edit_marker(e, kind=None), "unreadable"),
+    "final 'yes'": (lambda e: _edit_marker(e, final="yes"), "unreadable"),
+    "final 1": (lambda e: _edit_marker(e, final=1), "unreadable"),
     "paths not a list": (lambda e: _edit_marker(e, paths="layers/0/w"), "unreadable"),
     "quantization bits 3": (
         lambda e: _edit_marker(e, kind="delta", quantization={"bits": 3, "block": 4}),

@@ -124,7 +124,7 @@ def test_a_restarted_learner_goes_on_at_its_steps_learning_rate(setup):
 
 def test_mixing_alpha_mixes_only_the_received_fragment(setup):
   alpha = 0.3
-  cfg = _config(sync__mixing_alpha=alpha)
+  cfg = _config(sync__receipt="mix", sync__mixing_alpha=alpha)
   transport = _transport(setup, cfg)
   learner = _learner(setup, cfg, transport)
   for _ in range(3):
@@ -157,7 +157,7 @@ def test_joining_learner_loads_the_published_fragments_despite_mixing(setup):
   # DESIGN.md 2.5: a learner that joins or rejoins first loads the latest published global
   # fragments. Mixing is a receipt rule for a learner that trained; on a fresh init it would
   # start Streaming DiLoCo (alpha = 0.5) learners half from noise.
-  cfg = _config(sync__mixing_alpha=0.5)
+  cfg = _config(sync__receipt="mix", sync__mixing_alpha=0.5)
   learner = _learner(setup, cfg, _transport(setup, cfg))
   params = learner.params_flat()
   for k, v in setup.g0.items():

@@ -56,7 +56,7 @@ FACTORS = {
         ("tensor", (("sync.scheme", "tensor"),)),
     ),
     "anchor": (("base", (("outer.anchor", "base"),)),),
-    "receipt": (("mix 0.5", (("sync.mixing_alpha", 0.5),)),),
+    "receipt": (("mix 0.5", (("sync.receipt", "mix"), ("sync.mixing_alpha", 0.5))),),
     "tau": (("1", (("sync.tau", 1),)), ("5", (("sync.tau", 5),))),
 }
 COLUMNS = ("method", "factor", "seed", "tokens", "eval_loss", "mean_learners_per_round",
