@@ -155,7 +155,8 @@ def leave(learner: Learner, cfg: Config, on_purpose: bool) -> None:
   every fragment now (`sync.final_sync`), so its last local steps reach the global
   parameters, then every delivery is flushed to its transport. A failed learner only flushes
   (the syncer times it out, as it would a crashed island)."""
-  del on_purpose, cfg  # PART2
+  if on_purpose and cfg.sync.final_sync:
+    learner.deliver_final()
   learner.flush()
 
 

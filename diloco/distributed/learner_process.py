@@ -110,21 +110,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   learner = Learner(learner_id=learner_id, incarnation=incarnation, num_groups=shards, cfg=cfg,
                     spec=spec, init_fn=init_fn, step_fn=step_fn, plan=plan, transport=link,
                     resume=Resume(), background_io=True)
-  mine = ckpt.latest_step()
-  latest = hosts.share("resume_step", lambda: mine)
-  if latest is not None:
-    learner.state, meta = ckpt.restore(latest, spec.abstract, learner.data_iter,
-                                       expect_meta=_identity(cfg))
-    learner.local_step = int(meta["local_step"])
-    logging.info("learner %d: resumed its checkpoint at local step %d", learner_id, latest)
-  else:
-    if cfg.store.peer_optimizer:
-      _adopt_peer_optimizer(cfg, store, learner, spec, hosts)
-  # A learner of the first cohort without a checkpoint starts with its peers, at step 0.
-  joins_running = not (incarnation == 0 and learner_id < cfg.learners.count)
-  peers = hosts.share("peer_steps", lambda: _live_peer_steps(cfg, store, learner_id))
-  learner_loop.align_with_peers(learner, peers, cfg, joins_running=joins_running)
-  learner.load_global()  # the published fragments replace whatever parameters it had
+  latest = _place(cfg, store, hosts, learner, ckpt, spec)
   link.heartbeat(Heartbeat(learner_id, incarnation, learner.local_step, 0.0, clock()))
   if learner_id < cfg.learners.count:
     first = incarnation == 0 and latest is None
@@ -134,13 +120,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   activity = learner_loop.SpanLog(activity_file.write, learner_id, incarnation, len(devices),
                                   _speed(cfg, learner_id))
   activity("load", joined_at, clock(), local_step=learner.local_step)
-  if hosts.leader:  # TensorBoard learner_<m>, wandb: one run per learner process
-    # A restarted learner redoes the steps after its checkpoint: TensorBoard hides the old ones.
-    writer = metrics_lib.open_writer(
-        cfg, records, role="learner", learner=learner_id, process=f"learner_{learner_id}",
-        purge_step=learner.local_step + 1 if learner.local_step else None)
-  else:  # the other hosts of a multi-host learner compute the same metrics
-    writer = metrics_lib.MetricWriter(records, role="learner", learner=learner_id)
+  writer = _metric_writer(cfg, records, hosts, learner)
   print(f"learner {learner_id} incarnation {incarnation}: joined at local step "
         f"{learner.local_step} on {len(devices)} {jax.default_backend()} devices", flush=True)
   hooks = _ProcessHooks(cfg, learner, link, ckpt, activity, writer, clock, retiring)
@@ -173,6 +153,40 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
           "bytes_down": link.bytes_down, "wan_wait_s": round(link.wan_wait_s, 3),
           "send_wait_s": round(learner.send_wait_s, 3),
           "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}
+
+
+def _metric_writer(cfg: Config, records: str, hosts: hosts_lib.HostGroup, learner: Learner):
+  """Host 0's writer also feeds TensorBoard learner_<m> and wandb (one run per learner
+  process); the other hosts of a multi-host learner compute the same metrics, kept locally."""
+  if not hosts.leader:
+    return metrics_lib.MetricWriter(records, role="learner", learner=learner.id)
+  # A restarted learner redoes the steps after its checkpoint: TensorBoard hides the old ones.
+  return metrics_lib.open_writer(
+      cfg, records, role="learner", learner=learner.id, process=f"learner_{learner.id}",
+      purge_step=learner.local_step + 1 if learner.local_step else None)
+
+
+def _place(cfg: Config, store: Store, hosts: hosts_lib.HostGroup, learner: Learner,
+           ckpt: checkpoint_lib.Checkpointer, spec) -> int | None:
+  """Where a new incarnation starts: its own checkpoint (params, AdamW state, data position)
+  or, optionally, a healthy peer's AdamW state; its peers' cohort step and schedule phase
+  (`learner_loop.align_with_peers`); then the published fragments. Returns the checkpoint
+  step it resumed (None: none)."""
+  mine = ckpt.latest_step()
+  latest = hosts.share("resume_step", lambda: mine)
+  if latest is not None:
+    learner.state, meta = ckpt.restore(latest, spec.abstract, learner.data_iter,
+                                       expect_meta=_identity(cfg))
+    learner.local_step = int(meta["local_step"])
+    logging.info("learner %d: resumed its checkpoint at local step %d", learner.id, latest)
+  elif cfg.store.peer_optimizer:
+    _adopt_peer_optimizer(cfg, store, learner, spec, hosts)
+  # A learner of the first cohort without a checkpoint starts with its peers, at step 0.
+  joins_running = not (learner.incarnation == 0 and learner.id < cfg.learners.count)
+  peers = hosts.share("peer_steps", lambda: _live_peer_steps(cfg, store, learner.id))
+  learner_loop.align_with_peers(learner, peers, cfg, joins_running=joins_running)
+  learner.load_global()  # the published fragments replace whatever parameters it had
+  return latest
 
 
 def _live_peer_steps(cfg: Config, store: Store, learner_id: int) -> list[int]:

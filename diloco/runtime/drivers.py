@@ -141,6 +141,27 @@ class VirtualDriver:
         self.on_eval(self.now)
         if any(s.status == "up" for s in self.rt.slots):
           self._push(self.now + cfg.train.eval_every * cfg.learners.virtual_step_s, "eval")
+    self._settle()
+
+  def _settle(self) -> None:
+    """With `sync.final_sync`, the rounds that hold the learners' final deliveries close
+    after the last learner left: the syncer goes on ticking and publishing until it has
+    settled, for at most `sync.heartbeat_timeout_s` more of the virtual clock."""
+    if not self.cfg.sync.final_sync:
+      return
+    until = self.now + self.cfg.sync.heartbeat_timeout_s
+    self._tick()
+    while not self.rt.syncer.settled() and self._heap and self._heap[0][0] <= until:
+      at, _, kind, data = heapq.heappop(self._heap)
+      if kind not in ("publish", "tick"):
+        continue  # nobody is left to step, evaluate or fail
+      self.now = at
+      if kind == "publish":
+        self.rt.transport.publish(data)
+      self._tick()
+    if not self.rt.syncer.settled():
+      logging.warning("the syncer has not merged every final delivery within "
+                      "sync.heartbeat_timeout_s=%g s", self.cfg.sync.heartbeat_timeout_s)
 
   def _wake_waiting(self) -> None:
     for g in sorted(self._waiting):
@@ -231,6 +252,7 @@ class ThreadedDriver:
     self._ready_lock = threading.Lock()
     self._eval: threading.Thread | None = None
     self.evals_skipped = 0
+    self._ticks = 0  # the syncer thread's ticks, under the runtime's lock
 
   def now(self) -> float:
     return time.monotonic() - self._t0
@@ -251,8 +273,29 @@ class ThreadedDriver:
       messages = self.rt.transport.take()
       with self.rt.lock:
         merged, deadline = self.rt.syncer.tick(self.now(), *messages)
+        self._ticks += 1
       for m in merged:
         self.rt.transport.publish(m)
+
+  def _settle(self) -> None:
+    """With `sync.final_sync`, waits (at most `sync.heartbeat_timeout_s`) until the syncer
+    thread has merged the learners' final deliveries. Every learner has left, so its messages
+    are all in the transport: once a tick that took them after this call began has run (two
+    more ticks: the one under way may have taken before), a settled syncer has them all."""
+    if not self.cfg.sync.final_sync or self.done.is_set():
+      return  # (set: a runtime thread failed)
+    with self.rt.lock:
+      after = self._ticks + 2
+    until = time.monotonic() + self.cfg.sync.heartbeat_timeout_s
+    while time.monotonic() < until:
+      with self.rt.lock:
+        if self._ticks >= after and self.rt.syncer.settled():
+          return
+      if self.done.is_set():
+        return
+      time.sleep(0.01)
+    logging.warning("the syncer has not merged every final delivery within "
+                    "sync.heartbeat_timeout_s=%g s", self.cfg.sync.heartbeat_timeout_s)
 
   def _learner_loop(self, slot: Slot, stop: threading.Event) -> None:
     try:
@@ -340,6 +383,7 @@ class ThreadedDriver:
           and self._failed.empty():
         break
       time.sleep(0.05)
+    self._settle()
     self.done.set()
     syncer.join()
     for thread in self._threads.values():
