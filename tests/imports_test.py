@@ -25,6 +25,14 @@ def test_learner_does_not_know_the_syncer():
   assert "diloco.transport" in imported
 
 
+def test_the_learner_loop_does_not_know_the_syncer_or_a_runtime():
+  """The loop every runtime shares: it drives a learner through hooks, never a runtime."""
+  imported = _imports("learner_loop")
+  assert not {n for n in imported if "syncer" in n or "policy" in n or "runtime" in n
+              or "distributed" in n}
+  assert "diloco.learner" in imported
+
+
 def test_syncer_does_not_know_the_learner():
   imported = _imports("syncer")
   assert not {n for n in imported

@@ -194,3 +194,29 @@ def test_added_learner_joins_from_global_and_retired_one_leaves(run_dir):
   retired_at = int(log.split("learner 3 incarnation 0: retired at local step")[1].split()[0])
   assert all(a["local_step"] <= retired_at for r in tape for a in r["admitted"]
              if a["learner"] == 3)
+
+
+def test_final_sync_merges_every_finished_learners_last_steps(run_dir):
+  """`sync.final_sync` (on by default): a learner that finishes delivers every fragment with
+  progress not yet delivered at its last step, and the syncer merges those deliveries before
+  it stops and exports. So each fragment holds a finished learner's step 300, or, for a
+  fragment whose merge overwrote it at step 300 (`sync.receipt=overwrite`), the delivery that
+  merge answered, at most tau = 4 steps before; without the final sync the last delivery of a
+  fragment can be up to H - 1 = 23 steps before the end."""
+  workdir, _ = run_dir
+  tape = _tape(workdir)
+  finished = set()
+  for name in os.listdir(os.path.join(workdir, "logs")):
+    if name.startswith("learner"):
+      with open(os.path.join(workdir, "logs", name)) as f:
+        for line in f:
+          if " done at local step 300" in line:
+            finished.add((int(line.split()[1]), int(line.split()[3].rstrip(":"))))
+  assert len(finished) >= 3, finished
+  num_fragments = 1 + max(r["fragment"] for r in tape)
+  for m, incarnation in finished:
+    mine = [(r["fragment"], a) for r in tape for a in r["admitted"]
+            if a["learner"] == m and a["incarnation"] == incarnation]
+    for p in range(num_fragments):
+      assert max(a["local_step"] for q, a in mine if q == p) >= 300 - 4, (m, p)
+    assert any(a.get("final") and a["local_step"] == 300 for _, a in mine), m

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco import fragments as fragments_lib
+from diloco import learner_loop
 from diloco.config_lib import Config, ConfigError
 from diloco.distributed import chaos
 from diloco.distributed import hosts as hosts_lib
@@ -59,20 +59,16 @@ def _speed(cfg: Config, learner_id: int) -> float:
   return speeds[learner_id] if learner_id < len(speeds) else 1.0
 
 
-class _Activity:
-  """Appends this learner's activity spans to `workdir/activity/l{m}.jsonl`."""
+class _ActivityFile:
+  """Appends this learner's activity records to `workdir/activity/l{m}.jsonl`, each flushed
+  as written (the launcher reads them at the end, whatever ended this process)."""
 
-  def __init__(self, workdir: str, learner: int, incarnation: int, devices: int, speed: float):
+  def __init__(self, workdir: str, learner: int):
     os.makedirs(os.path.join(workdir, "activity"), exist_ok=True)
     self._file = open(os.path.join(workdir, "activity", f"l{learner}.jsonl"), "a",
                       encoding="utf-8")
-    self._fields = dict(learner=learner, incarnation=incarnation)
-    self._devices, self._speed = devices, speed
 
-  def span(self, kind: str, start: float, end: float, **extra) -> None:
-    record = accounting.span_record(self._fields["learner"], self._fields["incarnation"], kind,
-                                     start, end, devices=self._devices, slowdown=self._speed,
-                                     **extra)
+  def write(self, record: dict) -> None:
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
 
@@ -114,47 +110,31 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   learner = Learner(learner_id=learner_id, incarnation=incarnation, num_groups=shards, cfg=cfg,
                     spec=spec, init_fn=init_fn, step_fn=step_fn, plan=plan, transport=link,
                     resume=Resume(), background_io=True)
-  mine = ckpt.latest_step()
-  latest = hosts.share("resume_step", lambda: mine)
-  if latest is not None:
-    learner.state, meta = ckpt.restore(latest, spec.abstract, learner.data_iter,
-                                       expect_meta=_identity(cfg))
-    learner.local_step = int(meta["local_step"])
-    logging.info("learner %d: resumed its checkpoint at local step %d", learner_id, latest)
-  else:
-    if cfg.store.peer_optimizer:
-      _adopt_peer_optimizer(cfg, store, learner, spec, hosts)
-    initial = incarnation == 0 and learner_id < cfg.learners.count
-    if cfg.learners.join_schedule == "cohort" and not initial:
-      step = hosts.share("cohort_step", lambda: fragments_lib.cohort_step(
-          _live_peer_steps(cfg, store, learner_id)))
-      if step:
-        learner.start_at(step)
-        logging.info("learner %d: starts at its peers' local step %d", learner_id, step)
-  learner.load_global()  # the published fragments replace whatever parameters it had
+  latest = _place(cfg, store, hosts, learner, ckpt, spec)
   link.heartbeat(Heartbeat(learner_id, incarnation, learner.local_step, 0.0, clock()))
-  learner.phase = hosts.share("phase", lambda: _phase(cfg, store, learner))
   if learner_id < cfg.learners.count:
     first = incarnation == 0 and latest is None
     hosts.share("started_together", lambda: _start_together(cfg, store, learner_id, first))
   records = workdir if hosts.leader else os.path.join(workdir, "hosts", f"h{hosts.index}")
-  activity = _Activity(records, learner_id, incarnation, len(devices), _speed(cfg, learner_id))
-  activity.span("load", joined_at, clock(), local_step=learner.local_step)
-  if hosts.leader:  # TensorBoard learner_<m>, wandb: one run per learner process
-    # A restarted learner redoes the steps after its checkpoint: TensorBoard hides the old ones.
-    writer = metrics_lib.open_writer(
-        cfg, records, role="learner", learner=learner_id, process=f"learner_{learner_id}",
-        purge_step=learner.local_step + 1 if learner.local_step else None)
-  else:  # the other hosts of a multi-host learner compute the same metrics
-    writer = metrics_lib.MetricWriter(records, role="learner", learner=learner_id)
+  activity_file = _ActivityFile(records, learner_id)
+  activity = learner_loop.SpanLog(activity_file.write, learner_id, incarnation, len(devices),
+                                  _speed(cfg, learner_id))
+  activity("load", joined_at, clock(), local_step=learner.local_step)
+  writer = _metric_writer(cfg, records, hosts, learner)
   print(f"learner {learner_id} incarnation {incarnation}: joined at local step "
         f"{learner.local_step} on {len(devices)} {jax.default_backend()} devices", flush=True)
+  hooks = _ProcessHooks(cfg, learner, link, ckpt, activity, writer, clock, retiring)
   try:
-    state, saved = _train(cfg, learner, link, ckpt, activity, writer, clock, retiring)
+    retired = learner_loop.train(learner, cfg, hooks)
+    state = RETIRED if retired else DONE
+    preempted = retired and cfg.store.on_sigterm == "restart"
+    # A preempted learner comes back (its next incarnation resumes): only a finished or
+    # retired one makes its final deliveries.
+    learner_loop.leave(learner, cfg, on_purpose=not preempted)
   finally:
     writer.close()
-    activity.close()
-  preempted = state == RETIRED and cfg.store.on_sigterm == "restart"
+    activity_file.close()
+  saved = hooks.saved
   if (cfg.checkpoint.every_steps or preempted) and saved != learner.local_step:
     _save(cfg, ckpt, learner)  # where a restart of this learner id picks up
   ckpt.close()
@@ -175,6 +155,40 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
           "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}
 
 
+def _metric_writer(cfg: Config, records: str, hosts: hosts_lib.HostGroup, learner: Learner):
+  """Host 0's writer also feeds TensorBoard learner_<m> and wandb (one run per learner
+  process); the other hosts of a multi-host learner compute the same metrics, kept locally."""
+  if not hosts.leader:
+    return metrics_lib.MetricWriter(records, role="learner", learner=learner.id)
+  # A restarted learner redoes the steps after its checkpoint: TensorBoard hides the old ones.
+  return metrics_lib.open_writer(
+      cfg, records, role="learner", learner=learner.id, process=f"learner_{learner.id}",
+      purge_step=learner.local_step + 1 if learner.local_step else None)
+
+
+def _place(cfg: Config, store: Store, hosts: hosts_lib.HostGroup, learner: Learner,
+           ckpt: checkpoint_lib.Checkpointer, spec) -> int | None:
+  """Where a new incarnation starts: its own checkpoint (params, AdamW state, data position)
+  or, optionally, a healthy peer's AdamW state; its peers' cohort step and schedule phase
+  (`learner_loop.align_with_peers`); then the published fragments. Returns the checkpoint
+  step it resumed (None: none)."""
+  mine = ckpt.latest_step()
+  latest = hosts.share("resume_step", lambda: mine)
+  if latest is not None:
+    learner.state, meta = ckpt.restore(latest, spec.abstract, learner.data_iter,
+                                       expect_meta=_identity(cfg))
+    learner.local_step = int(meta["local_step"])
+    logging.info("learner %d: resumed its checkpoint at local step %d", learner.id, latest)
+  elif cfg.store.peer_optimizer:
+    _adopt_peer_optimizer(cfg, store, learner, spec, hosts)
+  # A learner of the first cohort without a checkpoint starts with its peers, at step 0.
+  joins_running = not (learner.incarnation == 0 and learner.id < cfg.learners.count)
+  peers = hosts.share("peer_steps", lambda: _live_peer_steps(cfg, store, learner.id))
+  learner_loop.align_with_peers(learner, peers, cfg, joins_running=joins_running)
+  learner.load_global()  # the published fragments replace whatever parameters it had
+  return latest
+
+
 def _live_peer_steps(cfg: Config, store: Store, learner_id: int) -> list[int]:
   """The local steps in the live peers' last heartbeats (written within the heartbeat
   timeout, by their wall clocks: a generous bound across machines)."""
@@ -190,91 +204,59 @@ def _live_peer_steps(cfg: Config, store: Store, learner_id: int) -> list[int]:
   return peers
 
 
-def _phase(cfg: Config, store: Store, learner: Learner) -> int:
-  """`fragments.aligned_phase` against the live peers' heartbeats."""
-  peers = _live_peer_steps(cfg, store, learner.id)
-  phase = fragments_lib.aligned_phase(learner.local_step, peers, cfg.sync.period)
-  if phase:
-    logging.info("learner %d: schedule phase %d to deliver with its peers", learner.id, phase)
-  return phase
-
-
 def _start_together(cfg: Config, store: Store, learner_id: int, wait: bool) -> bool:
-  """The first cohort's learners take their first step together (a gang start, up to
-  `store.join_timeout_s`). Each delivers fragment p at the same local steps; started seconds
-  apart (compile times differ), their deliveries of a slot would be steps apart, more than a
-  grace window (at most one step) can gather, and every round would merge one learner.
-  A restarted learner only says it is ready (a peer may still be waiting for it)."""
+  """The first cohort's learners take their first step together (`learner_loop.start_together`,
+  through the store's ready marks). A restarted learner only says it is ready (a peer may
+  still be waiting for it)."""
   store.mark_ready(learner_id)
   if not wait:
     return False
-  deadline = time.monotonic() + cfg.store.join_timeout_s
-  while len(store.ready_learners() & set(range(cfg.learners.count))) < cfg.learners.count:
-    if time.monotonic() > deadline:
-      logging.warning("learner %d: not every initial learner was ready within %.0f s; starting",
-                      learner_id, cfg.store.join_timeout_s)
-      return False
-    time.sleep(cfg.store.poll_s)
-  return True
+  initial = set(range(cfg.learners.count))
+  return learner_loop.start_together(
+      learner_id, lambda: len(store.ready_learners() & initial), cfg.learners.count,
+      cfg.store.join_timeout_s, cfg.store.poll_s)
 
 
-def _train(cfg, learner, link, ckpt, activity, writer, clock, retiring
-           ) -> tuple[str, int | None]:
-  """Steps until the end or an agreed retirement; returns (state, last saved step)."""
-  speed, jitter = _speed(cfg, learner.id), cfg.learners.step_jitter
-  rng = np.random.default_rng([cfg.seed, learner.id, learner.incarnation])
-  every = cfg.checkpoint.every_steps
-  step_time, previous = 0.0, clock()
-  written, saved = None, ckpt.latest_step()  # a resumed learner's step is saved already
-  retired = False  # agreed by all hosts: a SIGTERM counts once host 0 has seen it
-  while learner.local_step < cfg.train.steps and not retired:
-    send_wait = learner.send_wait_s
-    learner.step(clock(), step_time)
-    factor = speed * (1.0 + jitter * rng.uniform(-1.0, 1.0)) if jitter else speed
-    extra = island.pacing_wait(clock() - previous, factor, cfg.learners.min_step_s)
-    if extra > 0:
-      retiring.wait(extra)
-    end = clock()
-    step_time = end - previous
-    # Time the step waited for room to send (backpressure) is waiting, not training.
-    stalled = min(learner.send_wait_s - send_wait, step_time)
-    activity.span("step", previous, end - stalled, local_step=learner.local_step,
-                  tokens=learner.tokens_per_step)
-    if stalled > 1e-3:
-      activity.span("wait", end - stalled, end, local_step=learner.local_step)
-    last = learner.last_values
-    if last is not None and last[0] != written:
-      written = last[0]
-      writer.write(last[0], dict(last[1], incarnation=learner.incarnation, time=end))
-    retired = link.agree(retire=retiring.is_set()).retire
-    blocked = learner.sync_point()
-    waited_from = clock()
-    while blocked and not retired:
-      link.heartbeat(Heartbeat(learner.id, learner.incarnation, learner.local_step, step_time,
-                               clock()))
-      p = blocked[0]
-      link.wait_for(p, link.latest_version(p) + 1, 0.2)
-      decision = link.agree(retire=retiring.is_set(),
-                            give_up=clock() - waited_from > cfg.sync.heartbeat_timeout_s)
-      retired = decision.retire
-      if decision.give_up:
-        logging.warning("learner %d gave up waiting for fragments %s", learner.id, blocked)
-        learner.give_up_waiting(blocked)
-        break
-      blocked = learner.sync_point()
-    waited = clock() - waited_from > 1e-3
-    if waited:
-      activity.span("wait", waited_from, clock(), local_step=learner.local_step)
-    if every and learner.local_step % every == 0:
-      _save(cfg, ckpt, learner)
-      saved = learner.local_step
-    # Paced steps keep their schedule (see drivers.ThreadedDriver): host work such as a
-    # checkpoint save is absorbed by the next step's pacing; a wait restarts the schedule.
-    previous = clock() if waited else end
-  last = learner.read_metrics()  # the last step's metrics, which no next step reads
-  if last is not None and last[0] != written:
-    writer.write(last[0], dict(last[1], incarnation=learner.incarnation, time=clock()))
-  return (RETIRED if retired else DONE), saved
+class _ProcessHooks:
+  """`learner_loop.LoopHooks` of a learner process: the run's clock, SIGTERM as a retirement
+  agreed by all its hosts (`hosts.AgreedLink.agree`), its own activity file and metric writer,
+  and a checkpoint every `checkpoint.every_steps` steps."""
+
+  def __init__(self, cfg: Config, learner: Learner, link, ckpt, activity, writer, clock,
+               retiring: threading.Event):
+    self._cfg, self._learner, self._link, self._ckpt = cfg, learner, link, ckpt
+    self.span, self._writer, self.now, self._retiring = activity, writer, clock, retiring
+    self._speed = _speed(cfg, learner.id)
+    self._rng = np.random.default_rng([cfg.seed, learner.id, learner.incarnation])
+    self._written = None
+    self.saved = ckpt.latest_step()  # a resumed learner's step is saved already
+
+  def stopped(self) -> bool:
+    return False  # a SIGTERM counts once host 0 has seen it: `agree` decides
+
+  def slowdown(self) -> float:
+    jitter = self._cfg.learners.step_jitter
+    return self._speed * (1.0 + jitter * self._rng.uniform(-1.0, 1.0)) if jitter else self._speed
+
+  def pause(self, seconds: float) -> None:
+    self._retiring.wait(seconds)
+
+  def agree(self, give_up: bool = False) -> learner_loop.Agreement:
+    decision = self._link.agree(retire=self._retiring.is_set(), give_up=give_up)
+    return learner_loop.Agreement(decision.retire, decision.give_up)
+
+  def after_step(self, final: bool) -> None:
+    last = self._learner.last_values
+    if last is not None and last[0] != self._written:
+      self._written = last[0]
+      self._writer.write(last[0], dict(last[1], incarnation=self._learner.incarnation,
+                                       time=self.now()))
+
+  def checkpoint(self) -> None:
+    every = self._cfg.checkpoint.every_steps
+    if every and self._learner.local_step % every == 0:
+      _save(self._cfg, self._ckpt, self._learner)
+      self.saved = self._learner.local_step
 
 
 def _save(cfg: Config, ckpt: checkpoint_lib.Checkpointer, learner: Learner) -> None:

@@ -165,9 +165,7 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
                                                versions=syncer.versions,
                                                alive=syncer.alive(now)))
       if store.exists("stop.json") or _all_left(store):
-        # One more pass: rounds holding what the last learners flushed before leaving close
-        # now that nobody is left to wait for.
-        sync_once(store, syncer, link, pending_records, tape, keep, clock(), fence=lease.check)
+        _settle(cfg, store, syncer, link, pending_records, tape, keep, clock, lease.check)
         break
       wait = cfg.store.poll_s if deadline is None else min(cfg.store.poll_s,
                                                            max(deadline - clock(), 0.0))
@@ -189,6 +187,25 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
   print(f"syncer: stopped after {syncer.rounds} rounds"
         + (f", eval/loss {final:.4f}" if final is not None else ""), flush=True)
   return dict(summary, **{"eval/loss": final})
+
+
+def _settle(cfg: Config, store: Store, syncer: Syncer, link: SyncerStoreLink,
+            records: list[dict], tape, keep: int, clock, fence) -> None:
+  """The run's end, before the final eval and export: one more pass, so that rounds holding
+  what the last learners flushed before leaving close now that nobody is left to wait for.
+  With `sync.final_sync` those are their final deliveries (every fragment): passes go on until
+  the syncer has settled (all of them merged), for at most `sync.heartbeat_timeout_s`, the
+  time a learner that died without leaving takes to stop counting."""
+  until = clock() + cfg.sync.heartbeat_timeout_s
+  while True:
+    sync_once(store, syncer, link, records, tape, keep, clock(), fence=fence)
+    if not cfg.sync.final_sync or syncer.settled():
+      return
+    if clock() > until:
+      logging.warning("syncer: not every final delivery was merged within "
+                      "sync.heartbeat_timeout_s=%g s", cfg.sync.heartbeat_timeout_s)
+      return
+    time.sleep(cfg.store.poll_s)
 
 
 # A loop pass slower than this is logged with its parts (a stalled store, a starved host).

@@ -24,9 +24,9 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
+from diloco import learner_loop
 from diloco.config_lib import Config, ConfigError
 from diloco.learner import Learner, Resume
-from diloco.observe.accounting import span_record
 from diloco.runtime import faults as faults_lib
 from diloco.syncer import Syncer
 from diloco.train import island
@@ -102,8 +102,11 @@ class Recorder:
         fn(record)
 
   def span(self, slot: Slot, kind: str, start: float, end: float, **extra) -> None:
-    record = span_record(slot.index, max(slot.incarnation, 0), kind, start, end,
-                         devices=slot.devices, slowdown=slot.speed, **extra)
+    """Records an activity span of the slot's current incarnation (`learner_loop.SpanLog`)."""
+    learner_loop.SpanLog(self._activity, slot.index, slot.incarnation, slot.devices,
+                         slot.speed)(kind, start, end, **extra)
+
+  def _activity(self, record: dict) -> None:
     with self._lock:
       self.recent_activity.append(record)
       self.activity_count += 1
@@ -234,18 +237,12 @@ class Runtime:
     return slot.learner
 
   def align_schedule(self, slot: Slot) -> None:
-    """Before the first step of a learner that joined running peers: shifts its fragment
-    schedule (`fragments.aligned_phase`) so that it delivers each slot in the same step as they
-    do, as the learner processes do. Without it, a learner back from a failure that cost it a
-    non-multiple of H steps delivers steps away from its peers, more than a grace window (at
-    most one step) gathers, and its deliveries make rounds of their own."""
+    """Before the first step of a learner that joined running peers: aligns its fragment
+    schedule with theirs (`learner_loop.align_with_peers`), as the learner processes do."""
     if not slot.align_pending:
       return
     slot.align_pending = False
-    learner, peers = slot.learner, self._live_peer_steps(slot)
-    if not learner.local_step and peers and self.cfg.learners.join_schedule == "cohort":
-      learner.start_at(fragments_lib.cohort_step(peers))  # no progress of its own
-    learner.phase = fragments_lib.aligned_phase(learner.local_step, peers, self.cfg.sync.period)
+    learner_loop.align_with_peers(slot.learner, self._live_peer_steps(slot), self.cfg)
 
   def _live_peer_steps(self, slot: Slot) -> list[int]:
     return [s.learner.local_step for s in self.slots

@@ -18,10 +18,10 @@ from typing import Any
 
 from absl import logging
 
+from diloco import learner_loop
 from diloco.learner import NonFiniteMetrics
 from diloco.runtime import faults as faults_lib
 from diloco.runtime.core import Runtime, Slot
-from diloco.train.island import pacing_wait
 from diloco.transport import Heartbeat
 
 
@@ -64,10 +64,16 @@ class VirtualDriver:
       self._waiting[slot.index] = (self.now, blocked)
       self._push(self.now + self.cfg.sync.heartbeat_timeout_s, "give_up",
                  (slot.index, slot.incarnation, learner.local_step))
-    elif learner.local_step >= self.cfg.train.steps:
-      self.rt.stop_learner(slot, "done")
+    elif learner_loop.finished(learner, self.cfg):
+      self._leave(slot, "done")
     else:
       self._schedule_step(slot, self.now)
+
+  def _leave(self, slot: Slot, status: str) -> None:
+    """A learner that finished ("done") or retires on purpose ("retired") leaves
+    (`learner_loop.leave`: its final deliveries, then a flush)."""
+    learner_loop.leave(slot.learner, self.cfg, on_purpose=True)
+    self.rt.stop_learner(slot, status)
 
   def _join(self, slot: Slot, joins_running: bool = True) -> None:
     self.rt.start_learner(slot, background_io=False, now=self.now, clock=lambda: self.now,
@@ -135,6 +141,27 @@ class VirtualDriver:
         self.on_eval(self.now)
         if any(s.status == "up" for s in self.rt.slots):
           self._push(self.now + cfg.train.eval_every * cfg.learners.virtual_step_s, "eval")
+    self._settle()
+
+  def _settle(self) -> None:
+    """With `sync.final_sync`, the rounds that hold the learners' final deliveries close
+    after the last learner left: the syncer goes on ticking and publishing until it has
+    settled, for at most `sync.heartbeat_timeout_s` more of the virtual clock."""
+    if not self.cfg.sync.final_sync:
+      return
+    until = self.now + self.cfg.sync.heartbeat_timeout_s
+    self._tick()
+    while not self.rt.syncer.settled() and self._heap and self._heap[0][0] <= until:
+      at, _, kind, data = heapq.heappop(self._heap)
+      if kind not in ("publish", "tick"):
+        continue  # nobody is left to step, evaluate or fail
+      self.now = at
+      if kind == "publish":
+        self.rt.transport.publish(data)
+      self._tick()
+    if not self.rt.syncer.settled():
+      logging.warning("the syncer has not merged every final delivery within "
+                      "sync.heartbeat_timeout_s=%g s", self.cfg.sync.heartbeat_timeout_s)
 
   def _wake_waiting(self) -> None:
     for g in sorted(self._waiting):
@@ -143,8 +170,8 @@ class VirtualDriver:
       if not blocked:
         since, _ = self._waiting.pop(g)
         self.rt.recorder.span(slot, "wait", since, self.now)
-        if slot.learner.local_step >= self.cfg.train.steps:
-          self.rt.stop_learner(slot, "done")
+        if learner_loop.finished(slot.learner, self.cfg):
+          self._leave(slot, "done")
         else:
           self._schedule_step(slot, self.now)
 
@@ -163,7 +190,7 @@ class VirtualDriver:
     if fault.kind != "nan":
       self._waiting.pop(slot.index, None)
     if fault.kind == "remove":
-      self.rt.stop_learner(slot, "retired")
+      self._leave(slot, "retired")
       return
     if fault.kind == "nan":
       self.rt.poison(slot)
@@ -173,6 +200,40 @@ class VirtualDriver:
     self._push(self.now + fault.duration, "down_end", slot.index)
 
 
+class _ThreadHooks:
+  """`learner_loop.LoopHooks` of a learner thread: the wall clock, its stop event (a fault or
+  the end of the run) and the runtime's recorder; the run checkpoint
+  (`diloco.runtime.checkpoint.Periodic`) covers its state, so it saves none of its own."""
+
+  def __init__(self, driver: ThreadedDriver, slot: Slot, stop: threading.Event):
+    self._driver, self._slot, self._stop = driver, slot, stop
+
+  def now(self) -> float:
+    return self._driver.now()
+
+  def stopped(self) -> bool:
+    return self._stop.is_set() or self._driver.done.is_set()
+
+  def slowdown(self) -> float:
+    return self._driver.rt.step_duration(self._slot)
+
+  def pause(self, seconds: float) -> None:
+    self._stop.wait(seconds)
+
+  def agree(self, give_up: bool = False) -> learner_loop.Agreement:
+    return learner_loop.Agreement(self.stopped(), give_up)
+
+  def span(self, kind: str, start: float, end: float, **extra) -> None:
+    self._driver.rt.recorder.span(self._slot, kind, start, end, **extra)
+
+  def after_step(self, final: bool) -> None:
+    if not final:  # a finished learner's last metrics are written by `Runtime.on_done`
+      self._driver.on_step(self._slot)
+
+  def checkpoint(self) -> None:
+    return None  # the run checkpoint covers this learner (see the class docstring)
+
+
 class ThreadedDriver:
   """Wall-clock driver: a thread per learner, one for the syncer; faults from the main thread."""
 
@@ -180,15 +241,18 @@ class ThreadedDriver:
     self.rt, self.on_eval, self.on_step = runtime, on_eval, on_step
     self.cfg = runtime.cfg
     self._t0 = time.monotonic() - runtime.clock_start
-    self._done = threading.Event()
+    self.done = threading.Event()
     self._errors: list[BaseException] = []
     self._stops: dict[int, threading.Event] = {}
     self._threads: dict[int, threading.Thread] = {}
     self._failed: queue.SimpleQueue = queue.SimpleQueue()  # (slot, since) to restart
-    self._cohort: set[int] = set()  # initial learners that have not passed the gang start
-    self._gang = threading.Barrier(1)
+    self._cohort: set[int] = set()  # initial learners that have not reached the gang start
+    self._gang_size = 0
+    self._ready = 0  # initial learners that reached the gang start
+    self._ready_lock = threading.Lock()
     self._eval: threading.Thread | None = None
     self.evals_skipped = 0
+    self._ticks = 0  # the syncer thread's ticks, under the runtime's lock
 
   def now(self) -> float:
     return time.monotonic() - self._t0
@@ -199,19 +263,39 @@ class ThreadedDriver:
     except BaseException as e:  # surfaced by the main thread
       logging.exception("runtime thread failed")
       self._errors.append(e)
-      self._done.set()
-      self._gang.abort()  # no learner waits for a peer that will not come
+      self.done.set()  # no learner waits at the gang start for a peer that will not come
 
   def _syncer_loop(self) -> None:
     deadline = None
-    while not self._done.is_set():
+    while not self.done.is_set():
       wait = 0.05 if deadline is None else min(0.05, max(deadline - self.now(), 0.0))
       self.rt.transport.wait_for_messages(wait)
       messages = self.rt.transport.take()
       with self.rt.lock:
         merged, deadline = self.rt.syncer.tick(self.now(), *messages)
+        self._ticks += 1
       for m in merged:
         self.rt.transport.publish(m)
+
+  def _settle(self) -> None:
+    """With `sync.final_sync`, waits (at most `sync.heartbeat_timeout_s`) until the syncer
+    thread has merged the learners' final deliveries. Every learner has left, so its messages
+    are all in the transport: once a tick that took them after this call began has run (two
+    more ticks: the one under way may have taken before), a settled syncer has them all."""
+    if not self.cfg.sync.final_sync or self.done.is_set():
+      return  # (set: a runtime thread failed)
+    with self.rt.lock:
+      after = self._ticks + 2
+    until = time.monotonic() + self.cfg.sync.heartbeat_timeout_s
+    while time.monotonic() < until:
+      with self.rt.lock:
+        if self._ticks >= after and self.rt.syncer.settled():
+          return
+      if self.done.is_set():
+        return
+      time.sleep(0.01)
+    logging.warning("the syncer has not merged every final delivery within "
+                    "sync.heartbeat_timeout_s=%g s", self.cfg.sync.heartbeat_timeout_s)
 
   def _learner_loop(self, slot: Slot, stop: threading.Event) -> None:
     try:
@@ -228,65 +312,25 @@ class ThreadedDriver:
                                     joins_running=not initial)
     self.rt.recorder.span(slot, "load", start, self.now())
     self._start_together(slot)
-    previous = self.now()
-    step_time = 0.0
-    steps = self.cfg.train.steps
-    while not stop.is_set() and learner.local_step < steps and not self._done.is_set():
-      self.rt.align_schedule(slot)
-      send_wait = learner.send_wait_s
-      learner.step(self.now(), step_time)
-      measured = self.now() - previous
-      extra = pacing_wait(measured, self.rt.step_duration(slot),
-                          self.cfg.learners.min_step_s)
-      if extra > 0 and stop.wait(extra):
-        break
-      end = self.now()
-      step_time = end - previous
-      # Time the step waited for room to send (backpressure) is waiting, not training.
-      stalled = min(learner.send_wait_s - send_wait, step_time)
-      self.rt.recorder.span(slot, "step", previous, end - stalled,
-                            local_step=learner.local_step, tokens=learner.tokens_per_step)
-      if stalled > 1e-3:
-        self.rt.recorder.span(slot, "wait", end - stalled, end)
-      self.on_step(slot)
-      blocked = learner.sync_point()
-      waited_from = self.now()
-      while blocked and not stop.is_set() and not self._done.is_set():
-        if self.now() - waited_from > self.cfg.sync.heartbeat_timeout_s:
-          logging.warning("learner %d gave up waiting for fragments %s", slot.index, blocked)
-          learner.give_up_waiting(blocked)
-          break
-        self.rt.transport.heartbeat(Heartbeat(slot.index, slot.incarnation, learner.local_step,
-                                              step_time, self.now()))
-        p = blocked[0]
-        self.rt.transport.wait_for(p, self.rt.transport.latest_version(p) + 1, 0.2)
-        blocked = learner.sync_point()
-      waited = self.now() - waited_from > 1e-3
-      if waited:
-        self.rt.recorder.span(slot, "wait", waited_from, self.now())
-      # Paced steps keep their schedule: host work between steps (metrics, status) is absorbed
-      # by the next step's pacing, as an accelerator overlaps it with the step in flight, so
-      # equal learners do not drift apart by their host jitter. A wait restarts the schedule.
-      previous = self.now() if waited else end
-    learner.read_metrics()
-    learner.flush()
-    finished = learner.local_step >= steps
-    self.rt.stop_learner(slot, "done" if finished and not stop.is_set() else slot.status)
+    self.rt.align_schedule(slot)
+    learner_loop.train(learner, self.cfg, _ThreadHooks(self, slot, stop))
+    finished = learner_loop.finished(learner, self.cfg) and not stop.is_set()
+    # `_stop` sets the status before it stops the thread: "retired" is a planned retirement.
+    retired = stop.is_set() and slot.status == "retired"
+    learner_loop.leave(learner, self.cfg, on_purpose=finished or retired)
+    self.rt.stop_learner(slot, "done" if finished else slot.status)
 
   def _start_together(self, slot: Slot) -> None:
-    """The initial learners take their first step together (a gang start, as the learner
-    processes do). Each delivers fragment p at the same local steps; loaded a few steps apart
-    (threads contend for the host), paced learners would keep that offset for the whole run,
-    more than a grace window (at most one step) can gather, and a round would miss them.
-    A rejoining learner does not wait."""
+    """The initial learners take their first step together (`learner_loop.start_together`,
+    as the learner processes do). A rejoining learner does not wait."""
     if slot.index not in self._cohort:
       return
-    self._cohort.discard(slot.index)
-    try:
-      self._gang.wait(timeout=self.cfg.store.join_timeout_s)
-    except threading.BrokenBarrierError:
-      logging.warning("learner %d: the initial learners did not all load within %.0f s; "
-                      "starting alone", slot.index, self.cfg.store.join_timeout_s)
+    with self._ready_lock:
+      self._cohort.discard(slot.index)
+      self._ready += 1
+    learner_loop.start_together(slot.index, lambda: self._ready, self._gang_size,
+                                self.cfg.store.join_timeout_s, poll_s=0.005,
+                                abandoned=self.done.is_set)
 
   def _start(self, slot: Slot) -> None:
     stop = threading.Event()
@@ -311,13 +355,13 @@ class ThreadedDriver:
     syncer.start()
     initial = self.rt.initial_slots()
     self._cohort = {slot.index for slot in initial}
-    self._gang = threading.Barrier(max(len(initial), 1))
+    self._gang_size = len(initial)
     for slot in initial:
       self._start(slot)
     pending = list(self.rt.faults)
     returns: list[tuple[float, Slot, float]] = []
     next_eval = cfg.train.eval_every
-    while not self._done.is_set():
+    while not self.done.is_set():
       now = self.now()
       while pending and pending[0].at <= now:
         self._fault(pending.pop(0), returns)
@@ -339,7 +383,8 @@ class ThreadedDriver:
           and self._failed.empty():
         break
       time.sleep(0.05)
-    self._done.set()
+    self._settle()
+    self.done.set()
     syncer.join()
     for thread in self._threads.values():
       thread.join()

@@ -1,0 +1,218 @@
+"""One learner's life around its steps, shared by every runtime (docs/architecture.md).
+
+A learner (`diloco.learner.Learner`) knows how to step, deliver and apply merged fragments;
+this module decides when: step, pace to the configured speed, record step and wait spans,
+apply what is due (`sync_point`), wait for a late round with heartbeats and give up on it
+after `sync.heartbeat_timeout_s`, and, when the learner finishes or retires on purpose,
+deliver every fragment one last time (`sync.final_sync`) before flushing.
+
+The threaded driver's learner threads (`diloco.runtime.drivers`) and the learner processes
+(`diloco.distributed.learner_process`) run `train` and `leave` with their own `LoopHooks`;
+the virtual-clock driver is event-driven (a step is an event, a wait ends on a publish), so it
+shares the pieces that fit: `finished`, `leave`, `align_with_peers` and `SpanLog`. The schedule
+alignment with live peers and the gang start are shared here too. So a change to what a
+learner does between its steps is one edit that every runtime picks up. Nothing here knows
+the syncer: a learner only talks to its transport.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from absl import logging
+
+from diloco import fragments as fragments_lib
+from diloco.config_lib import Config
+from diloco.learner import Learner
+from diloco.observe.accounting import span_record
+from diloco.train.island import pacing_wait
+from diloco.transport import Heartbeat
+
+# How long one wait for a late round's publication lasts before the learner heartbeats
+# again and asks whether to go on waiting.
+_WAIT_SLICE_S = 0.2
+# Shorter waits and stalls are not recorded as wait spans (timer noise).
+_MIN_WAIT_S = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+  """What the runtime decided at a point of the loop: leave it (`stop`: a retirement, a
+  fault, the run's end) and stop waiting for the late round (`give_up`)."""
+  stop: bool
+  give_up: bool = False
+
+
+class LoopHooks(Protocol):
+  """What differs between the runtimes; `train` calls these at fixed points of its loop.
+
+  A learner over several hosts must take the same decisions on every host: `agree` is then
+  a collective call, made the same number of times at the same points on every host.
+  """
+
+  def now(self) -> float:
+    """The run's clock (seconds)."""
+
+  def stopped(self) -> bool:
+    """A stop this process alone can see before the next step (never a collective)."""
+
+  def slowdown(self) -> float:
+    """This step's pacing factor (its speed, with jitter): see `island.pacing_wait`."""
+
+  def pause(self, seconds: float) -> None:
+    """Sleeps for pacing; may return early when the learner is asked to stop."""
+
+  def agree(self, give_up: bool = False) -> Agreement:
+    """Whether to stop (after every step and wait slice) and to give up a late round."""
+
+  def span(self, kind: str, start: float, end: float, **extra) -> None:
+    """Records an activity span (`SpanLog`)."""
+
+  def after_step(self, final: bool) -> None:
+    """After every step (`final`: after the last one, its metrics just read)."""
+
+  def checkpoint(self) -> None:
+    """Between steps, after the sync point: saves the learner's state when one is due."""
+
+
+def train(learner: Learner, cfg: Config, hooks: LoopHooks) -> bool:
+  """Steps `learner` until `train.steps` local steps or a stop; returns whether it stopped
+  (by `hooks.stopped` or an agreed stop) rather than finishing."""
+  step_time, previous = 0.0, hooks.now()
+  stop = False
+  while learner.local_step < cfg.train.steps and not stop and not hooks.stopped():
+    end, step_time = _step(learner, cfg, hooks, previous, step_time)
+    stop = hooks.agree().stop
+    waited_from = hooks.now()
+    if not stop:
+      stop = _sync(learner, cfg, hooks, waited_from, step_time)
+    waited = hooks.now() - waited_from > _MIN_WAIT_S
+    if waited:
+      hooks.span("wait", waited_from, hooks.now(), local_step=learner.local_step)
+    hooks.checkpoint()
+    # Paced steps keep their schedule: host work between steps (metrics, status, a checkpoint
+    # save) is absorbed by the next step's pacing, as an accelerator overlaps it with the step
+    # in flight, so equal learners do not drift apart by their host jitter. A wait restarts it.
+    previous = hooks.now() if waited else end
+  learner.read_metrics()  # the last step's metrics, which no next step reads
+  hooks.after_step(final=True)
+  return stop or hooks.stopped()
+
+
+def _step(learner: Learner, cfg: Config, hooks: LoopHooks, previous: float,
+          step_time: float) -> tuple[float, float]:
+  """One paced step and its spans; returns (its end, its duration)."""
+  send_wait = learner.send_wait_s
+  learner.step(hooks.now(), step_time)
+  extra = pacing_wait(hooks.now() - previous, hooks.slowdown(), cfg.learners.min_step_s)
+  if extra > 0:
+    hooks.pause(extra)
+  end = hooks.now()
+  step_time = end - previous
+  # Time the step waited for room to send (backpressure) is waiting, not training.
+  stalled = min(learner.send_wait_s - send_wait, step_time)
+  hooks.span("step", previous, end - stalled, local_step=learner.local_step,
+             tokens=learner.tokens_per_step)
+  if stalled > _MIN_WAIT_S:
+    hooks.span("wait", end - stalled, end, local_step=learner.local_step)
+  hooks.after_step(final=False)
+  return end, step_time
+
+
+def _sync(learner: Learner, cfg: Config, hooks: LoopHooks, waited_from: float,
+          step_time: float) -> bool:
+  """Applies what is due; waits for late rounds (heartbeating, so the syncer keeps counting
+  this learner) until they are published, the runtime stops it, or it gives up after
+  `sync.heartbeat_timeout_s`. Returns whether it was stopped meanwhile."""
+  blocked = learner.sync_point()
+  transport = learner.transport
+  while blocked and not hooks.stopped():
+    transport.heartbeat(Heartbeat(learner.id, learner.incarnation, learner.local_step,
+                                  step_time, hooks.now()))
+    p = blocked[0]
+    transport.wait_for(p, transport.latest_version(p) + 1, _WAIT_SLICE_S)
+    agreed = hooks.agree(give_up=hooks.now() - waited_from > cfg.sync.heartbeat_timeout_s)
+    if agreed.give_up:
+      logging.warning("learner %d gave up waiting for fragments %s", learner.id, blocked)
+      learner.give_up_waiting(blocked)
+      return agreed.stop
+    blocked = learner.sync_point()
+    if agreed.stop:
+      return True
+  return hooks.stopped()
+
+
+def finished(learner: Learner, cfg: Config) -> bool:
+  """Whether the learner has taken all its steps (it then leaves as "done")."""
+  return learner.local_step >= cfg.train.steps
+
+
+def leave(learner: Learner, cfg: Config, on_purpose: bool) -> None:
+  """Ends the learner's training: a learner that finished or retires on purpose delivers
+  every fragment now (`sync.final_sync`), so its last local steps reach the global
+  parameters, then every delivery is flushed to its transport. A failed learner only flushes
+  (the syncer times it out, as it would a crashed island)."""
+  if on_purpose and cfg.sync.final_sync:
+    learner.deliver_final()
+  learner.flush()
+
+
+def align_with_peers(learner: Learner, peers: list[int], cfg: Config,
+                     joins_running: bool = True) -> None:
+  """Aligns the fragment schedule of a learner with its live peers' local steps `peers`.
+
+  A learner that joins running peers with no progress of its own starts at their cohort's
+  step (`learners.join_schedule=cohort`, `fragments.cohort_step`); every learner then shifts
+  its schedule (`fragments.aligned_phase`) to deliver each slot in the same step as they do.
+  Without it, a learner back from a failure that cost it a non-multiple of H steps delivers
+  steps away from its peers, more than a grace window (at most one step) gathers, and its
+  deliveries make rounds of their own.
+  """
+  if joins_running and not learner.local_step and cfg.learners.join_schedule == "cohort":
+    step = fragments_lib.cohort_step(peers)
+    if step:
+      learner.start_at(step)
+      logging.info("learner %d: starts at its peers' local step %d", learner.id, step)
+  learner.phase = fragments_lib.aligned_phase(learner.local_step, peers, cfg.sync.period)
+  if learner.phase:
+    logging.info("learner %d: schedule phase %d to deliver with its peers", learner.id,
+                 learner.phase)
+
+
+def start_together(learner_id: int, ready: Callable[[], int], size: int, timeout_s: float,
+                   poll_s: float, abandoned: Callable[[], bool] = lambda: False) -> bool:
+  """The gang start: waits until `ready()` counts all `size` initial learners (up to
+  `timeout_s`, or until `abandoned()`); returns whether they all came.
+
+  The initial learners take their first step together. Each delivers fragment p at the same
+  local steps; started seconds apart (load and compile times differ, threads contend for the
+  host), paced learners would keep that offset for the whole run, more than a grace window
+  (at most one step) can gather, and every round would merge one learner.
+  """
+  deadline = time.monotonic() + timeout_s
+  while ready() < size:
+    if abandoned():
+      return False
+    if time.monotonic() > deadline:
+      logging.warning("learner %d: not every initial learner was ready within %.0f s; "
+                      "starting", learner_id, timeout_s)
+      return False
+    time.sleep(poll_s)
+  return True
+
+
+class SpanLog:
+  """Writes one learner incarnation's activity spans (`accounting.span_record`) to `sink`."""
+
+  def __init__(self, sink: Callable[[dict], None], learner: int, incarnation: int,
+               devices: int, slowdown: float):
+    self._sink = sink
+    self._identity = dict(learner=learner, incarnation=max(incarnation, 0))
+    self._devices, self._slowdown = devices, slowdown
+
+  def __call__(self, kind: str, start: float, end: float, **extra) -> None:
+    self._sink(span_record(self._identity["learner"], self._identity["incarnation"], kind,
+                           start, end, devices=self._devices, slowdown=self._slowdown, **extra))
