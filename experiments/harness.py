@@ -87,14 +87,33 @@ def _flag(value: object) -> str:
   return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def trained_tokens(workdir: str, cfg: dict) -> float:
+  """Tokens every learner of the run trained on: from its step spans (activity.jsonl), else
+  from the per-step `train/tokens` records of metrics.jsonl (a run copied back without its
+  activity log), else the configured steps x batch x sequence length x learners."""
+  activity = read_jsonl(os.path.join(workdir, "activity.jsonl"))
+  if activity:
+    return sum(r.get("tokens", 0) for r in activity if r["kind"] == "step")
+  logged = sum(r["train/tokens"] for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+               if "train/tokens" in r)
+  if logged:
+    return logged
+  return (cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
+          * max(cfg["learners"]["count"], 1))
+
+
 def finished(workdir: str) -> bool:
   """A Decoupled run ends with accounting.json; a data-parallel one with its final evaluation
-  (at `train.steps`) in metrics.jsonl and its export."""
+  (at `train.steps`) in metrics.jsonl and its export, or the harness's record that its
+  process ended well (`HARNESS_FILE`: a run copied back from another machine without its
+  export)."""
   if os.path.exists(os.path.join(workdir, "accounting.json")) or os.path.exists(
       os.path.join(workdir, "final.json")):
     return True
   config_path = os.path.join(workdir, "config.json")
-  if not os.path.isdir(os.path.join(workdir, "export")) or not os.path.exists(config_path):
+  ended = (os.path.isdir(os.path.join(workdir, "export"))
+           or os.path.exists(os.path.join(workdir, HARNESS_FILE)))
+  if not ended or not os.path.exists(config_path):
     return False
   with open(config_path, encoding="utf-8") as f:
     steps = json.load(f)["train"]["steps"]
@@ -208,11 +227,7 @@ def collect(run: Run, workdir: str) -> dict:
     curve = eval_curve(workdir)
     acc = {"eval/loss": curve[-1]["eval_loss"], "eval/initial_loss": curve[0]["eval_loss"],
            "wall_s": curve[-1]["wall"]}
-  activity = read_jsonl(os.path.join(workdir, "activity.jsonl"))
-  if activity:
-    tokens = sum(r.get("tokens", 0) for r in activity if r["kind"] == "step")
-  else:
-    tokens = cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
+  tokens = trained_tokens(workdir, cfg)
   tokens += init_tokens(cfg)
   row = {"method": run.method, **dict(run.labels), "seed": run.seed, "tokens": int(tokens),
          "eval_loss": float(acc["eval/loss"]), "initial_loss": float(acc["eval/initial_loss"]),
