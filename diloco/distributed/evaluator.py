@@ -64,6 +64,7 @@ class Evaluator:
         cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
     self._thread: threading.Thread | None = None
     self.last: float | None = None
+    self._last_at: tuple[int, int] | None = None  # (step, rounds) of `last`
     self.skipped = 0
 
   def evaluate(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
@@ -77,8 +78,21 @@ class Evaluator:
                              "time": now, "outer/rounds": rounds})
     print(f"t={now:.1f}s step {step}: global eval/loss {loss:.4f} after {rounds} rounds",
           flush=True)
-    self.last = loss
+    self.last, self._last_at = loss, (step, rounds)
     return loss
+
+  def final(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
+    """The end-of-run eval; the last eval's loss when that one saw the same step and rounds
+    (the same parameters), so that metrics.jsonl keeps one eval record per step."""
+    if self._last_at == (step, rounds) and self.last is not None:
+      return self.last
+    return self.evaluate(flat_params, step, now, rounds)
+
+  def due(self, step: int, next_eval: int, total_steps: int) -> bool:
+    """Whether a periodic eval is due at `step`: not at the last step (the final eval is
+    that step's record), nor at a step evaluated already."""
+    evaluated = self._last_at is not None and self._last_at[0] == step
+    return bool(next_eval) and next_eval <= step < total_steps and not evaluated
 
   def start(self, flat_params: dict, step: int, now: float, rounds: int) -> bool:
     """Evaluates on a background thread; False (skipped) while the previous one runs."""
@@ -151,10 +165,10 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
       registry = store.read_json("registry.json") or {}
       if registry.get("stopped"):
         flat, index = read_global(store)
-        final = evaluator.evaluate(flat, _progress(store), clock(), int(registry["rounds"]))
+        final = evaluator.final(flat, _progress(store), clock(), int(registry["rounds"]))
         break
       progress = _progress(store)
-      if next_eval and progress >= next_eval:
+      if evaluator.due(progress, next_eval, cfg.train.steps):
         flat, index = read_global(store)
         evaluator.evaluate(flat, progress, clock(), int(registry.get("rounds", 0)))
         next_eval = (progress // every + 1) * every
