@@ -34,11 +34,12 @@ def _evals(workdir):
 
 @pytest.fixture(scope="module")
 def decoupled_run(tmp_path_factory):
-  """A 2-learner virtual-clock run with a periodic eval due at its last step; its workdir,
-  summary and stdout."""
+  """A 2-learner virtual-clock run whose fast learner finishes first: the periodic evals due
+  after that are at its last step, like the final one. Its config, workdir, summary, stdout."""
   workdir = str(tmp_path_factory.mktemp("decoupled"))
   cfg = run_config.load(learners__count=2, learners__virtual_clock=True, train__steps=STEPS,
-                        train__eval_every=STEPS // 2, sync__num_fragments=2, sync__period=4)
+                        train__eval_every=STEPS // 4, sync__num_fragments=2, sync__period=4,
+                        learners__speeds="1,2")
   capture = pytest.MonkeyPatch()
   lines = []
   capture.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))
@@ -71,7 +72,7 @@ def test_one_eval_record_per_step_and_the_final_one_last(decoupled_run):
   assert per_step and max(per_step.values()) == 1, per_step
   assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS
   assert evals[-1]["eval/loss"] == summary["eval/loss"] < summary["eval/initial_loss"]
-  assert STEPS // 2 in per_step or STEPS // 2 - 1 in per_step  # the periodic one, mid-run
+  assert len(per_step) >= 3  # the start, at least one periodic eval mid-run, the end
 
 
 @pytest.mark.slow
