@@ -81,6 +81,17 @@ class Evaluator:
     self.last, self._last_at = loss, (step, rounds)
     return loss
 
+  def recall(self, workdir: str) -> bool:
+    """Takes the last global eval recorded in `workdir` (by an earlier incarnation of this
+    process) as its own, so that a restart evaluates no step twice; False if there is none."""
+    path = os.path.join(workdir, metrics_lib.METRICS_FILE)
+    evals = [r for r in (metrics_lib.read_metrics(path) if os.path.exists(path) else [])
+             if r.get("role") == "syncer" and "eval/loss" in r]
+    if evals:
+      self.last = evals[-1]["eval/loss"]
+      self._last_at = (evals[-1]["step"], int(evals[-1].get("outer/rounds", -1)))
+    return bool(evals)
+
   def final(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
     """The end-of-run eval; the last eval's loss when that one saw the same step and rounds
     (the same parameters), so that metrics.jsonl keeps one eval record per step."""
@@ -142,11 +153,9 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   """`--role=evaluator`: evaluates published versions until the syncer has stopped."""
   store = Store(store_root)
   spec, init_fn, eval_fn = model_on_first_device(cfg)
-  metrics_path = os.path.join(workdir, metrics_lib.METRICS_FILE)
-  restarted = os.path.exists(metrics_path) and any(
-      "eval/loss" in r for r in metrics_lib.read_metrics(metrics_path))
   writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="evaluator")
   evaluator = Evaluator(cfg, spec, eval_fn, writer)
+  restarted = evaluator.recall(workdir)
   origin = store.run_start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   try:

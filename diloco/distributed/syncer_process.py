@@ -143,6 +143,8 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
   evaluator = (evaluator_lib.Evaluator(cfg, spec, eval_fn, writer)
                if cfg.train.eval_mode == "background" else None)
   progress, next_eval = 0, cfg.train.eval_every if evaluator else 0
+  if evaluator is not None and recovered:
+    evaluator.recall(workdir)  # what the syncer before this one evaluated
   if evaluator is not None and not recovered:
     evaluator.start(syncer.global_params(), 0, clock(), 0)
   tape = open(tape_path, "a", encoding="utf-8")

@@ -173,6 +173,12 @@ class _Session:
     self.virtual = cfg.learners.virtual_clock
     self.last_saved = rt.syncer.rounds
     self.last_eval = _LastEval()
+    if snapshot is not None:  # the evals kept by the rewind: a resumed run adds none at a step
+      evals = [r for r in metrics_lib.read_metrics(self.writer.path)
+               if r.get("role") == "syncer" and "eval/loss" in r]
+      if evals:
+        self.last_eval = _LastEval(evals[-1]["step"], int(evals[-1].get("outer/rounds", -1)),
+                                   evals[-1]["eval/loss"])
     self.initial: float | None = None
     self.started = time.monotonic()
     self.driver = (VirtualDriver if self.virtual else ThreadedDriver)(rt, self.on_eval,
