@@ -90,6 +90,8 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
 
 def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
          ) -> tuple[Runtime, dict[str, float]]:
+  """Prepare the workdir, build (or restore) the runtime, train, close the records, export G,
+  report (`diloco.observe.report`, shared with the launcher)."""
   snapshot = _prepare(cfg, workdir, ckpt)
   rt = _runtime(cfg, workdir, ckpt, snapshot)
   session = _Session(cfg, workdir, rt, ckpt, snapshot)
@@ -142,6 +144,7 @@ def _runtime(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer,
 
 @dataclasses.dataclass
 class _LastEval:
+  """The last global eval recorded: at which step, after how many rounds, its loss."""
   step: int | None = None
   rounds: int = -1
   loss: float | None = None
