@@ -35,11 +35,12 @@ def _evals(workdir):
 @pytest.fixture(scope="module")
 def decoupled_run(tmp_path_factory):
   """A 2-learner virtual-clock run whose fast learner finishes first: the periodic evals due
-  after that are at its last step, like the final one. Its config, workdir, summary, stdout."""
+  after that are at its last step, like the final one. The slow learner goes down once and
+  rejoins; the second fault finds it down already. Its config, workdir, summary, stdout."""
   workdir = str(tmp_path_factory.mktemp("decoupled"))
   cfg = run_config.load(learners__count=2, learners__virtual_clock=True, train__steps=STEPS,
                         train__eval_every=STEPS // 4, sync__num_fragments=2, sync__period=4,
-                        learners__speeds="1,2")
+                        learners__speeds="1,2", learners__faults="down:1@3+2;down:1@4+1")
   capture = pytest.MonkeyPatch()
   lines = []
   capture.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))
@@ -58,7 +59,8 @@ def test_single_controller_run_writes_every_key_once(decoupled_run):
   assert written == summary
   assert set(report.RUN_KEYS) <= set(written)
   assert all(k.startswith("accounting/") for k in set(written) - set(report.RUN_KEYS))
-  assert written["chaos/events"] == written["chaos/applied"] == written["restarts"] == 0
+  assert (written["chaos/events"], written["chaos/applied"]) == (2, 1)
+  assert (written["restarts"], written["syncer_restarts"]) == (1, 0)
   assert 0 < written["accounting/goodput"] <= 1 and written["wall_s"] > 0
   for name in ("loss.png", "timeline.png"):
     assert os.path.getsize(os.path.join(workdir, name)) > 0
@@ -89,6 +91,7 @@ def test_console_shows_the_final_eval_once_in_a_short_table(decoupled_run):
                                f"max {summary['accounting/staleness_max']:.0f}")
   assert rows["export"] == os.path.join(workdir, "export")
   assert os.path.join(workdir, "tensorboard") in rows["tensorboard"]
+  assert rows["restarts"] == "1 (0 of them the syncer's); faults 1 of 2 applied"
   assert out.count("fidelity: ") == 1
 
 
@@ -120,7 +123,7 @@ def test_eval_follower_prints_new_complete_global_eval_records(tmp_path):
   path = str(tmp_path / "metrics.jsonl")
   with open(path, "w") as f:
     f.write(json.dumps({"role": "syncer", "step": 0, "eval/loss": 9.0, "time": 0.0}) + "\n")
-  follower = metrics_lib.EvalFollower(path)  # an earlier run's record is not news
+  follower = metrics_lib.EvalFollower(path, last_step=10)  # an earlier run's record is old
   assert follower.new_lines() == []
   with open(path, "a") as f:
     f.write(json.dumps({"role": "learner", "learner": 0, "step": 3, "train/loss": 4.0}) + "\n")
@@ -130,6 +133,8 @@ def test_eval_follower_prints_new_complete_global_eval_records(tmp_path):
   assert follower.new_lines() == ["t=12.3s step 4: global eval/loss 3.2500 after 7 rounds"]
   with open(path, "a") as f:
     f.write('ss": 2.5, "time": 20.0, "outer/rounds": 9}\n')
+    # The final eval, at the last step: the report's table shows it.
+    f.write(json.dumps({"role": "syncer", "step": 10, "eval/loss": 2.0, "time": 25.0}) + "\n")
   assert follower.new_lines() == ["t=20.0s step 8: global eval/loss 2.5000 after 9 rounds"]
   assert follower.new_lines() == []
 

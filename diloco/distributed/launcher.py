@@ -118,7 +118,8 @@ class Launcher:
     self.started = time.monotonic()
     self.applied: list[dict] = []
     # The global evals as the syncer or the evaluator process records them, for the console.
-    self.evals = metrics_lib.EvalFollower(os.path.join(self.workdir, metrics_lib.METRICS_FILE))
+    self.evals = metrics_lib.EvalFollower(os.path.join(self.workdir, metrics_lib.METRICS_FILE),
+                                          last_step=cfg.train.steps)
 
   def now(self) -> float:
     return time.time() - self.origin

@@ -74,10 +74,12 @@ def read_metrics(path: str) -> list[dict]:
 
 class EvalFollower:
   """Follows a metrics.jsonl that other processes append to, for the global evals written
-  after it started: a launcher prints them as the syncer or evaluator process records them."""
+  after it started: a launcher prints them as the syncer or evaluator process records them.
+  Evals at `last_step` or later are left out: that is the final eval, which the end-of-run
+  report prints (`diloco.observe.report`)."""
 
-  def __init__(self, path: str):
-    self.path = path
+  def __init__(self, path: str, last_step: int):
+    self.path, self.last_step = path, last_step
     self._offset = os.path.getsize(path) if os.path.exists(path) else 0  # earlier runs' records
 
   def new_lines(self) -> list[str]:
@@ -96,7 +98,8 @@ class EvalFollower:
         r = json.loads(raw)
       except json.JSONDecodeError:
         continue
-      if r.get("role") == "syncer" and "eval/loss" in r and "learner" not in r:
+      if r.get("role") == "syncer" and "eval/loss" in r and "learner" not in r \
+          and r["step"] < self.last_step:
         lines.append(f"t={r.get('time', 0.0):.1f}s step {r['step']}: global eval/loss "
                      f"{r['eval/loss']:.4f} after {r.get('outer/rounds', 0):.0f} rounds")
     return lines
