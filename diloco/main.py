@@ -129,9 +129,16 @@ def main(argv: list[str]) -> None:
     result = _run(cfg, _WORKDIR.value)
   except config_lib.ConfigError as e:
     sys.exit(f"config error: {e}")
-  print(f"done: {result}", flush=True)
+  if not _printed_report(cfg):
+    print(f"done: {result}", flush=True)
   if isinstance(result, dict) and result.get("exit_code"):
     sys.exit(result["exit_code"])  # e.g. a preempted learner asks its supervisor for a restart
+
+
+def _printed_report(cfg: config_lib.Config) -> bool:
+  """Whether the run printed its end-of-run table (`diloco.observe.report`) itself; other
+  roles end with their result on a `done:` line."""
+  return _ROLE.value == "launch" or (_ROLE.value == "train" and cfg.learners.count > 0)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -143,6 +143,8 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
   evaluator = (evaluator_lib.Evaluator(cfg, spec, eval_fn, writer)
                if cfg.train.eval_mode == "background" else None)
   progress, next_eval = 0, cfg.train.eval_every if evaluator else 0
+  if evaluator is not None and recovered:
+    evaluator.recall(workdir)  # what the syncer before this one evaluated
   if evaluator is not None and not recovered:
     evaluator.start(syncer.global_params(), 0, clock(), 0)
   tape = open(tape_path, "a", encoding="utf-8")
@@ -155,9 +157,9 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
       beats, deadline = sync_once(store, syncer, link, pending_records, tape, keep, now,
                                   fence=lease.check)
       progress = max([progress] + [b.local_step for b in beats])
-      if next_eval and progress >= next_eval:
+      if evaluator is not None and evaluator.due(progress, next_eval, cfg.train.steps):
         evaluator.start(syncer.global_params(), progress, clock(), syncer.rounds)
-        next_eval += cfg.train.eval_every
+        next_eval = (progress // cfg.train.eval_every + 1) * cfg.train.eval_every
       if now - last_registry >= 1.0:
         last_registry = now
         store.collect_uncommitted(max_age_s=max(60.0, 2 * cfg.sync.heartbeat_timeout_s))
@@ -173,7 +175,7 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
     final = None
     if evaluator is not None:
       evaluator.join()  # after the last merge: nothing waits on it any more
-      final = evaluator.evaluate(syncer.global_params(), progress, clock(), syncer.rounds)
+      final = evaluator.final(syncer.global_params(), progress, clock(), syncer.rounds)
     export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()), cfg,
                 step=progress, runtime="multiprocess",
                 extra={"outer/rounds": syncer.rounds, "eval/loss": final})
