@@ -5,6 +5,7 @@ config), so that no training is needed."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -185,7 +186,7 @@ def test_bad_input_fails_in_one_line_naming_the_flag(run, tmp_path, module, args
     module.main(["prog"] + [a.format(**paths) for a in args])
   text = str(e.value.code)
   assert "\n" not in text and text.startswith("prog: error: "), text
-  assert __import__("re").search(message, text), text
+  assert re.search(message, text), text
 
 
 @pytest.mark.slow
