@@ -75,7 +75,6 @@ def _json_line(capsys):
   return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
 def test_score_equals_an_optax_cross_entropy_of_the_same_batches(run, capsys, tmp_path):
   workdir, cfg, params = run
   evaluate.main(["evaluate", f"--workdir={workdir}", "--batch_size=4", "--num_batches=3",
@@ -137,7 +136,6 @@ def _greedy_reference(cfg, params, prompt, steps, vocab_limit):
   return seq[0, len(prompt):]
 
 
-@pytest.mark.slow
 def test_sample_greedy_matches_the_uncached_reference_and_seeds_repeat(run, capsys):
   workdir, cfg, params = run
   sample.main(["sample", f"--workdir={workdir}", "--prompt=line 3", "--max_tokens=12",
@@ -216,7 +214,6 @@ def _word_tokenizer(directory):
   return os.path.join(directory, "tokenizer.json")
 
 
-@pytest.mark.slow
 def test_export_is_self_contained_and_loads_from_a_relative_path(run, tmp_path, monkeypatch,
                                                                   capsys):
   _, base, _ = run
