@@ -269,3 +269,25 @@ def test_safetensors_hold_the_exported_tensors(run, tmp_path, capsys):
     assert config["model"] == dataclasses.asdict(cfg.model) == meta["model"]
     assert (config["vocab_size"], config["tokenizer"]) == (384, "byte")
     assert config["tensors"]["embedder/embedding"] == {"shape": [384, 64], "dtype": "float32"}
+
+
+def test_export_copies_the_tokenizer_that_prepared_shards_name(tmp_path):
+  from diloco.config_lib import DataConfig
+  shards = tmp_path / "shards"
+  tokenizer = _word_tokenizer(str(shards))
+  with open(shards / "meta.json", "w") as f:
+    json.dump({"tokenizer": "hf_tokenizers", "tokenizer_model": "tokenizer.json"}, f)
+  folder = tmp_path / "export"
+  os.makedirs(folder)
+  data = DataConfig(source="array_record", path=str(shards))
+  assert export._copy_tokenizer(data, str(folder)) == ("tokenizer.json", tokenizer)
+  with open(tokenizer, "rb") as a, open(folder / "tokenizer.json", "rb") as b:
+    assert a.read() == b.read()
+  assert os.path.isfile(folder / "tokenizer_config.json")
+  # An export.json naming a tokenizer that is neither in the folder nor at its path.
+  with pytest.raises(export.ConfigError, match="tokenizer 'gone.json' is neither in the "
+                                               "export folder nor at that path"):
+    export.tokenizer_spec(str(folder), {"data": {"tokenizer": "gone.json"}})
+  assert export.tokenizer_spec(str(folder), {"data": {"tokenizer": "tokenizer.json"}}) == \
+      str(folder / "tokenizer.json")
+  assert export.tokenizer_spec(str(folder), {"data": {"tokenizer": tokenizer}}) == tokenizer
