@@ -269,6 +269,9 @@ def test_safetensors_hold_the_exported_tensors(run, tmp_path, capsys):
     assert config["model"] == dataclasses.asdict(cfg.model) == meta["model"]
     assert (config["vocab_size"], config["tokenizer"]) == (384, "byte")
     assert config["tensors"]["embedder/embedding"] == {"shape": [384, 64], "dtype": "float32"}
+  # An export written again without them drops the old copies, which would no longer match.
+  again = export.save(str(tmp_path / "again"), params, cfg, step=4, runtime="data_parallel")
+  assert sorted(os.listdir(again)) == ["export.json", "params"]
 
 
 def test_export_copies_the_tokenizer_that_prepared_shards_name(tmp_path):

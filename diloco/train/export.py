@@ -73,6 +73,10 @@ def save(workdir: str, params: PyTree, cfg, *, step: int, runtime: str,
   ocp_v1.save(os.path.join(path, PARAMS_DIR), params, overwrite=True, custom_metadata=meta)
   if safetensors:
     write_safetensors(path, params, meta)
+  else:  # a replaced export's copies would no longer match its parameters
+    for stale in (SAFETENSORS_FILE, CONFIG_FILE):
+      if os.path.exists(os.path.join(path, stale)):
+        os.remove(os.path.join(path, stale))
   tmp = meta_path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(meta, f, indent=2)
