@@ -35,6 +35,8 @@ setup(
         "ml-dtypes>=0.5,<1",
         "PyYAML>=6,<7",
         "scipy>=1.14,<2",
+        # The export's optional model.safetensors (diloco/train/export.py), read without JAX.
+        "safetensors>=0.4,<1",
     ],
     extras_require={
         # Record sources (parquet, `datasets` directories) and tokenizer.json files
