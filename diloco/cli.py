@@ -1,0 +1,64 @@
+"""The `diloco` command (and `python -m diloco`): training by default, the tools around a run.
+
+`diloco NAME ARGS` runs the module `diloco.NAME` as `python -m diloco.NAME ARGS` would, so each
+tool keeps its own flags and `diloco NAME --help` shows them; without a name, or with
+`train`, it is `python -m diloco.main`. `diloco --help` lists the subcommands and the
+training flags of this project only (absl's and JAX's own are behind `--helpfull`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import runpy
+import sys
+
+# name: (module, what it does). Training is the default subcommand.
+SUBCOMMANDS = {
+    "train": ("diloco.main", "train a model (the default): --config=NAME:PRESET --workdir=DIR"),
+    "compare": ("diloco.compare", "finished runs side by side: a table and eval-loss curves"),
+    "sample": ("diloco.sample", "generate text from a run's exported model"),
+    "evaluate": ("diloco.evaluate", "score a run's exported model on held-out data"),
+}
+_HELP = ("-h", "--help", "-help", "--helpshort", "help")
+
+
+def help_text() -> str:
+  """The subcommands, then the training flags (the `diloco.main` module's own)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+
+  from diloco import config_files  # pylint: disable=import-outside-toplevel
+  from diloco import main as train  # pylint: disable=import-outside-toplevel
+  width = max(map(len, SUBCOMMANDS))
+  lines = ["usage: diloco [SUBCOMMAND] [FLAGS]", "", "subcommands:"]
+  lines += [f"  {name:<{width}}  {about}" for name, (_, about) in SUBCOMMANDS.items()]
+  lines += ["", f"shipped configs (--config=NAME:PRESET): {', '.join(config_files.names())}",
+            "`diloco SUBCOMMAND --help` shows a subcommand's flags; --config_help lists the "
+            "config fields.", "", "training flags:",
+            flags.FLAGS.module_help(train).replace(train.__file__, "").strip("\n:")]
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  """Dispatches `argv` (default `sys.argv`) to its subcommand."""
+  argv = list(sys.argv if argv is None else argv)
+  args = argv[1:]
+  if args[:1] and args[0] in _HELP:
+    print(help_text())
+    return
+  name = args.pop(0) if args[:1] and not args[0].startswith("-") else "train"
+  if name not in SUBCOMMANDS:
+    sys.exit(f"diloco: unknown subcommand {name!r}; subcommands: {', '.join(SUBCOMMANDS)} "
+             "(see diloco --help)")
+  module = SUBCOMMANDS[name][0]
+  if importlib.util.find_spec(module) is None:
+    sys.exit(f"diloco {name}: this install has no {module} module")
+  sys.argv = [f"diloco {name}", *args]
+  if name == "train":
+    from diloco import main as train  # pylint: disable=import-outside-toplevel
+    train.run_cli()
+    return
+  runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+  main()
