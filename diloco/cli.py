@@ -34,7 +34,7 @@ def help_text() -> str:
   lines += ["", f"shipped configs (--config=NAME:PRESET): {', '.join(config_files.names())}",
             "`diloco SUBCOMMAND --help` shows a subcommand's flags; --config_help lists the "
             "config fields.", "", "training flags:",
-            flags.FLAGS.module_help(train).replace(train.__file__, "").strip("\n:")]
+            flags.FLAGS.module_help(train).strip().split("\n", 1)[-1]]  # less its name line
   return "\n".join(lines)
 
 

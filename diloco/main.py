@@ -150,6 +150,8 @@ def main(argv: list[str]) -> None:
           + "\n  ".join(lines), flush=True)
   if _ROLE.value == "train":  # the launcher and learner processes handle signals themselves
     interrupt.install()
+    print("compiling the model's steps (minutes for a large model; the first step waits for "
+          "it)...", flush=True)
   try:
     result = _run(cfg, _WORKDIR.value)
   except config_lib.ConfigError as e:

@@ -20,6 +20,8 @@ TEXT_SOURCES = ("stdlib", "text") + corpus.RECORD_SOURCES
 
 def check_workdir(workdir: str) -> None:
   """The workdir is a directory (or can be made one) that this process may write."""
+  if not workdir.strip():
+    raise ConfigError("--workdir is empty; give the run's directory, e.g. --workdir=runs/first")
   if storage.is_url(workdir):
     return  # an object store: its own client reports access on the first write
   if os.path.exists(workdir) and not os.path.isdir(workdir):
