@@ -6,7 +6,7 @@ The comparison ships with the package so that it works outside the checkout:
 
 from absl import app
 
-from diloco.compare import compare, define_flags, main, row  # noqa: F401
+from diloco.compare import compare, define_flags, main  # noqa: F401
 
 if __name__ == "__main__":
   define_flags()

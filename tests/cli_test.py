@@ -44,6 +44,11 @@ def test_a_config_name_resolves_from_outside_the_checkout(tmp_path):
   proc = _diloco("--config=decoupled:tiny", "--config_help=learners.count", cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "learners.count = 4" in proc.stdout
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  main = subprocess.run([sys.executable, "-m", "diloco.main", "--config=dp:tiny",
+                         "--config_help=learners.count"], capture_output=True, text=True,
+                        cwd=tmp_path, timeout=180, env=env)
+  assert main.returncode == 0 and "learners.count = 0" in main.stdout, main.stderr[-2000:]
   # The repository path of a shipped file works from anywhere too (the docs' commands).
   proc = _diloco("--config=configs/dp.py:tiny", "--config_help=train.steps", cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
