@@ -79,6 +79,9 @@ class Learner:
     self.base = [-1] * num  # -1: no published version loaded yet (unknown lineage)
     self._awaiting: dict[int, _Awaiting] = {}
     self._base_values: dict[int, dict[str, np.ndarray]] = {}
+    # keep_local receipt: fragment p's values and counters as delivered, until its receipt.
+    self._delivered: dict[int, tuple[list[jax.Array], int, int]] = {}
+    self._last_delivery = [-1] * num  # local step of each fragment's latest delivery
     self._residual: dict[str, np.ndarray] = {}
     self._sharding = batch_sharding(spec.mesh)
     self._flat_shardings = fragments_lib.flatten_tree(spec.shardings["params"])
@@ -113,20 +116,39 @@ class Learner:
     for p in range(self.plan.num_fragments):
       merged = self.transport.latest(p)
       if merged is not None:
-        self._apply(merged, mix=False)  # a joining learner's own values are only its init
+        self._apply(merged, mode="overwrite")  # a joining learner's own values are its init
 
-  def _apply(self, merged: Merged, mix: bool = True) -> None:
+  def _apply(self, merged: Merged, mode: str | None = None) -> None:
+    """Takes merged fragment p by the receipt `mode` (default `sync.receipt`; the modes are
+    defined in `diloco/receipt.py`)."""
+    mode = mode or self.cfg.sync.receipt
+    p = merged.fragment
     flat = fragments_lib.flatten_tree(self.state["params"])
-    alpha = self.cfg.sync.mixing_alpha if mix else 0.0
+    paths = self.plan.fragments[p]
+    delivered = self._delivered.pop(p, None)
+    if mode == "keep_local" and delivered is None and p in self._base_values:
+      # No delivery since the last receipt: all local progress is measured from that G_p.
+      delivered = ([jax.device_put(self._base_values[p][k], self._flat_shardings[k])
+                    for k in paths], 0, 0)
+    if mode == "keep_local" and delivered is None:
+      mode = "overwrite"  # no reference to measure local progress from
+    references = dict(zip(paths, delivered[0])) if mode == "keep_local" else {}
     for path, value in merged.tensors.items():
       new = jax.device_put(value, self._flat_shardings[path])
-      flat[path] = new if alpha == 0 else alpha * flat[path] + (1.0 - alpha) * new
+      if mode == "mix":
+        new = _mixed(flat[path], new, self.cfg.sync.mixing_alpha)
+      elif mode == "keep_local":
+        new = _kept_local(flat[path], new, references[path])
+      flat[path] = new
     self.state = dict(self.state, params=fragments_lib.unflatten_tree(flat))
     if self.cfg.sync.reset_moments:
       self.state["opt_state"] = _zero_moments(self.state["opt_state"], set(merged.tensors))
-    p = merged.fragment
     self.base[p] = merged.version
-    self.steps[p] = self.tokens[p] = 0
+    if mode == "keep_local":  # the steps made since the delivery are kept: keep counting them
+      self.steps[p] -= delivered[1]
+      self.tokens[p] -= delivered[2]
+    else:
+      self.steps[p] = self.tokens[p] = 0
     self._base_values[p] = merged.tensors
     self.transport.count_download(merged.nbytes)
 
@@ -194,10 +216,26 @@ class Learner:
     self.last_values = (step, values)
     return step, values
 
-  def _deliver(self, p: int) -> None:
+  def deliver_final(self) -> list[int]:
+    """Delivers every fragment with progress not yet delivered, flagged final (docs/design.md 2.3,
+    "Final sync"): called when the learner finishes or retires on purpose, so that its last
+    steps reach G. Returns the fragments delivered."""
+    due = [p for p in range(self.plan.num_fragments)
+           if self.steps[p] >= 1 and self._last_delivery[p] != self.local_step]
+    for p in due:
+      self._deliver(p, final=True)
+    return due
+
+  def _deliver(self, p: int, final: bool = False) -> None:
     paths = self.plan.fragments[p]
     flat = fragments_lib.flatten_tree(self.state["params"])
-    copies = self._copy([flat[k] for k in paths])  # survives the next step's donation
+    leaves = [flat[k] for k in paths]
+    copies = self._copy(leaves)  # survives the next step's donation
+    self._last_delivery[p] = self.local_step
+    if self.cfg.sync.receipt == "keep_local":
+      # The reference the receipt subtracts, in the parameters' own sharding.
+      reference = copies if self._copy is _copy_leaves else _copy_leaves(leaves)
+      self._delivered[p] = (reference, int(self.steps[p]), int(self.tokens[p]))
     self._awaiting[p] = _Awaiting(self.local_step + self.cfg.sync.tau,
                                   self.transport.latest_version(p))
     if not self._sends:
@@ -207,7 +245,7 @@ class Learner:
     # The base version and its values are captured together: a receipt that lands before the
     # I/O thread quantises must not relabel this delta with the newer base.
     args = (p, paths, copies, self.local_step, int(self.steps[p]), int(self.tokens[p]),
-            self.base[p], self._base_values.get(p), self._clock())
+            self.base[p], self._base_values.get(p), self._clock(), final)
     if self._io is None:
       self._send(*args)
     else:
@@ -228,7 +266,7 @@ class Learner:
     self._inflight = [f for f in self._inflight if not f.done()]
 
   def _send(self, p, paths, copies, local_step, steps, tokens, base, base_values,
-            delivered_at) -> None:
+            delivered_at, final) -> None:
     values = {k: np.asarray(c, np.float32) for k, c in zip(paths, copies)}
     on_host = self._clock()  # the step is done and its values are here: transit starts
     bits = self.cfg.outer.quantize_bits
@@ -244,7 +282,7 @@ class Learner:
           tensors[k] = outer.quantize(delta, bits, self.cfg.outer.quantize_block)
     self.transport.deliver(Payload(self.id, self.incarnation, p, local_step, steps, tokens, base,
                                    kind, tensors, max(self._clock() - on_host, 0.0),
-                                   max(on_host - delivered_at, 0.0)))
+                                   max(on_host - delivered_at, 0.0), final=final))
 
   def flush(self) -> None:
     """Waits for in-flight deliveries (end of run or before a planned stop)."""
@@ -260,6 +298,19 @@ class Learner:
   def params_flat(self) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in
             fragments_lib.flatten_tree(jax.device_get(self.state["params"])).items()}
+
+
+@jax.jit
+def _mixed(theta: jax.Array, merged: jax.Array, alpha: float) -> jax.Array:
+  """The `mix` receipt: `alpha * theta + (1 - alpha) * merged`."""
+  return alpha * theta + (1.0 - alpha) * merged
+
+
+@jax.jit
+def _kept_local(theta: jax.Array, merged: jax.Array, reference: jax.Array) -> jax.Array:
+  """The `keep_local` receipt: G plus the local progress made since `reference` (formed first,
+  as parenthesised)."""
+  return merged + (theta - reference)
 
 
 def _copies(leaves):

@@ -29,7 +29,7 @@ class Heartbeat:
 
 @dataclasses.dataclass(frozen=True)
 class Payload:
-  """One delivery of fragment `fragment` by a learner (DESIGN.md 2.3).
+  """One delivery of fragment `fragment` by a learner (docs/design.md 2.3).
 
   `tensors` maps parameter paths to float32 values (`kind="values"`) or to quantised
   deltas `G_base - theta` (`kind="delta"`, `outer.QuantizedTensor`).
@@ -40,6 +40,8 @@ class Payload:
   `lead_s` is the time from the delivery point (local step `local_step` dispatched) to its
   values being on the learner's host: the part of its tau steps of overlap the learner had
   already spent (about one step when steps are dispatched asynchronously).
+  `final` marks a learner's final-sync delivery: its fragment's round waits for every live
+  learner (`policy.decide_final_round`).
   """
   learner: int
   incarnation: int
@@ -52,6 +54,7 @@ class Payload:
   tensors: dict[str, Any]
   transit_s: float
   lead_s: float = 0.0
+  final: bool = False  # the learner's last delivery of this fragment (docs/design.md 2.3)
 
   @property
   def nbytes(self) -> int:

@@ -42,7 +42,7 @@ def test_run_list_covers_every_factor_level_once_per_seed():
           for d in varied["merge"]} == {("mean", 4), ("rda", 8), ("mean", 8)}
   assert [d["sync.tau"] for d in varied["tau"]] == [1, 5]
   assert varied["anchor"] == [{"outer.anchor": "base"}]
-  assert varied["receipt"] == [{"sync.mixing_alpha": 0.5}]
+  assert varied["receipt"] == [{"sync.receipt": "mix", "sync.mixing_alpha": 0.5}]
   # The baseline is the preset's defaults, so each factor's baseline level is what it says.
   base = config_lib.from_config_dict(decoupled.get_config("tiny"))
   assert (base.outer.merge, base.learners.count, base.outer.quantize_bits, base.sync.scheme,
@@ -77,7 +77,7 @@ def test_pipeline_end_to_end_at_a_tiny_size(tmp_path):
   os.makedirs(folder)
   with open(os.path.join(folder, "analysis.md"), "w") as f:
     f.write("## What it means\n\nAuthored text.")
-  wall = run.run_parallel(runs, outdir, jobs=2)
+  wall = harness.run_all(runs, outdir, jobs=2)
   assert wall > 0 and all(harness.finished(os.path.join(outdir, r.name)) for r in runs)
   results = run.write_report(runs, outdir, folder, wall)
   with open(os.path.join(folder, "results.json")) as f:

@@ -72,8 +72,11 @@ def marker_fields(meta: Any, what: str) -> dict[str, Any]:
       isinstance(quant, dict) and intake.is_count(quant.get("bits"), 1)
       and quant["bits"] in outer.QUANT_BITS and intake.is_count(quant.get("block"), 1)):
     raise StoreError(UNREADABLE, f"{what}: bad quantization record {quant!r}")
+  final = meta.get("final", False)
+  if not isinstance(final, bool):
+    raise StoreError(UNREADABLE, f"{what}: 'final' is {final!r}, not true or false")
   return dict({k: meta[k] for k in (*_COUNTERS, "base_version")}, kind=kind, paths=paths,
-              quantization=quant, **times)
+              quantization=quant, final=final, **times)
 
 
 def leaf_keys(num_tensors: int, quant: dict | None) -> set[tuple[str, ...]]:

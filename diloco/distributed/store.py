@@ -318,7 +318,7 @@ class Store:
         "fragment": payload.fragment, "local_step": payload.local_step, "steps": payload.steps,
         "tokens": payload.tokens, "base_version": payload.base_version, "kind": payload.kind,
         "paths": sorted(payload.tensors), "quantization": quant, "transit_s": transit_s,
-        "lead_s": payload.lead_s,
+        "lead_s": payload.lead_s, "final": payload.final,
         "nbytes": payload.nbytes}, durable=False)
     return payload.nbytes
 
@@ -423,7 +423,7 @@ class Store:
         tensors[path] = _quantized(item, quant, shape, f"payload {name} {path}")
     return Payload(fields["learner"], fields["incarnation"], fragment, fields["local_step"],
                    fields["steps"], fields["tokens"], fields["base_version"], kind, tensors,
-                   transit_s, lead_s)
+                   transit_s, lead_s, final=fields["final"])
 
   def payload_bytes(self, name: str) -> int:
     """Bytes a delivery claims to hold (0 if its marker is unreadable): for the ledger."""
