@@ -1,15 +1,15 @@
 """The `diloco` command (and `python -m diloco`): training by default, the tools around a run.
 
-`diloco NAME ARGS` runs the module `diloco.NAME` as `python -m diloco.NAME ARGS` would, so each
-tool keeps its own flags and `diloco NAME --help` shows them; without a name, or with
-`train`, it is `python -m diloco.main`. `diloco --help` lists the subcommands and the
+`diloco NAME ARGS` calls `diloco.NAME.main(["diloco NAME", *ARGS])`: each tool parses its own
+flags (on its own FlagValues) and `diloco NAME --help` shows them, as `python -m diloco.NAME`
+does; without a name, or with `train`, it is `python -m diloco.main`. `diloco --help` lists the subcommands and the
 training flags of this project only (absl's and JAX's own are behind `--helpfull`).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-import runpy
 import sys
 
 # name: (module, what it does). Training is the default subcommand.
@@ -52,12 +52,12 @@ def main(argv: list[str] | None = None) -> None:
   module = SUBCOMMANDS[name][0]
   if importlib.util.find_spec(module) is None:
     sys.exit(f"diloco {name}: this install has no {module} module")
-  sys.argv = [f"diloco {name}", *args]
   if name == "train":
+    sys.argv = [f"diloco {name}", *args]
     from diloco import main as train  # pylint: disable=import-outside-toplevel
     train.run_cli()
     return
-  runpy.run_module(module, run_name="__main__", alter_sys=True)
+  importlib.import_module(module).main([f"diloco {name}", *args])
 
 
 if __name__ == "__main__":

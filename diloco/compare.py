@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Sequence
 
-from absl import app, flags
+from absl import flags
 
 from diloco.observe import curves
 
@@ -127,22 +128,33 @@ def compare(workdirs: list[str], out: str = "") -> str:
   return text
 
 
-def define_flags() -> None:
-  """The command's flags; defined by the command only, not by importing the library."""
-  flags.DEFINE_string("report_dir", "", "If set, write compare.md, compare.json and eval.png "
-                      "here.")
+# The command's flags, on their own FlagValues (not absl's global FLAGS), so that importing
+# this library defines no flag and `diloco compare` can hand `main` its argv.
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("report_dir", "", "If set, write compare.md, compare.json and eval.png "
+                    "here.", flag_values=FLAGS)
+_PROG = "diloco compare"
 
 
 def main(argv: list[str]) -> None:
-  workdirs = argv[1:]
-  if not workdirs:
-    raise SystemExit("compare: give the workdirs of the runs to compare")
+  """`diloco compare WORKDIR... [--report_dir=DIR]`; argv[0] is the program's name. Every
+  mistake (a flag, a directory that is no run) is one line on stderr and exit status 1."""
+  if any(a in ("-h", "--help", "--helpfull") for a in argv[1:]):
+    print(f"usage: {_PROG} WORKDIR... [--report_dir=DIR]\n\n{__doc__.strip()}\n\n"
+          f"{FLAGS.get_help()}")
+    return
+  FLAGS.unparse_flags()  # a second call in one process starts from the defaults
   try:
-    print(compare(workdirs, flags.FLAGS.report_dir))
+    workdirs = FLAGS([_PROG, *argv[1:]])[1:]
+  except flags.Error as e:
+    sys.exit(f"{_PROG}: error: {e}")
+  if not workdirs:
+    sys.exit(f"{_PROG}: error: give the workdirs of the runs to compare")
+  try:
+    print(compare(workdirs, FLAGS.report_dir))
   except (ValueError, OSError) as e:
-    raise SystemExit(f"compare: {e}") from None
+    sys.exit(f"{_PROG}: error: {e}")
 
 
 if __name__ == "__main__":
-  define_flags()
-  app.run(main)
+  main(sys.argv)

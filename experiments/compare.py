@@ -4,10 +4,9 @@ The comparison ships with the package so that it works outside the checkout:
 `diloco compare WORKDIR... [--report_dir=DIR]` or `python -m diloco.compare ...`.
 """
 
-from absl import app
+import sys
 
-from diloco.compare import compare, define_flags, main  # noqa: F401
+from diloco.compare import compare, main  # noqa: F401  (the names experiments import)
 
 if __name__ == "__main__":
-  define_flags()
-  app.run(main)
+  main(sys.argv)

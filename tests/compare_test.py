@@ -74,4 +74,8 @@ def test_compare_command_works_outside_the_checkout(tmp_path):
                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
   assert missing.returncode != 0
   assert missing.stderr.strip().splitlines() == [
-      f"compare: {tmp_path / 'nope'}: no config.json; is it the workdir of a run?"]
+      f"diloco compare: error: {tmp_path / 'nope'}: no config.json; is it the workdir of a run?"]
+  bad_flag = subprocess.run([sys.executable, "-m", "diloco.compare", a, "--report_dri=x"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+  assert bad_flag.returncode != 0 and len(bad_flag.stderr.strip().splitlines()) == 1
+  assert "report_dri" in bad_flag.stderr
