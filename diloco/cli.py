@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> None:
   if importlib.util.find_spec(module) is None:
     sys.exit(f"diloco {name}: this install has no {module} module")
   if name == "train":
+    if any(a in _HELP for a in args):  # absl's --help describes the __main__ module: not this
+      from absl import flags  # pylint: disable=import-outside-toplevel
+
+      from diloco import main as train  # pylint: disable=import-outside-toplevel
+      print(f"{train.__doc__.strip()}\n\n{flags.FLAGS.module_help(train)}")
+      return
     sys.argv = [f"diloco {name}", *args]
     from diloco import main as train  # pylint: disable=import-outside-toplevel
     train.run_cli()

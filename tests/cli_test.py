@@ -67,6 +67,14 @@ def test_help_lists_the_subcommands_and_only_the_projects_flags(tmp_path):
   assert "decoupled" in proc.stdout  # the shipped configs are named
 
 
+def test_train_help_is_the_training_flags(tmp_path):
+  proc = _diloco("train", "--help", cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.startswith("Training: `python -m diloco.main")
+  assert "--workdir" in proc.stdout and "--role" in proc.stdout
+  assert len(proc.stdout.splitlines()) < 80
+
+
 def test_unknown_subcommand_is_one_line(tmp_path):
   proc = _diloco("trian", "--config=dp:tiny", cwd=tmp_path)
   assert proc.returncode != 0
