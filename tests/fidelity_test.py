@@ -66,7 +66,7 @@ def test_sync_time_uses_transit_not_compute_and_ignores_bad_measurements():
 
   def deliver(now, learner, transit, lead=0.0):
     beats = [Heartbeat(m, 0, 1, 1.0, now) for m in (0, 1)]
-    payload = Payload(learner, 0, 0, 1, 1, 10, s.versions[0], "values",
+    payload = Payload(learner, 0, 0, int(now) + 1, 1, 10, s.versions[0], "values",
                       {"w": np.full(4, 0.1 * (learner + 1), np.float32)}, transit, lead)
     return s.tick(now, beats, [payload])
 
