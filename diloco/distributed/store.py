@@ -536,7 +536,10 @@ class Store:
     for path in folder.glob("*.reason.json") if folder.exists() else ():
       name = path.name[:-len(".reason.json")]
       if parse_payload_name(name) is not None:
-        out[name] = self.read_json(f"quarantine/{path.name}")
+        try:
+          out[name] = self.read_json(f"quarantine/{path.name}")
+        except StoreError as e:  # a planted or damaged record still names its entry
+          out[name] = {"reason": UNREADABLE, "detail": str(e)[:500], "time": None}
     return out
 
   def remove_payload(self, name: str) -> None:
