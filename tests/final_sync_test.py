@@ -51,7 +51,7 @@ def test_with_overwrite_only_a_fragment_overwritten_at_the_last_step_keeps_its_d
   """Overwrite drops the tau steps between a delivery and its receipt. Fragment p is due at
   steps = p (mod H = 8), tau = 2: fragment 6, delivered at 22, is overwritten by its merge at
   step 24 and has nothing left to deliver; every other fragment's last round holds step 24."""
-  rt, _, tape = _run(tmp_path, learners__virtual_clock=True)
+  rt, _, tape = _run(tmp_path, learners__virtual_clock=True, sync__receipt="overwrite")
   assert [s.status for s in rt.slots] == ["done", "done"]
   for p, r in _last_rounds(tape, rt.plan.num_fragments).items():
     step = STEPS - 2 if p == 6 else STEPS
@@ -61,7 +61,8 @@ def test_with_overwrite_only_a_fragment_overwritten_at_the_last_step_keeps_its_d
 
 def test_without_final_sync_the_steps_after_a_fragments_last_slot_are_lost(tmp_path):
   """The contrast: the last rounds of fragments 1..7 hold steps 17..23, not 24."""
-  rt, _, tape = _run(tmp_path, learners__virtual_clock=True, sync__final_sync=False)
+  rt, _, tape = _run(tmp_path, learners__virtual_clock=True, sync__final_sync=False,
+                     sync__receipt="overwrite")
   last = _last_rounds(tape, rt.plan.num_fragments)
   assert _admitted(last[0]) == {(0, STEPS), (1, STEPS)}
   for p in range(1, rt.plan.num_fragments):

@@ -29,9 +29,11 @@ STEPS = 24  # train.steps: part of the compiled learner (its learning-rate sched
 
 
 def _config(**dotted):
-  """`configs/decoupled.py:tiny` with one learner on 2 devices, on the virtual clock."""
+  """`configs/decoupled.py:tiny` with one learner on 2 devices, on the virtual clock, receipt
+  overwrite (the options below are checked against that rule; receipt_test.py covers the rest)."""
   return run_config.load(**{"learners__count": 1, "learners__devices": "2",
-                            "learners__virtual_clock": True, "train__steps": STEPS, **dotted})
+                            "learners__virtual_clock": True, "train__steps": STEPS,
+                            "sync__receipt": "overwrite", **dotted})
 
 
 def _compiled_key(cfg):
