@@ -214,7 +214,7 @@ def _start_together(cfg: Config, store: Store, learner_id: int, wait: bool) -> b
   initial = set(range(cfg.learners.count))
   return learner_loop.start_together(
       learner_id, lambda: len(store.ready_learners() & initial), cfg.learners.count,
-      cfg.store.join_timeout_s, cfg.store.poll_s)
+      cfg.store.join_timeout_s, wait=lambda s: time.sleep(min(s, cfg.store.poll_s)))
 
 
 class _ProcessHooks:
