@@ -150,14 +150,15 @@ def finished(learner: Learner, cfg: Config) -> bool:
   return learner.local_step >= cfg.train.steps
 
 
-def leave(learner: Learner, cfg: Config, on_purpose: bool) -> None:
+def leave(learner: Learner, cfg: Config, on_purpose: bool) -> list[int]:
   """Ends the learner's training: a learner that finished or retires on purpose delivers
-  every fragment now (`sync.final_sync`), so its last local steps reach the global
-  parameters, then every delivery is flushed to its transport. A failed learner only flushes
-  (the syncer times it out, as it would a crashed island)."""
-  if on_purpose and cfg.sync.final_sync:
-    learner.deliver_final()
+  every fragment with progress not yet delivered (`sync.final_sync`), so its last local steps
+  reach the global parameters, then every delivery is flushed to its transport. A failed
+  learner only flushes (the syncer times it out, as it would a crashed island). Returns the
+  fragments of the final deliveries."""
+  final = learner.deliver_final() if on_purpose and cfg.sync.final_sync else []
   learner.flush()
+  return final
 
 
 def align_with_peers(learner: Learner, peers: list[int], cfg: Config,
