@@ -40,10 +40,11 @@ setup(
         # Record sources (parquet, `datasets` directories) and tokenizer.json files
         # (docs/data.md); `datasets` itself is only needed to write directories.
         "hf": ["pyarrow>=15", "tokenizers>=0.15,<1"],
-        # Tests also read TensorBoard event files back, run wandb in offline mode and write
-        # `datasets` directories.
+        # Tests also read TensorBoard event files back, run wandb in offline mode, write
+        # `datasets` directories and draw values around the config's bounds (hypothesis).
         "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "pyarrow>=15", "tokenizers>=0.15,<1",
-                 "datasets>=3,<6", "tensorboard>=2.14,<3", "wandb>=0.20,<1"],
+                 "datasets>=3,<6", "tensorboard>=2.14,<3", "wandb>=0.20,<1",
+                 "hypothesis>=6.100,<7"],
         # viewing the event files every run writes (tensorboardX writes them)
         "tensorboard": ["tensorboard>=2.14,<3"],
         # log.wandb=True

@@ -6,7 +6,8 @@ Run (4 learners x 2 emulated CPU devices, small model, about 10 minutes on 2 cor
 Expect: a live status per learner and for the syncer, the global eval/loss falling
 like the data-parallel run's, and runs/decoupled_cpu/{loss,timeline}.png plus
 accounting.json (goodput, uptime, bandwidth ledger).
-Presets: tiny (tests, < 2 min), cpu (above), and TPU-sized gemma_2b / gemma_5b /
+Presets: tiny (tests, < 2 min), cpu (above), m35 (~35.6M parameters, every learner on
+one GPU: experiments/scaling/gpu35m.py), and TPU-sized gemma_2b / gemma_5b /
 gemma_9b / moe_2_8b / moe_3_8b with 8 learners, one slice each (devices are grouped
 by slice_index), reading pre-tokenised shards (`--config.data.path=gs://...`).
 """
@@ -17,9 +18,9 @@ _TPU = ("gemma_2b", "gemma_5b", "gemma_9b", "moe_2_8b", "moe_3_8b")
 
 
 def get_config(preset: str = "cpu"):
-  if preset not in ("tiny", "cpu") + _TPU:
+  if preset not in ("tiny", "cpu", "m35") + _TPU:
     raise ValueError(f"configs/decoupled.py: unknown preset {preset!r}; allowed: "
-                     f"{['tiny', 'cpu', *_TPU]}")
+                     f"{['tiny', 'cpu', 'm35', *_TPU]}")
   cfg = config_lib.base_config({"tiny": "tiny", "cpu": "small"}.get(preset, preset))
   cfg.learners.count = 4
   # Learners need no train-state checkpoints here (a restarted learner keeps its resume point
@@ -50,6 +51,21 @@ def get_config(preset: str = "cpu"):
     # leaves ~2 steps, so equal learners' deliveries of a slot merge together and nobody
     # waits (BUILD_NOTES "Fidelity"). The design default, tau = 2, stays on the TPU presets.
     cfg.sync.tau = 4
+  elif preset == "m35":
+    # One GPU holds every learner (their steps take turns on the virtual clock): the
+    # scaling-law study's 35M row, D = 20N (experiments/scaling/gpu35m.py).
+    cfg.learners.count = 2
+    cfg.learners.share_devices = True
+    cfg.learners.virtual_clock = True
+    cfg.data.seq_len = 512
+    cfg.train.batch_size = 32
+    cfg.train.steps = 21_733
+    cfg.train.eval_every = 1000
+    cfg.optim.learning_rate = 2e-3
+    cfg.optim.warmup_steps = 400
+    cfg.sync.period = 30
+    cfg.sync.num_fragments = 6
+    cfg.checkpoint.every_rounds = 0
   else:
     cfg.learners.count = 8
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, -1, 4

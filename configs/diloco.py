@@ -16,5 +16,5 @@ def get_config(preset: str = "cpu"):
   cfg.sync.num_fragments = 1
   cfg.sync.quorum = config_lib.ALL_LEARNERS  # K = M, whatever --config.learners.count says
   cfg.sync.gamma = 0.0
-  cfg.sync.period = {"tiny": 16, "cpu": 40}.get(preset, 100)
+  cfg.sync.period = {"tiny": 16, "cpu": 40, "m35": 30}.get(preset, 100)
   return cfg

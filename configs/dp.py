@@ -4,7 +4,8 @@ Run (8 emulated CPU devices, about 5 minutes on 2 cores):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python -m diloco.main --config=configs/dp.py:small --workdir=runs/dp_small
 Presets: tiny (tests, < 1 min), small (CPU, ~6M parameters), cpu (the same model with
-the token budget of configs/decoupled.py:cpu, for comparison), and TPU-sized
+the token budget of configs/decoupled.py:cpu, for comparison), m35 (~35.6M parameters,
+one GPU), and TPU-sized
 gemma_2b / gemma_5b / gemma_9b / moe_2_8b / moe_3_8b, which expect pre-tokenised
 shards (`--config.data.path=gs://.../shards`, see scripts/prepare_data.py).
 """
@@ -17,6 +18,10 @@ _CPU = {
     # The data-parallel reference for configs/decoupled.py:cpu: the same model, the same
     # tokens per step (4 learners x 8 sequences) and steps.
     "cpu": dict(seq_len=128, batch_size=32, steps=120, eval_every=40, lr=3e-3, warmup=12),
+    # ~35.6M parameters on one GPU: 20N tokens at 64 x 512 tokens per step
+    # (experiments/scaling/gpu35m.py sets the steps from its --token_fraction).
+    "m35": dict(seq_len=512, batch_size=64, steps=21_733, eval_every=1000, lr=2e-3,
+                warmup=400),
 }
 _TPU = ("gemma_2b", "gemma_5b", "gemma_9b", "moe_2_8b", "moe_3_8b")
 

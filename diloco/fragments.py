@@ -1,4 +1,4 @@
-"""Cutting the parameter tree into P fragments, and when each fragment is due (DESIGN.md 2.2).
+"""Cutting the parameter tree into P fragments, and when each fragment is due (docs/design.md 2.2).
 
 Tensors are addressed by "/"-joined paths (`embedder/embedding`, `layers/3/mlp/down_FD`,
 `final_norm/scale`); per-layer tensors contain `layers/<int>/`. Paths are ordered naturally:

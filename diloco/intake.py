@@ -30,7 +30,7 @@ REJECT_NON_FINITE = "non_finite"
 REJECT_BAD_COUNTERS = "bad_counters"
 REJECT_BAD_TIME = "bad_time"  # a time field that is not a number at all
 # A time that is a number but no usable measurement (NaN, inf, negative, over a week) is not a
-# reason to drop a delivery's progress: DESIGN 2.4 says such measurements are ignored. The
+# reason to drop a delivery's progress: docs/design.md 2.4 says such measurements are ignored. The
 # syncer counts them under this word (`Syncer.ignored`) and leaves them out of its EMAs.
 IGNORED_TIME = "bad_time_ignored"
 REJECT_TOO_LARGE = "too_large"  # a delivery's values alone exceed MAX_NORM
@@ -146,7 +146,7 @@ def _well_formed_quantized(q: Any, shape: tuple) -> bool:
 
 
 def merge_bound(g_norm: float, b_norm: float, delta_norm: float, lr: float, mu: float) -> float:
-  """An upper bound on the norms of everything a merge computes (DESIGN 2.4 steps 5-6).
+  """An upper bound on the norms of everything a merge computes (docs/design.md 2.4 steps 5-6).
 
   The merged outer gradient is a convex combination of directions scaled by a weighted mean of
   norms (RDA) or a weighted mean (embedding), so its norm is at most the largest delivery's

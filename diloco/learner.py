@@ -25,7 +25,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from diloco import fragments as fragments_lib
 from diloco import outer
-from diloco import receipt
 from diloco.config_lib import Config
 from diloco.model.sharding import batch_sharding
 from diloco.train import data as data_lib
@@ -120,7 +119,8 @@ class Learner:
         self._apply(merged, mode="overwrite")  # a joining learner's own values are its init
 
   def _apply(self, merged: Merged, mode: str | None = None) -> None:
-    """Takes merged fragment p by the receipt `mode` (default `sync.receipt`; receipt.py)."""
+    """Takes merged fragment p by the receipt `mode` (default `sync.receipt`; the modes are
+    defined in `diloco/receipt.py`)."""
     mode = mode or self.cfg.sync.receipt
     p = merged.fragment
     flat = fragments_lib.flatten_tree(self.state["params"])
@@ -136,9 +136,9 @@ class Learner:
     for path, value in merged.tensors.items():
       new = jax.device_put(value, self._flat_shardings[path])
       if mode == "mix":
-        new = receipt.mixed(flat[path], new, self.cfg.sync.mixing_alpha)
+        new = _mixed(flat[path], new, self.cfg.sync.mixing_alpha)
       elif mode == "keep_local":
-        new = receipt.kept_local(flat[path], new, references[path])
+        new = _kept_local(flat[path], new, references[path])
       flat[path] = new
     self.state = dict(self.state, params=fragments_lib.unflatten_tree(flat))
     if self.cfg.sync.reset_moments:
@@ -217,7 +217,7 @@ class Learner:
     return step, values
 
   def deliver_final(self) -> list[int]:
-    """Delivers every fragment with progress not yet delivered, flagged final (DESIGN.md 2.3,
+    """Delivers every fragment with progress not yet delivered, flagged final (docs/design.md 2.3,
     "Final sync"): called when the learner finishes or retires on purpose, so that its last
     steps reach G. Returns the fragments delivered."""
     due = [p for p in range(self.plan.num_fragments)
@@ -298,6 +298,19 @@ class Learner:
   def params_flat(self) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in
             fragments_lib.flatten_tree(jax.device_get(self.state["params"])).items()}
+
+
+@jax.jit
+def _mixed(theta: jax.Array, merged: jax.Array, alpha: float) -> jax.Array:
+  """The `mix` receipt: `alpha * theta + (1 - alpha) * merged`."""
+  return alpha * theta + (1.0 - alpha) * merged
+
+
+@jax.jit
+def _kept_local(theta: jax.Array, merged: jax.Array, reference: jax.Array) -> jax.Array:
+  """The `keep_local` receipt: G plus the local progress made since `reference` (formed first,
+  as parenthesised)."""
+  return merged + (theta - reference)
 
 
 def _copies(leaves):

@@ -1,6 +1,6 @@
 """The syncer's decision policy: eligibility, quorum, grace window and round closing.
 
-Everything here is a pure function of its inputs (DESIGN.md 2.4 and 3.1). Times are plain
+Everything here is a pure function of its inputs (docs/design.md 2.4 and 3.1). Times are plain
 floats in seconds on whatever clock the caller injects: the real syncer passes its wall clock,
 the goodput simulator (`diloco.sim`) its virtual clock, so both run the very same decisions.
 Nothing here reads the time, sleeps, logs or mutates its arguments.
@@ -19,7 +19,7 @@ A round of fragment `p`:
    seconds. `lead_time` is how much of its tau steps a learner has already spent when the
    values of its delivery reach its host: a learner that dispatches steps asynchronously
    (reading metrics one step late) only has them once the step completes, about one step
-   after its delivery point. It is 0 on the virtual clock, which makes this DESIGN 2.4's
+   after its delivery point. It is 0 on the virtual clock, which makes this docs/design.md 2.4's
    formula; without it the window would spend slack the learners do not have and they would
    wait at t + tau.
 4. `decide_round` closes the round at the end of the grace window, or at once when every alive
@@ -42,6 +42,8 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
+from diloco import config_rules
+
 # Reasons returned by `check_delivery` for rejected deliveries (stable strings, used as counter
 # names by the syncer and the simulator).
 OK = "ok"
@@ -57,9 +59,26 @@ def _frozen(cls):
   return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
 
 
+# The bounds of the settings that the syncer policy takes from the config's `sync` group: one
+# table, read by `PolicyConfig` and by `config_lib.SyncConfig`'s fields, so the config and the
+# policy accept the same values (tests/config_policy_test.py).
+SYNC_BOUNDS = {
+    "quorum": config_rules.Range(low=0, integer=True, text=">= 1, or 0 for all learners"),
+    "tau": config_rules.Range(low=0, integer=True),
+    # The window is capped at one step time anyway; a gain beyond 10 is a typo.
+    "gamma": config_rules.Range(low=0, high=10),
+    "heartbeat_timeout_s": config_rules.POSITIVE,
+    "max_staleness": config_rules.Range(low=0, integer=True),
+}
+EMA_DECAY_BOUND = config_rules.FRACTION
+
+
 @_frozen
 class PolicyConfig:
-  """Settings of the syncer policy (defaults from DESIGN.md 2.3-2.4).
+  """Settings of the syncer policy (docs/design.md 2.3-2.4).
+
+  Build it with `from_config(sync)` from the config's `sync` group, which holds the defaults
+  (`config_lib.SyncConfig`); `SYNC_BOUNDS` holds the bounds of both.
 
   Attributes:
     quorum: K, the number of fresh eligible deliveries a round waits for (capped by the number
@@ -72,21 +91,25 @@ class PolicyConfig:
     max_staleness: the largest accepted `current_version - base_version` of a delivery.
     ema_decay: weight of the old value in the EMAs of step, quorum and sync times.
   """
-  quorum: int = 1
-  tau: int = 2
-  gamma: float = 0.8
-  heartbeat_timeout_s: float = 60.0
-  max_staleness: int = 8
+  quorum: int
+  tau: int
+  gamma: float
+  heartbeat_timeout_s: float
+  max_staleness: int
   ema_decay: float = 0.9
 
   def __post_init__(self):
-    _require(self.quorum >= 0, "quorum", self.quorum, "an integer >= 1, or 0 for all learners")
-    _require(self.tau >= 0, "tau", self.tau, "an integer >= 0")
-    _require(0.0 <= self.gamma <= 10.0, "gamma", self.gamma, "[0, 10]")
-    _require(self.heartbeat_timeout_s > 0.0, "heartbeat_timeout_s", self.heartbeat_timeout_s,
-             "a number > 0")
-    _require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "an integer >= 0")
-    _require(0.0 <= self.ema_decay < 1.0, "ema_decay", self.ema_decay, "[0, 1)")
+    for field, bound in SYNC_BOUNDS.items():
+      _require(bound.admits(getattr(self, field)), field, getattr(self, field), bound.describe())
+    _require(EMA_DECAY_BOUND.admits(self.ema_decay), "ema_decay", self.ema_decay,
+             EMA_DECAY_BOUND.describe())
+
+  @classmethod
+  def from_config(cls, sync, **changes) -> PolicyConfig:
+    """The policy of a `sync` config group (or any object with the `SYNC_BOUNDS` fields, such
+    as the simulator's `SimConfig`), with `changes` (e.g. `gamma=0.0`) applied."""
+    values = {field: getattr(sync, field) for field in SYNC_BOUNDS}
+    return cls(**{**values, **changes})
 
 
 def _require(ok: bool, field: str, value: object, allowed: str) -> None:
@@ -284,7 +307,7 @@ def decide_round(arrival_times: Sequence[float], *, num_alive: int, opened_at: f
 
 def decide_final_round(arrival_times: Sequence[float], *, num_alive: int, final_since: float,
                        opened_at: float, now: float, timeout_s: float) -> RoundDecision:
-  """The round of a fragment that holds a final-sync delivery (DESIGN.md 2.3, "Final sync").
+  """The round of a fragment that holds a final-sync delivery (docs/design.md 2.3, "Final sync").
 
   It waits for a fresh delivery from every alive learner (the learners still training deliver
   this fragment within H steps), so that the last G merges every learner's last steps

@@ -1,4 +1,4 @@
-"""How a learner takes a merged fragment G_p (DESIGN.md 2.3, "Receipt").
+"""How a learner takes a merged fragment G_p (docs/design.md 2.3, "Receipt").
 
 Three modes, selected by `sync.receipt`:
   * overwrite:  theta_p = G_p. The paper's rule; the tau steps made on p since the delivery
@@ -13,19 +13,6 @@ A learner that joins (or rejoins) always overwrites: its own values are only its
 
 from __future__ import annotations
 
-import jax
-
+# Owned here, without JAX, so that the config (and the simulator through it) can name them;
+# the learner (`Learner._apply`) does the arithmetic on its devices.
 RECEIPT_MODES = ("overwrite", "mix", "keep_local")
-
-
-@jax.jit
-def mixed(theta: jax.Array, merged: jax.Array, alpha: float) -> jax.Array:
-  """`alpha * theta + (1 - alpha) * merged` (the `mix` receipt)."""
-  return alpha * theta + (1.0 - alpha) * merged
-
-
-@jax.jit
-def kept_local(theta: jax.Array, merged: jax.Array, reference: jax.Array) -> jax.Array:
-  """`merged + (theta - reference)` (the `keep_local` receipt): G plus the local progress made
-  since `reference`. Parenthesised as written so the local progress is formed first."""
-  return merged + (theta - reference)

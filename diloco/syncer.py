@@ -65,9 +65,7 @@ class Syncer:
     self._merge_workspace = np.empty(max((v.size for v in self.params.values()), default=0),
                                      np.float32)
     self.versions = [0] * plan.num_fragments
-    self.policy = policy.PolicyConfig(
-        quorum=sync.quorum, tau=sync.tau, gamma=sync.gamma,
-        heartbeat_timeout_s=sync.heartbeat_timeout_s, max_staleness=sync.max_staleness)
+    self.policy = policy.PolicyConfig.from_config(sync)
     self.outer_cfg = outer_cfg
     self.registry: dict[int, policy.LearnerStatus] = {}
     self._step_ema: dict[int, policy.Ema] = {}
@@ -141,21 +139,25 @@ class Syncer:
 
   def _reject(self, payload: Payload, reason: str, now: float) -> None:
     self.reject(payload.fragment, payload.learner, payload.incarnation, reason, _nbytes(payload),
-                now)
+                now, local_step=payload.local_step, steps=payload.steps)
 
   def reject(self, fragment: int, learner: int, incarnation: int, reason: str, nbytes: int,
-             now: float) -> None:
+             now: float, *, local_step: int | None = None, steps: int | None = None) -> None:
     """Counts a rejected delivery; it is listed in the next tape record of its fragment.
 
-    Ids that are not counters (a crafted delivery's) are recorded as -1.
+    Ids that are not counters (a crafted delivery's) are recorded as -1; the delivery's
+    `local_step` and `steps`, when they are counters, let the accounting say whose work it
+    carried (`accounting.where_steps_went`).
     """
     fragment, learner, incarnation = (x if intake.is_count(x, 0) else -1
                                       for x in (fragment, learner, incarnation))
     self.rejections[reason] += 1
     p = fragment if 0 <= fragment < self.plan.num_fragments else 0
-    self._rejected[p].append({
-        "learner": int(learner), "incarnation": int(incarnation), "reason": reason,
-        "payload_bytes": int(nbytes), "arrived_at": now})
+    record = {"learner": int(learner), "incarnation": int(incarnation), "reason": reason,
+              "payload_bytes": int(nbytes), "arrived_at": now}
+    if intake.is_count(local_step, 0) and intake.is_count(steps, 1):
+      record.update(local_step=int(local_step), steps=int(steps))
+    self._rejected[p].append(record)
     logging.info("syncer: rejected fragment %d from learner %d: %s", fragment, learner, reason)
 
   def forget(self, learner: int, incarnation: int) -> None:
@@ -272,7 +274,7 @@ class Syncer:
 
   def _outer_gradient(self, payload: Payload, anchor_now: dict[str, np.ndarray],
                       slot: int) -> dict:
-    """The delivery's outer gradient `anchor - theta` (DESIGN 2.4 step 3).
+    """The delivery's outer gradient `anchor - theta` (docs/design.md 2.4 step 3).
 
     A stale delivery (its base is older than the current version) is anchored at the
     syncer's current G under `outer.stale="paper"`, so it also pulls G back toward the

@@ -29,7 +29,7 @@ class Heartbeat:
 
 @dataclasses.dataclass(frozen=True)
 class Payload:
-  """One delivery of fragment `fragment` by a learner (DESIGN.md 2.3).
+  """One delivery of fragment `fragment` by a learner (docs/design.md 2.3).
 
   `tensors` maps parameter paths to float32 values (`kind="values"`) or to quantised
   deltas `G_base - theta` (`kind="delta"`, `outer.QuantizedTensor`).
@@ -54,7 +54,7 @@ class Payload:
   tensors: dict[str, Any]
   transit_s: float
   lead_s: float = 0.0
-  final: bool = False  # the learner's last delivery of this fragment (DESIGN.md 2.3)
+  final: bool = False  # the learner's last delivery of this fragment (docs/design.md 2.3)
 
   @property
   def nbytes(self) -> int:

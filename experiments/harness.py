@@ -2,13 +2,15 @@
 
 An experiment is a list of `Run`s (a config file, dotted overrides, a seed). `run_all` starts
 each as its own `python -m diloco.main` process (one JAX runtime per run, as a user would) in
-`OUTDIR/<run name>/` and skips runs that already finished, so an interrupted experiment resumes
-where it stopped. `collect` turns each run's own `accounting.json`, `metrics.jsonl` and
-`config.json` into one flat row; nothing in a table is typed by hand.
+`OUTDIR/<run name>/`, a few at a time if asked, and skips runs that already finished, so an
+interrupted experiment resumes where it stopped. Every runner (`experiments/<name>/run.py`)
+takes its common flags from `define_flags`. `collect` turns each run's own `accounting.json`,
+`metrics.jsonl` and `config.json` into one flat row; nothing in a table is typed by hand.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -16,6 +18,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -62,9 +65,10 @@ class Run:
 
 
 def define_flags(name: str, folder: str, *, seeds: int | None = None,
-                 steps: int | None = None) -> None:
+                 steps: int | None = None, jobs: int | None = None) -> None:
   """The flags every experiment's runner takes: --outdir, --results_dir, --report_only, and
-  --seeds / --steps when it has them. Called only when the runner runs as a script, so that
+  --seeds / --steps / --jobs when it has them (their defaults given here). A runner defines
+  its own further flags next to these. Called only when the runner runs as a script, so that
   tests can import several runners."""
   flags.DEFINE_string("outdir", f"runs/experiments/{name}", "Where the runs are kept.")
   flags.DEFINE_string("results_dir", folder,
@@ -75,6 +79,8 @@ def define_flags(name: str, folder: str, *, seeds: int | None = None,
     flags.DEFINE_integer("seeds", seeds, "Seeds per method.")
   if steps is not None:
     flags.DEFINE_integer("steps", steps, "Inner steps per learner.")
+  if jobs is not None:
+    flags.DEFINE_integer("jobs", jobs, "Runs at a time (each is its own process).")
 
 
 def _flag(value: object) -> str:
@@ -96,31 +102,52 @@ def finished(workdir: str) -> bool:
              for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")))
 
 
-def run_all(runs: Sequence[Run], outdir: str, *, devices: int = 8) -> float:
-  """Runs what has not finished yet; returns the wall seconds spent. Logs go to run.log."""
+def run_all(runs: Sequence[Run], outdir: str, *, jobs: int = 1, devices: int = 8) -> float:
+  """Runs what has not finished yet, `jobs` at a time; returns the wall seconds spent.
+
+  Each run's log goes to its run.log. A failed run raises (naming its log) once the runs
+  already started have ended; runs not yet started are then not started."""
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
              PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  todo = [(i, run) for i, run in enumerate(runs)
+          if not finished(os.path.join(outdir, run.name))]
+  failed = threading.Event()
+
+  def start(i: int, run: Run) -> None:
+    if failed.is_set():
+      return  # a run failed: start nothing new
+    try:
+      _run_one(run, os.path.join(outdir, run.name), env, f"[{i + 1}/{len(runs)}]")
+    except BaseException:
+      failed.set()
+      raise
+
   started = time.monotonic()
-  for i, run in enumerate(runs):
-    workdir = os.path.join(outdir, run.name)
-    if finished(workdir):
-      continue
-    os.makedirs(workdir, exist_ok=True)
-    print(f"[{i + 1}/{len(runs)}] {run.name}: {' '.join(run.command(workdir)[2:])}", flush=True)
-    t0 = time.monotonic()
-    with open(os.path.join(workdir, "run.log"), "w", encoding="utf-8") as log:
-      code = subprocess.call(run.command(workdir), stdout=log, stderr=subprocess.STDOUT,
-                             env=env, cwd=REPO)
-    if code:
-      raise RuntimeError(f"run {run.name} failed with exit code {code}; see {workdir}/run.log")
-    wall = time.monotonic() - t0
-    with open(os.path.join(workdir, HARNESS_FILE), "w", encoding="utf-8") as f:
-      # The launcher's accounting.json has no wall time; the host's load average at the end
-      # says how much other work shared the machine with a real-time run.
-      json.dump({"wall_s": wall, "loadavg": list(os.getloadavg())}, f)
-    print(f"    done in {wall:.0f} s", flush=True)
+  with concurrent.futures.ThreadPoolExecutor(max(jobs, 1)) as pool:
+    futures = [pool.submit(start, i, run) for i, run in todo]
+  errors = [f.exception() for f in futures if f.exception() is not None]
+  if errors:
+    raise errors[0]
   return time.monotonic() - started
+
+
+def _run_one(run: Run, workdir: str, env: dict, position: str) -> None:
+  """One run as its own process; its wall time and the host's load go to HARNESS_FILE."""
+  os.makedirs(workdir, exist_ok=True)
+  print(f"{position} {run.name}: {' '.join(run.command(workdir)[2:])}", flush=True)
+  t0 = time.monotonic()
+  with open(os.path.join(workdir, "run.log"), "w", encoding="utf-8") as log:
+    code = subprocess.call(run.command(workdir), stdout=log, stderr=subprocess.STDOUT,
+                           env=env, cwd=REPO)
+  if code:
+    raise RuntimeError(f"run {run.name} failed with exit code {code}; see {workdir}/run.log")
+  wall = time.monotonic() - t0
+  with open(os.path.join(workdir, HARNESS_FILE), "w", encoding="utf-8") as f:
+    # The launcher's accounting.json has no wall time; the host's load average at the end
+    # says how much other work shared the machine with a real-time run.
+    json.dump({"wall_s": wall, "loadavg": list(os.getloadavg())}, f)
+  print(f"    {run.name} done in {wall:.0f} s", flush=True)
 
 
 def init_tokens(cfg: dict) -> int:

@@ -90,8 +90,14 @@ def sweep(rows: Sequence[dict]) -> str:
       for r in sorted(best.values(), key=lambda r: r["eval_loss"]))
 
 
+def scaling(rows: Sequence[dict]) -> str:
+  from experiments.scaling import report  # pylint: disable=import-outside-toplevel
+  return report.headline(list(rows))
+
+
 HEADLINES: dict[str, Callable[[Sequence[dict]], str]] = {
-    "parity": parity, "heterogeneous": heterogeneous, "scavenging": scavenging, "sweep": sweep}
+    "parity": parity, "heterogeneous": heterogeneous, "scavenging": scavenging, "sweep": sweep,
+    "scaling": scaling}
 
 
 def table(root: str) -> str:

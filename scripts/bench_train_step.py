@@ -137,7 +137,7 @@ def make_config() -> config_lib.Config:
       cd.model.num_layers = _LAYERS.value
     num_devices = len(jax.devices())
     if _MESH.value:
-      cd.mesh.data, cd.mesh.fsdp, cd.mesh.tensor = (int(x) for x in _MESH.value.split(","))
+      cd.mesh.data, cd.mesh.fsdp, cd.mesh.tensor = config_lib.parse_ints(_MESH.value, "--mesh")
     else:
       try:
         mesh_lib.resolve_shape(config_lib.MeshConfig(**cd.mesh.to_dict()), num_devices)

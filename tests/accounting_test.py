@@ -251,3 +251,23 @@ def test_timeline_png_with_many_spans(tmp_path):
   data = path.read_bytes()
   assert data[:8] == b"\x89PNG\r\n\x1a\n"
   assert len(data) > 10_000
+
+
+def test_where_steps_went_splits_step_time_into_merged_rejected_and_dropped():
+  # One learner, four 1-s steps on 2 devices, P = 2. Fragment 0: a merged delivery of steps
+  # 1-2. Fragment 1: a rejected (stale) delivery of steps 1-4, plus a rejection with no
+  # counters (a crafted one): it carries nothing.
+  activity = [accounting.span_record(0, 0, "step", t, t + 1.0, devices=2, local_step=t + 1)
+              for t in range(4)]
+  tape = [
+      {"fragment": 0, "admitted": [{"learner": 0, "incarnation": 0, "local_step": 2,
+                                    "steps": 2}], "rejected": []},
+      {"fragment": 1, "admitted": [], "rejected": [
+          {"learner": 0, "incarnation": 0, "local_step": 4, "steps": 4, "reason": "stale"},
+          {"learner": 0, "incarnation": 0, "reason": "unreadable"}]},
+  ]
+  went = accounting.where_steps_went(tape, activity, num_fragments=2)
+  # Step device-seconds: 4 steps x 2 devices = 8, each fragment 4 of them.
+  assert went == {"merged": pytest.approx(2.0), "rejected": pytest.approx(4.0),
+                  "dropped": pytest.approx(2.0)}
+  assert sum(went.values()) == pytest.approx(8.0)

@@ -1,4 +1,5 @@
-"""Bad input at the trust boundary (issue 12): crafted deliveries, heartbeats and store entries.
+"""Bad input at the trust boundary (docs/design.md 2.5): crafted deliveries, heartbeats and
+store entries.
 
 Every case feeds the real Syncer (and, for files, a real Store on disk) a delivery of one bad
 kind next to good ones, and checks that the syncer survives, counts the rejection under its
@@ -206,8 +207,8 @@ def test_bad_heartbeat_is_counted_and_never_registered(beat):
     {"transit_s": 1e12}, {"lead_s": float("nan")}, {"lead_s": 1e300},
 ])
 def test_unusable_times_are_ignored_and_counted_and_the_delivery_merges(times):
-  """DESIGN 2.4: non-finite or negative measurements are ignored (and so are absurd ones); the
-  delivery's progress is not lost for a broken clock."""
+  """docs/design.md 2.4: non-finite or negative measurements are ignored (and so are absurd
+  ones); the delivery's progress is not lost for a broken clock."""
   s, _ = _syncer()
   merged, _ = s.tick(1.0, _beats(1.0, 0), [_good(0, **times)])
   assert len(merged) == 1 and s.rejections == {}

@@ -52,7 +52,7 @@ def test_quorum_all_learners_follows_learners_count(module):
   raw.learners.count = 8
   cfg = config_lib.from_config_dict(raw)
   assert cfg.sync.quorum == config_lib.ALL_LEARNERS
-  k = policy.PolicyConfig(quorum=cfg.sync.quorum).quorum
+  k = policy.PolicyConfig.from_config(cfg.sync).quorum
   assert policy.required_quorum(k, cfg.learners.count) == 8  # K = M, not the preset's 4
   assert policy.required_quorum(k, 3) == 3  # and only the live ones once some are gone
   assert "quorum=0 (all learners, K = M = 8)" in " ".join(config_cli.summary(cfg))

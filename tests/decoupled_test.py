@@ -1,4 +1,4 @@
-"""The single-controller runtime on a virtual clock: invariants of DESIGN.md 2.3-2.5."""
+"""The single-controller runtime on a virtual clock: invariants of docs/design.md 2.3-2.5."""
 
 import json
 import os

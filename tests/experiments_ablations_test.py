@@ -77,7 +77,7 @@ def test_pipeline_end_to_end_at_a_tiny_size(tmp_path):
   os.makedirs(folder)
   with open(os.path.join(folder, "analysis.md"), "w") as f:
     f.write("## What it means\n\nAuthored text.")
-  wall = run.run_parallel(runs, outdir, jobs=2)
+  wall = harness.run_all(runs, outdir, jobs=2)
   assert wall > 0 and all(harness.finished(os.path.join(outdir, r.name)) for r in runs)
   results = run.write_report(runs, outdir, folder, wall)
   with open(os.path.join(folder, "results.json")) as f:

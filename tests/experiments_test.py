@@ -1,9 +1,15 @@
 """The experiment harness end to end at a tiny size: real runs, regenerated results and plots."""
 
+import dataclasses
+import importlib
 import json
 import os
+import pathlib
+import sys
+import time
 
 import pytest
+from absl import flags
 
 from experiments import compare, harness, summary
 from experiments.stale import config as stale_config
@@ -27,6 +33,76 @@ def test_table_and_summary():
   assert b["eval_loss_spread"] == 0.0
   text = harness.table(rows, ("method", "eval_loss"))
   assert text.splitlines()[0] == "| method | eval_loss |" and "| a | 2.5 |" in text
+
+
+RUNNERS = sorted(p.parent.name for p in pathlib.Path(harness.REPO, "experiments").glob("*/run.py"))
+
+
+def test_the_runners_are_found():
+  assert {"ablations", "parity", "sweep", "stale", "chaos"} <= set(RUNNERS)
+
+
+@pytest.mark.parametrize("name", RUNNERS)
+def test_every_runner_takes_the_common_flags_from_the_harness(name):
+  """Importing a runner defines no flag; its define_flags() gives harness.define_flags' flags
+  with the experiment's own defaults."""
+  common = {"outdir", "results_dir", "report_only"}
+  assert not common & set(flags.FLAGS)
+  module = importlib.import_module(f"experiments.{name}.run")
+  assert not common & set(flags.FLAGS), f"experiments/{name}/run.py defines flags at import"
+  before = set(flags.FLAGS)
+  module.define_flags()
+  added = set(flags.FLAGS) - before
+  try:
+    assert common <= added
+    assert flags.FLAGS["outdir"].default == f"runs/experiments/{name}"
+    assert flags.FLAGS["results_dir"].default == os.path.join(harness.REPO, "experiments", name)
+  finally:
+    for flag in added:
+      delattr(flags.FLAGS, flag)
+
+
+def test_experiments_have_one_runner_of_processes():
+  """Runs are started only by harness.run_all: no experiment has a thread pool of its own."""
+  for path in pathlib.Path(harness.REPO, "experiments").rglob("*.py"):
+    if path.name != "harness.py":
+      text = path.read_text()
+      assert "threading" not in text and "concurrent.futures" not in text, path
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScriptRun(harness.Run):
+  """A run whose process is a short Python script instead of a training run."""
+  script: str = ""
+
+  def command(self, workdir: str) -> list[str]:
+    return [sys.executable, "-c", self.script, workdir]
+
+
+_FINISH = ("import json, os, sys, time; time.sleep(1.0); "
+           "json.dump({}, open(os.path.join(sys.argv[1], 'final.json'), 'w'))")
+
+
+def test_run_all_runs_jobs_at_a_time_and_reuses_finished_runs(tmp_path):
+  runs = [_ScriptRun(f"r{i}", "unused", script=_FINISH) for i in range(2)]
+  start = time.monotonic()
+  wall = harness.run_all(runs, str(tmp_path), jobs=2)
+  assert time.monotonic() - start < 1.9  # both slept their second at once
+  assert wall >= 1.0
+  for run in runs:
+    assert harness.finished(str(tmp_path / run.name))
+    assert json.load(open(tmp_path / run.name / harness.HARNESS_FILE))["wall_s"] >= 1.0
+  assert harness.run_all(runs, str(tmp_path), jobs=2) < 0.5  # nothing left to run
+
+
+def test_run_all_names_the_failed_run_and_starts_no_later_one(tmp_path):
+  runs = [_ScriptRun("bad", "unused", script="import sys; sys.exit(3)"),
+          _ScriptRun("slow", "unused", script=_FINISH),
+          _ScriptRun("late", "unused", script=_FINISH)]
+  with pytest.raises(RuntimeError, match=r"run bad__s0 failed with exit code 3; see .*run.log"):
+    harness.run_all(runs, str(tmp_path), jobs=2)
+  assert harness.finished(str(tmp_path / "slow__s0"))  # already running: it is let finish
+  assert not (tmp_path / "late__s0").exists()
 
 
 @pytest.mark.slow

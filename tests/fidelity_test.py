@@ -1,4 +1,4 @@
-"""Fidelity of the single-controller runtime to the paper's algorithm (issue 11).
+"""Fidelity of the single-controller runtime to the paper's algorithm (docs/design.md 2.3-2.4).
 
 Rounds must merge several equal-speed learners (the grace window works on the wall clock as on
 the virtual clock), the learner protocol must survive the races and failures the design names,

@@ -103,3 +103,24 @@ def test_the_model_does_not_import_the_run_configuration():
   for module, deps in graph.items():
     if module.startswith("diloco.model"):
       assert "diloco.config_lib" not in deps, module
+
+
+def test_modules_are_imported_normally():
+  """Code is imported by name, never executed from a path behind Python's back: the only
+  loaders by path are the two that take a user's file (a config file and a model module)."""
+  root = os.path.dirname(PACKAGE)
+  allowed = {os.path.join("diloco", "config_lib.py"), os.path.join("diloco", "model",
+                                                                  "registry.py")}
+  tricks = ("spec_from_file_location", "module_from_spec", "sys.modules[", "SourceFileLoader")
+  found = []
+  for top in ("diloco", "experiments", "scripts", "tests", "configs"):
+    for folder, _, files in os.walk(os.path.join(root, top)):
+      for name in files:
+        path = os.path.join(folder, name)
+        rel = os.path.relpath(path, root)
+        if name.endswith(".py") and rel not in allowed and rel != os.path.join(
+            "tests", "imports_test.py"):
+          with open(path, encoding="utf-8") as f:
+            text = f.read()
+          found += [f"{rel}: {t}" for t in tricks if t in text]
+  assert not found, found

@@ -1,10 +1,9 @@
-"""scripts/make_jobset.py: the rendered JobSet parses and has the structure GKE needs.
+"""diloco.distributed.jobset (scripts/make_jobset.py): the rendered JobSet parses and has the structure GKE needs.
 
 Nothing here talks to a cluster; these checks guard the manifest's shape (one job per
 learner, hosts per slice, selectors, commands) and that bad flags fail with their name.
 """
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -12,11 +11,9 @@ import sys
 import pytest
 import yaml
 
+from diloco.distributed import jobset as make_jobset
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("make_jobset", ROOT / "scripts" / "make_jobset.py")
-make_jobset = importlib.util.module_from_spec(_spec)
-sys.modules["make_jobset"] = make_jobset  # dataclasses look their module up while executing it
-_spec.loader.exec_module(make_jobset)
 
 STORE = "gs://diloco-test-bucket/run-7"
 

@@ -34,7 +34,8 @@ def expected_counts(c):
 
 # Rough size classes promised by the preset names (billions of total parameters).
 SIZE_CLASS = {"gemma_2b": (2.0, 3.0), "gemma_5b": (4.5, 6.0), "gemma_9b": (8.5, 10.0),
-              "moe_2_8b": (2.6, 3.0), "moe_3_8b": (3.6, 4.0), "small": (0.005, 0.02)}
+              "moe_2_8b": (2.6, 3.0), "moe_3_8b": (3.6, 4.0), "small": (0.005, 0.02),
+              "m35": (0.034, 0.037)}
 
 
 @pytest.mark.parametrize("name", model_presets.NAMES)
@@ -51,7 +52,7 @@ def test_preset_parameter_counts(name):
     assert counts["active"] < counts["total"]
 
 
-@pytest.mark.parametrize("name", ["gemma_2b", "moe_2_8b"])
+@pytest.mark.parametrize("name", ["gemma_2b", "moe_2_8b", "m35"])
 def test_large_preset_forward_shapes_abstractly(name):
   cfg = model_presets.get(name)
 

@@ -1,4 +1,4 @@
-"""Options nobody else tests, each against an independent expectation (DESIGN.md 2.3, 2.4).
+"""Options nobody else tests, each against an independent expectation (docs/design.md 2.3, 2.4).
 
 Receipt options (mixing, moment reset, non-blocking rounds) on a real `Learner`; quantised
 payloads with and without error feedback sent by real learners through a real `Syncer`,
@@ -72,7 +72,7 @@ def _transport(s, cfg, cls=transport_lib.InMemoryTransport):
 
 
 def _learner(s, cfg, transport, learner_id=0, num_groups=1, background_io=False):
-  """A real learner that joined: it loaded the published fragments (DESIGN.md 2.5)."""
+  """A real learner that joined: it loaded the published fragments (docs/design.md 2.5)."""
   learner = learner_lib.Learner(
       learner_id=learner_id, incarnation=0, num_groups=num_groups, cfg=cfg, spec=s.spec,
       init_fn=s.init_fn, step_fn=s.step_fn, plan=s.plan, transport=transport,
@@ -105,7 +105,7 @@ def _tokens_per_step(cfg):
 
 
 def test_a_restarted_learner_goes_on_at_its_steps_learning_rate(setup):
-  # A restart gives fresh AdamW state (DESIGN.md 2.5); the schedule must not warm up again.
+  # A restart gives fresh AdamW state (docs/design.md 2.5); the schedule must not warm up again.
   learner = learner_lib.Learner(
       learner_id=0, incarnation=1, num_groups=1, cfg=setup.cfg, spec=setup.spec,
       init_fn=setup.init_fn, step_fn=setup.step_fn, plan=setup.plan,
@@ -119,7 +119,7 @@ def test_a_restarted_learner_goes_on_at_its_steps_learning_rate(setup):
   learner.close()
 
 
-# sync.mixing_alpha and sync.reset_moments (DESIGN.md 2.3, receipt).
+# sync.mixing_alpha and sync.reset_moments (docs/design.md 2.3, receipt).
 
 
 def test_mixing_alpha_mixes_only_the_received_fragment(setup):
@@ -154,7 +154,7 @@ def test_mixing_alpha_mixes_only_the_received_fragment(setup):
 
 
 def test_joining_learner_loads_the_published_fragments_despite_mixing(setup):
-  # DESIGN.md 2.5: a learner that joins or rejoins first loads the latest published global
+  # docs/design.md 2.5: a learner that joins or rejoins first loads the latest published global
   # fragments. Mixing is a receipt rule for a learner that trained; on a fresh init it would
   # start Streaming DiLoCo (alpha = 0.5) learners half from noise.
   cfg = _config(sync__receipt="mix", sync__mixing_alpha=0.5)
@@ -205,7 +205,7 @@ def test_reset_moments_zeroes_exactly_the_received_fragment(setup, reset):
   learner.read_metrics()  # raises on non-finite values
 
 
-# sync.block_on_late_round (DESIGN.md 2.3, bounded overlap).
+# sync.block_on_late_round (docs/design.md 2.3, bounded overlap).
 
 
 @pytest.mark.parametrize("block", [True, False])
@@ -269,7 +269,7 @@ def test_runtime_waits_for_late_rounds_only_when_blocking(tmp_path, reuse_compil
   assert max(a["base_version"] for r in tape for a in r["admitted"]) >= 1
 
 
-# Quantised payloads with and without error feedback (DESIGN.md 2.4).
+# Quantised payloads with and without error feedback (docs/design.md 2.4).
 
 
 def _quantize_oracle(x, bits, block):

@@ -11,7 +11,7 @@ from diloco import outer
 from diloco.outer import kernels
 
 
-# ---- Oracles: plain float64 NumPy, written from DESIGN.md 2.4, not from the module. ----
+# ---- Oracles: plain float64 NumPy, written from docs/design.md 2.4, not from the module. ----
 
 def oracle_weights(tokens, steps, scheme):
   t, s = np.asarray(tokens, np.float64), np.asarray(steps, np.float64)

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from diloco import policy
+from diloco.config_lib import SyncConfig
 
 CFG = policy.PolicyConfig(quorum=1, tau=2, gamma=0.8, heartbeat_timeout_s=10.0, max_staleness=2)
 
@@ -18,9 +19,12 @@ def _delivery(lid=0, inc=0, base=3, steps=5):
                          steps=steps, tokens=10 * steps, arrival_time=100.0)
 
 
-def test_defaults_follow_design():
-  cfg = policy.PolicyConfig()
-  assert (cfg.quorum, cfg.tau, cfg.gamma) == (1, 2, 0.8)
+def test_defaults_are_the_sync_groups():
+  cfg = policy.PolicyConfig.from_config(SyncConfig())
+  assert (cfg.quorum, cfg.tau, cfg.gamma, cfg.heartbeat_timeout_s, cfg.max_staleness) == (
+      1, 2, 0.8, 30.0, 8)  # docs/design.md 2.3-2.4
+  assert cfg.ema_decay == 0.9
+  assert policy.PolicyConfig.from_config(SyncConfig(), gamma=0.0).gamma == 0.0
 
 
 @pytest.mark.parametrize("field,value", [("quorum", -1), ("tau", -1), ("gamma", -0.1),
@@ -28,7 +32,7 @@ def test_defaults_follow_design():
                                          ("ema_decay", 1.0)])
 def test_config_rejects_bad_values_naming_the_field(field, value):
   with pytest.raises(ValueError, match=field):
-    policy.PolicyConfig(**{field: value})
+    policy.PolicyConfig.from_config(SyncConfig(), **{field: value})
 
 
 def test_config_is_frozen():

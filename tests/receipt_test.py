@@ -1,4 +1,4 @@
-"""Receipt modes and the final sync (DESIGN.md 2.3) on a real `Learner` and `Syncer`.
+"""Receipt modes and the final sync (docs/design.md 2.3) on a real `Learner` and `Syncer`.
 
 Every expectation is a NumPy closed form of the design's rules: overwrite theta_p = G_p;
 keep_local theta_p = G_p + (theta_p - theta_p as delivered); the counters of a kept step are

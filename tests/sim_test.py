@@ -1,4 +1,4 @@
-"""Goodput simulator against closed forms, within Monte Carlo error (issue 5)."""
+"""Goodput simulator against closed forms, within Monte Carlo error (docs/design.md 4)."""
 
 import dataclasses
 import json

@@ -12,7 +12,7 @@ import pytest
 
 from diloco import fragments, outer
 from diloco import syncer as syncer_lib
-from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
+from diloco.config_lib import ConfigError, OuterConfig, StoreConfig, SyncConfig
 from diloco.distributed import chaos
 from diloco.distributed import syncer_process
 from diloco.distributed import wan
@@ -391,10 +391,10 @@ def test_wan_link_serialises_transfers_and_adds_latency():
   assert link.transfer(1_000_000) == pytest.approx(1.05)  # 8 Mbit at 8 Mbit/s + 50 ms
   assert link.arrival(500_000) == pytest.approx(1.05 + 0.5 + 0.05 - 0.05 + 0.0, abs=0.06)
   assert wan.Link().transfer(10**9) == 0.0
-  up, down = wan.learner_links("100,10", "5", 3)
+  up, down = wan.learner_links(StoreConfig(wan_mbps="100,10", wan_latency_ms="5"), 3)
   assert up.bytes_per_s == 10e6 / 8 and down.latency_s == 0.005
-  with pytest.raises(ConfigError, match="store.wan_mbps"):
-    wan.learner_links("-1", "", 0)
+  with pytest.raises(ConfigError, match="store.wan_mbps: values must be >= 0"):
+    StoreConfig(wan_mbps="-1").check()
 
 
 def test_chaos_grammar_and_seeded_generation():

@@ -92,8 +92,9 @@ def test_grace_window_admits_a_later_learner():
     (lambda p: dict(p, tensors={k: v.astype(np.float64) for k, v in p["tensors"].items()}),
      "wrong_dtype"),
     (lambda p: dict(p, tensors={"layers/0/w": p["tensors"]["layers/0/w"]}), "bad_payload"),
-    # Counters out of range (issue 12): each used to raise out of `tick`, or to overflow the
-    # token weights, and a crashed syncer process read the same delivery again after restart.
+    # Counters out of range (docs/design.md 2.5, bad payloads): each used to raise out of
+    # `tick`, or to overflow the token weights, and a crashed syncer process read the same
+    # delivery again after restart.
     (lambda p: dict(p, tokens=0), "bad_counters"),
     (lambda p: dict(p, tokens=-5), "bad_counters"),
     (lambda p: dict(p, tokens=10**200), "bad_counters"),

@@ -1,5 +1,6 @@
 """Tracking: TensorBoard event files and wandb offline runs, read back from disk after real runs."""
 
+import dataclasses
 import glob
 import json
 import math
@@ -136,9 +137,12 @@ def test_wandb_offline_run_has_scalars_and_config(tmp_path, monkeypatch):
 
 
 def test_bad_wandb_mode_is_one_line_error(tmp_path):
-  cfg = _config("dp.py:tiny", train__steps=1, log__wandb_mode="cloud")
-  with pytest.raises(config_lib.ConfigError, match="log.wandb_mode"):
-    train.run(cfg, str(tmp_path))
+  with pytest.raises(config_lib.ConfigError, match="log.wandb_mode: must be one of"):
+    _config("dp.py:tiny", train__steps=1, log__wandb_mode="cloud")
+  cfg = _config("dp.py:tiny", train__steps=1)
+  unchecked = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, wandb_mode="cloud"))
+  with pytest.raises(config_lib.ConfigError, match="log.wandb_mode: must be one of"):
+    train.run(unchecked, str(tmp_path))
 
 
 def test_multiprocess_run_logs_every_process_and_exports(tmp_path):

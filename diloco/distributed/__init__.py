@@ -4,4 +4,5 @@ exchange Orbax-serialised fragments through a store, a local directory or a `gs:
 `store` and `npy_handler` are the on-disk layout; `store_transport` the learner's and the
 syncer's links over it; `hosts` a learner spanning several hosts; `wan` the emulated
 wide-area link; `learner_process` and `syncer_process` the two roles; `launcher` runs them
-locally, and `chaos` kills and stops them with real signals."""
+locally, and `chaos` kills and stops them with real signals; `jobset` renders the GKE manifest
+that runs them on a cluster (`scripts/make_jobset.py`)."""

@@ -29,7 +29,7 @@ import time
 import numpy as np
 from absl import logging
 
-from diloco.config_lib import Config, ConfigError, parse_floats
+from diloco.config_lib import Config, ConfigError
 from diloco.distributed import accelerators, chaos
 from diloco.distributed.store import Store
 from diloco.observe import accounting
@@ -86,7 +86,7 @@ class Launcher:
       raise ConfigError("launch.chaos: retire events send SIGTERM, which means restart with "
                         f"store.on_sigterm={cfg.store.on_sigterm!r}; use 'retire' there")
     self.rng = np.random.default_rng([cfg.seed, 104729])
-    listed = [int(x) for x in parse_floats(cfg.learners.devices, "learners.devices")]
+    listed = cfg.learners.device_counts()
     hosts = cfg.launch.hosts_per_learner
     sizes = [listed[m] if m < len(listed) else cfg.launch.devices_per_learner
              for m in range(self.max_learners)]

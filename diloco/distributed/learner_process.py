@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 
 from diloco import learner_loop
-from diloco.config_lib import Config, ConfigError, parse_floats
+from diloco.config_lib import Config, ConfigError
 from diloco.distributed import chaos
 from diloco.distributed import hosts as hosts_lib
 from diloco.distributed import wan
@@ -55,7 +55,7 @@ def _identity(cfg: Config) -> dict:
 
 
 def _speed(cfg: Config, learner_id: int) -> float:
-  speeds = parse_floats(cfg.learners.speeds, "learners.speeds")
+  speeds = cfg.learners.speed_factors()
   return speeds[learner_id] if learner_id < len(speeds) else 1.0
 
 
@@ -91,7 +91,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   devices = jax.devices()
   spec, init_fn, step_fn = island.build_learner(cfg, devices, learner_id)
   plan = island.fragment_plan(cfg, spec)
-  up, down = wan.learner_links(cfg.store.wan_mbps, cfg.store.wan_latency_ms, learner_id)
+  up, down = wan.learner_links(cfg.store, learner_id)
   link = hosts_lib.AgreedLink(store, learner_id, incarnation, hosts, poll_s=cfg.store.poll_s,
                               up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s,
                               send_queue=cfg.sync.send_queue)

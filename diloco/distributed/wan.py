@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from diloco.config_lib import ConfigError, parse_floats
+from diloco.config_lib import StoreConfig
 
 
 class Link:
@@ -50,17 +50,15 @@ class Link:
     return max(wait, 0.0)
 
 
-def learner_links(mbps: str, latency_ms: str, learner: int) -> tuple[Link, Link]:
-  """(up, down) links of `learner` from the comma-separated per-learner config strings.
+def learner_links(store: StoreConfig, learner: int) -> tuple[Link, Link]:
+  """(up, down) links of `learner` from the validated `store.wan_mbps`, `store.wan_latency_ms`.
 
   A list shorter than the learner id repeats its last value (one value applies to all).
   """
-  def pick(text: str, field: str) -> float:
-    values = parse_floats(text, field)
-    if any(v < 0 for v in values):
-      raise ConfigError(f"{field}: values must be >= 0, got {text!r}")
+  def pick(field: str) -> float:
+    values = store.wan_values(field)
     return values[min(learner, len(values) - 1)] if values else 0.0
 
-  rate = pick(mbps, "store.wan_mbps")
-  latency = pick(latency_ms, "store.wan_latency_ms")
+  rate = pick("wan_mbps")
+  latency = pick("wan_latency_ms")
   return Link(rate, latency), Link(rate, latency)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from diloco.config_rules import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, OneOf, require, setting
+
 # How much of each layer's forward pass is kept for the backward pass (`jax.checkpoint`):
 # "none" keeps everything (no remat), "full" keeps only the layer's inputs and recomputes the
 # rest; the others name `jax.checkpoint_policies` (dots_saveable keeps matmul outputs).
@@ -14,6 +16,8 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 # `jax.nn.dot_product_attention`: "xla" on any backend, "cudnn" (fused flash attention, GPU,
 # bf16/fp16), "auto" (cuDNN on a GPU backend where it supports the shapes, XLA elsewhere).
 ATTENTION_IMPLS = ("reference", "xla", "cudnn", "auto")
+# Compute and parameter dtypes.
+DTYPES = ("float32", "bfloat16")
 
 
 # The fields that change how the model computes, not what its parameters are: a run may
@@ -36,42 +40,57 @@ def _frozen(cls):
 class ModelConfig:
   """A Gemma-style decoder-only LM (see `diloco.model.transformer`)."""
   name: str = "custom"
-  vocab_size: int = 384
-  embed_dim: int = 64
-  num_layers: int = 2
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  head_dim: int = 16
-  mlp_dim: int = 256
+  vocab_size: int = setting(384, AT_LEAST_ONE)
+  embed_dim: int = setting(64, AT_LEAST_ONE)
+  num_layers: int = setting(2, AT_LEAST_ONE)
+  num_heads: int = setting(4, AT_LEAST_ONE)
+  num_kv_heads: int = setting(2, AT_LEAST_ONE)
+  head_dim: int = setting(16, AT_LEAST_ONE)
+  mlp_dim: int = setting(256, AT_LEAST_ONE)
   # One letter per layer, repeated cyclically: L = local sliding window, G = global.
   attention_pattern: str = "LG"
-  sliding_window: int = 64
+  sliding_window: int = setting(64, AT_LEAST_ONE)
   rope_base_local: float = 10_000.0
   rope_base_global: float = 1_000_000.0
   qk_norm: bool = True
   # Queries are scaled by query_pre_attn_scalar**-0.5; 0 means head_dim.
-  query_pre_attn_scalar: float = 0.0
+  query_pre_attn_scalar: float = setting(0.0, NON_NEGATIVE)
   # 0 disables soft-capping of the final logits.
-  final_logit_softcap: float = 0.0
+  final_logit_softcap: float = setting(0.0, NON_NEGATIVE, "0 = off")
   # Mixture of experts: num_experts = 0 gives the dense GeGLU MLP in every layer.
-  num_experts: int = 0
+  num_experts: int = setting(0, NON_NEGATIVE, "0 = dense")
   experts_per_token: int = 2
   expert_mlp_dim: int = 0
-  capacity_factor: float = 1.25
-  moe_aux_loss_weight: float = 0.01
+  capacity_factor: float = setting(1.25, POSITIVE)
+  moe_aux_loss_weight: float = setting(0.01, NON_NEGATIVE)
   # Compute dtype (activations, matmul inputs); parameters, gradients and optimizer state stay
   # in param_dtype. Norms, softmax, logits and the loss always run in float32.
-  dtype: str = "float32"
-  param_dtype: str = "float32"
-  remat: str = "none"  # one of REMAT_POLICIES, applied to every layer
+  dtype: str = setting("float32", OneOf(DTYPES))
+  param_dtype: str = setting("float32", OneOf(DTYPES))
+  remat: str = setting("none", OneOf(REMAT_POLICIES))  # applied to every layer
   # Run the layers as a `jax.lax.scan` over groups of len(attention_pattern) layers, so that
   # compile time does not grow with depth. The stored parameters keep their per-layer layout.
   scan_layers: bool = False
-  attention_impl: str = "reference"  # one of ATTENTION_IMPLS
+  attention_impl: str = setting("reference", OneOf(ATTENTION_IMPLS))
   # Apply the output head and the loss to this many positions at a time (0: the whole
   # sequence), so that the float32 (batch, length, vocab) logits are never held whole.
-  loss_chunk: int = 0
+  loss_chunk: int = setting(0, NON_NEGATIVE, "0 = the whole sequence at once")
   # The model class, by registered name (`diloco.model.registry`); "transformer" is this one.
   arch: str = "transformer"
   # A module to import first, so that it registers `arch`: a dotted module name or a .py file.
   module: str = ""
+
+  def check(self) -> None:
+    """The rules that relate the model's fields (each field's own rule is beside it)."""
+    require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+            f"must divide model.num_heads={self.num_heads}, got {self.num_kv_heads}")
+    require(bool(self.attention_pattern) and set(self.attention_pattern) <= {"L", "G"},
+            "model.attention_pattern",
+            f"must be a string of L and G, got {self.attention_pattern!r}")
+    if self.num_experts:
+      require(1 <= self.experts_per_token <= self.num_experts, "model.experts_per_token",
+              f"must be in [1, num_experts={self.num_experts}], got {self.experts_per_token}")
+      require(self.expert_mlp_dim >= 1, "model.expert_mlp_dim", "must be >= 1 for an MoE model")
+    if self.attention_impl == "cudnn":
+      require(self.dtype == "bfloat16", "model.attention_impl",
+              f"'cudnn' needs model.dtype='bfloat16', got {self.dtype!r} (use 'auto' or 'xla')")

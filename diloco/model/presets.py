@@ -35,6 +35,13 @@ _PRESETS: dict[str, ModelConfig] = {
         vocab_size=_BYTE_VOCAB, embed_dim=256, num_layers=6, num_heads=4, num_kv_heads=2,
         head_dim=64, mlp_dim=1024, attention_pattern="LLG", sliding_window=64,
         final_logit_softcap=30.0),
+    # ~35.6M parameters: the size of the DiLoCo scaling-law study's smallest row (Charles et
+    # al. 2025, Table 4), Gemma-style, byte vocabulary; bf16 compute for one GPU (its layers
+    # are scanned, so depth costs no compile time). experiments/scaling/gpu35m.py trains it.
+    "m35": ModelConfig(
+        vocab_size=_BYTE_VOCAB, embed_dim=512, num_layers=9, num_heads=8, num_kv_heads=4,
+        head_dim=64, mlp_dim=2048, attention_pattern="LLG", sliding_window=256,
+        final_logit_softcap=30.0, dtype="bfloat16", scan_layers=True, attention_impl="auto"),
     "gemma_2b": ModelConfig(
         vocab_size=_GEMMA_VOCAB, embed_dim=2304, num_layers=26, num_heads=8, num_kv_heads=4,
         head_dim=256, mlp_dim=9216, attention_pattern="LLLLLG", sliding_window=1024,

@@ -1,4 +1,4 @@
-"""Accounting of a run from its event tape and activity log (DESIGN.md 3.2). Pure, no JAX.
+"""Accounting of a run from its event tape and activity log (docs/design.md 3.2). Pure, no JAX.
 
 Inputs are the records of two JSON-lines files in the run's workdir, read by `read_jsonl`:
 `tape.jsonl` (one record per closed syncer round, with its `admitted` and `rejected` deliveries,
@@ -24,6 +24,10 @@ Definitions (times in seconds on the run's clock):
   any fragment), where rounds published within a tenth of the mean gap of each other are one
   event (a syncer tick that closes several rounds, milliseconds apart on the wall clock).
   Regular merges give exactly 1.
+- **Compute goodput** (the paper's goodput) = step device-seconds / allocated device-seconds:
+  time spent computing, whether or not its progress reached G. The step device-seconds that
+  did not reach G are split into those carried only by rejected deliveries and those dropped
+  (never delivered: overwritten on receipt, or made after a learner's last delivery).
 - **Merged tokens** = sum of the admitted deliveries' `tokens` / P (each delivery carries the
   tokens behind 1/P of the model); merged tokens/s divides by the horizon.
 - **Staleness** is the `staleness` the syncer recorded for each admitted delivery.
@@ -51,7 +55,8 @@ from collections.abc import Iterable, Mapping, Sequence
 TAPE_FILE = "tape.jsonl"
 ACTIVITY_FILE = "activity.jsonl"
 KINDS = ("step", "wait", "down", "load")
-CLOSE_REASONS = ("quorum_reached", "grace_expired", "all_delivered")
+CLOSE_REASONS = ("quorum_reached", "grace_expired", "all_delivered", "final_all_delivered",
+                 "final_timeout")
 
 
 def span_record(learner: int, incarnation: int, kind: str, start: float, end: float, *,
@@ -132,6 +137,27 @@ def useful_device_seconds(tape: Sequence[Mapping], activity: Sequence[Mapping],
       i, j = bisect.bisect_left(local_steps, lo), bisect.bisect_right(local_steps, hi)
       total += prefix[j] - prefix[i]
   return total / num_fragments
+
+
+def where_steps_went(tape: Sequence[Mapping], activity: Sequence[Mapping],
+                     num_fragments: int) -> dict[str, float]:
+  """Step device-seconds split by what became of their progress (each fragment 1/P of it).
+
+  "merged": reached G (the goodput's numerator); "rejected": carried only by deliveries the
+  syncer rejected (stale, replayed, ...; their tape records name `local_step` and `steps`);
+  "dropped": never carried by any delivery (overwritten on receipt, or made after the learner's
+  last delivery). The three sum to all step device-seconds.
+  """
+  total = sum(r["devices"] * max(0.0, r["end"] - r["start"]) for r in activity
+              if r["kind"] == "step")
+  merged = useful_device_seconds(tape, activity, num_fragments)
+  # Deliveries merged or rejected, as admitted-like records, give "merged or rejected".
+  carried = [{"fragment": rnd["fragment"], "admitted": list(rnd["admitted"]) + [
+      r for r in rnd.get("rejected", ()) if "local_step" in r and "steps" in r]}
+             for rnd in tape]
+  delivered = useful_device_seconds(carried, activity, num_fragments)
+  return {"merged": merged, "rejected": max(delivered - merged, 0.0),
+          "dropped": max(total - delivered, 0.0)}
 
 
 def goodput(tape: Sequence[Mapping], activity: Sequence[Mapping], num_fragments: int) -> float:
@@ -416,9 +442,15 @@ def summary(workdir: str, num_fragments: int, num_params: int, *,
       tape, num_params=num_params, num_fragments=num_fragments, fragment_sizes=fragment_sizes,
       bytes_per_param_dp=bytes_per_param_dp, steps=step_spans / max(len(learners), 1),
       dp_groups=len(learners) or None)
+  went = where_steps_went(tape, activity, num_fragments)
   out = {
       "goodput": useful / allocated if allocated > 0.0 else 0.0, "useful_device_s": useful,
       "allocated_device_s": allocated,
+      # The paper's goodput: the fraction of allocated time spent computing steps, whether
+      # or not their progress reached G.
+      "compute_goodput": kinds["step"] / allocated if allocated > 0.0 else 0.0,
+      "step_device_s": kinds["step"], "rejected_step_device_s": went["rejected"],
+      "dropped_step_device_s": went["dropped"],
       "uptime": uptime(tape, horizon, start=start, stall_s=stall_s),
       "horizon_s": horizon, "merged_tokens": merged_tokens(tape, num_fragments),
       "merged_tokens_per_s": merged_tokens_per_s(tape, num_fragments, horizon),
@@ -443,7 +475,7 @@ def summary(workdir: str, num_fragments: int, num_params: int, *,
     out[f"{kind}_fraction"] = kinds[kind] / allocated if allocated > 0.0 else 0.0
   for reason, count in stats["rejected_by_reason"].items():
     out[f"rejected/{reason}"] = count
-  # The fidelity report (issue 11): how rounds closed, how many learners they merged, and how
+  # The fidelity report (docs/design.md 2.3-2.4): how rounds closed, how many learners they merged, and how
   # stale the admitted deliveries were.
   for reason in CLOSE_REASONS:
     out[f"closed_by/{reason}"] = (stats["close_reasons"].get(reason, 0) / stats["rounds"]

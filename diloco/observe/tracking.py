@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from absl import logging
 
+from diloco import config_rules
 from diloco.errors import ConfigError
 
 TENSORBOARD_DIR = "tensorboard"
@@ -151,11 +152,10 @@ class WandbTracker:
 
 
 def check(log) -> None:
-  """ConfigErrors for the `log` fields that trackers read."""
-  if log.wandb_mode not in WANDB_MODES:
-    raise ConfigError(f"log.wandb_mode: must be one of {WANDB_MODES}, got {log.wandb_mode!r}")
-  if log.wandb and not log.wandb_project:
-    raise ConfigError("log.wandb_project: must be set when log.wandb=True")
+  """ConfigErrors for the `log` fields that trackers read: the `log` group's own rules
+  (`config_lib.LogConfig`), rerun for a LogConfig that was built without validation."""
+  config_rules.check_fields("log", log)
+  log.check()
 
 
 def open_trackers(log, workdir: str, name: str, *, role: str,

@@ -1,4 +1,4 @@
-"""Outer (syncer-side) math of Decoupled DiLoCo on NumPy arrays (DESIGN.md 2.4).
+"""Outer (syncer-side) math of Decoupled DiLoCo on NumPy arrays (docs/design.md 2.4).
 
 Sign convention: the outer gradient (pseudo-gradient) of learner m is
 `d_m = anchor - theta_m`, the anchor being the syncer's current global fragment `G`

@@ -1,4 +1,4 @@
-"""Merging the learners' outer gradients of one fragment (DESIGN.md 2.4).
+"""Merging the learners' outer gradients of one fragment (docs/design.md 2.4).
 
 - weights `w_m = tokens_m**2 / steps_m` (`token_weights`), normalised to sum to 1;
 - per tensor, radial-directional averaging (RDA)
@@ -27,6 +27,14 @@ PyTree = Any
 WEIGHT_SCHEMES = ("tokens2_per_step", "uniform", "tokens")
 
 MERGE_METHODS = ("rda", "mean")
+
+# Where a delivery's outer gradient is anchored (the syncer's `_outer_gradient`): "syncer", the
+# current global fragment G (`outer_gradient`), or "base", G at the version it started from.
+ANCHORS = ("syncer", "base")
+
+# What a stale delivery counts for (the syncer's `_outer_gradient`): "paper", anchored like any
+# other; "rebase", the learner's own progress from its base, scaled down by its staleness.
+STALE_RULES = ("paper", "rebase")
 
 # RDA falls back to the weighted mean when |sum_m w_m unit(d_m)| <= RDA_DIRECTION_EPS * sum_m w_m
 # (sums over the non-zero deltas). The float32 round-off of that sum is about 1e-7 of its bound,

@@ -1,4 +1,4 @@
-"""The outer optimizer: SGD with Nesterov momentum on the global parameters (DESIGN.md 2.4).
+"""The outer optimizer: SGD with Nesterov momentum on the global parameters (docs/design.md 2.4).
 
 `nesterov_step` is identical to `optax.sgd(lr, momentum=mu, nesterov=True)`:
 `b = mu*b + g; G = G - lr*(g + mu*b)`. `merge_and_step` fuses a fragment's merge with its

@@ -11,7 +11,7 @@ Resume (the same command and --workdir) restores the syncer from the newest *com
 checkpoint (Orbax writes into a tmp directory and renames it on commit; a save killed
 midway is never listed), cuts the JSONL files back to what that checkpoint covers, and
 restarts every learner that was up or down as a new incarnation from its resume point: it
-loads the published fragments like any rejoin (DESIGN.md 2.5), and its AdamW moments
+loads the published fragments like any rejoin (docs/design.md 2.5), and its AdamW moments
 restart from zero (they are not saved: G, not a learner's state, is the model).
 """
 

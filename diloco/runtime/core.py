@@ -25,7 +25,7 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco import learner_loop
-from diloco.config_lib import Config, ConfigError, parse_floats
+from diloco.config_lib import Config, ConfigError
 from diloco.learner import Learner, Resume
 from diloco.runtime import faults as faults_lib
 from diloco.syncer import Syncer
@@ -149,7 +149,7 @@ def _iter_jsonl(path: str):
 
 
 def group_sizes(cfg: Config, num_devices: int) -> list[int]:
-  sizes = [int(x) for x in parse_floats(cfg.learners.devices, "learners.devices")]
+  sizes = cfg.learners.device_counts()
   if not sizes:
     if num_devices % cfg.learners.count:
       raise ConfigError(f"learners.count={cfg.learners.count} does not divide the "
@@ -165,12 +165,15 @@ class Runtime:
   """Builds the slots, the syncer and the transport; drivers move time."""
 
   def __init__(self, cfg: Config, workdir: str, devices=None, resume: bool = False):
-    """`resume`: a run restored from a checkpoint (`diloco.run_checkpoint.restore` follows)."""
+    """`resume`: a run restored from a checkpoint (`diloco.runtime.checkpoint.restore` follows)."""
     self.cfg, self.workdir = cfg, workdir
     devices = list(devices if devices is not None else jax.devices())
-    sizes = group_sizes(cfg, len(devices))
-    groups = mesh_lib.device_groups(devices[:sum(sizes)], sizes)
-    speeds = parse_floats(cfg.learners.speeds, "learners.speeds") or [1.0] * len(sizes)
+    if cfg.learners.share_devices:  # time-shared on the virtual clock
+      groups = [devices] * cfg.learners.count
+    else:
+      sizes = group_sizes(cfg, len(devices))
+      groups = mesh_lib.device_groups(devices[:sum(sizes)], sizes)
+    speeds = cfg.learners.speed_factors() or [1.0] * len(groups)
     self.slots = []
     for g, group in enumerate(groups):
       spec, init_fn, step_fn = island.build_learner(cfg, group, g)
@@ -269,7 +272,7 @@ class Runtime:
         slot.learner.poison()
 
   def learner_failed(self, slot: Slot, error: Exception) -> bool:
-    """A learner's step went non-finite: that learner fails, the run goes on (DESIGN 2.5).
+    """A learner's step went non-finite: that learner fails, the run goes on (docs/design.md 2.5).
 
     Returns True when it should rejoin from the global fragments (a new incarnation at its
     resume point, fresh AdamW moments); after `learners.nonfinite_retries` such failures

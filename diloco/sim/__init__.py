@@ -1,4 +1,4 @@
-"""Goodput simulator for data-parallel, elastic and Decoupled DiLoCo training (DESIGN.md 4).
+"""Goodput simulator for data-parallel, elastic and Decoupled DiLoCo training (docs/design.md 4).
 
 `simulate(SimConfig(...))` runs one configuration; `python -m diloco.sim --help` is the CLI and
 `python -m diloco.sim.bandwidth` the bandwidth model. See `diloco/sim/README.md`.

@@ -1,4 +1,4 @@
-"""Cross-datacenter bandwidth of data-parallel vs Decoupled DiLoCo (DESIGN.md 3.2 and 5).
+"""Cross-datacenter bandwidth of data-parallel vs Decoupled DiLoCo (docs/design.md 3.2 and 5).
 
     python -m diloco.sim.bandwidth --params=12e9 --step_time=1.7 --datacenters=8 \
         --fragments=24 --H=24 --tau=2 --bits=4 [--json]

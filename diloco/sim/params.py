@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from diloco import policy
+from diloco.config_lib import SyncConfig
 
 YEAR_S = 365.0 * 86400.0
 DAY_S = 86400.0
 MODES = ("dp", "elastic", "decoupled")
+# The config's sync group: the policy and schedule defaults of a simulated run are a real run's.
+_SYNC = SyncConfig()
 
 
 def _frozen(cls):
@@ -22,7 +25,7 @@ def _require(ok: bool, owner: str, field: str, value: object, allowed: str) -> N
 
 @_frozen
 class FailureModel:
-  """Failure costs. Defaults: fitted once by `experiments/calibrate_goodput.py` (DESIGN.md 4).
+  """Failure costs. Defaults: fitted once by `experiments/goodput/calibrate.py` (docs/design.md 4).
 
   Attributes:
     mtbi_years: mean time between interruptions of one chip, in years.
@@ -68,7 +71,8 @@ class SimConfig:
     seed: seeds failures, step jitter and sampled rounds.
     quorum: K of the syncer (capped by the number of alive learners; 0 = all of them).
     grace: use the adaptive grace window (gamma below) or not (gamma = 0).
-    gamma, tau, heartbeat_timeout_s, max_staleness: the syncer policy (`diloco.policy`).
+    gamma, tau, heartbeat_timeout_s, max_staleness: the syncer policy (`diloco.policy`); these
+      and P, H default to the config's `sync` group (`config_lib.SyncConfig`).
     fragments, inner_steps: P and H; fragment p is due every H steps at offset p * H // P.
     speeds: per-learner step-time factors (cycled if shorter than the number of learners).
     step_jitter: per-step variation; a step takes `step_s * factor * U(1 - j, 1 + j)`.
@@ -83,14 +87,14 @@ class SimConfig:
   learners: int = 8
   days: float = 30.0
   seed: int = 0
-  quorum: int = 1
+  quorum: int = _SYNC.quorum
   grace: bool = True
-  gamma: float = 0.8
-  tau: int = 2
-  heartbeat_timeout_s: float = 30.0
-  max_staleness: int = 8
-  fragments: int = 24
-  inner_steps: int = 24
+  gamma: float = _SYNC.gamma
+  tau: int = _SYNC.tau
+  heartbeat_timeout_s: float = _SYNC.heartbeat_timeout_s
+  max_staleness: int = _SYNC.max_staleness
+  fragments: int = _SYNC.num_fragments
+  inner_steps: int = _SYNC.period
   speeds: tuple[float, ...] = ()
   step_jitter: float = 0.0
   step_s: float = 1.0
@@ -123,10 +127,7 @@ class SimConfig:
 
   def policy_config(self) -> policy.PolicyConfig:
     """The syncer policy this run drives (gamma = 0 when the grace window is off)."""
-    return policy.PolicyConfig(quorum=self.quorum, tau=self.tau,
-                               gamma=self.gamma if self.grace else 0.0,
-                               heartbeat_timeout_s=self.heartbeat_timeout_s,
-                               max_staleness=self.max_staleness)
+    return policy.PolicyConfig.from_config(self, gamma=self.gamma if self.grace else 0.0)
 
   def speed_of(self, learner: int) -> float:
     """The step-time factor of a learner (1 when no speeds are given)."""

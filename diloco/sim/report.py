@@ -8,7 +8,7 @@ import json
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SimResult:
-  """Accounting of one run (DESIGN.md 3.2).
+  """Accounting of one run (docs/design.md 3.2).
 
   Attributes:
     goodput: useful chip-seconds (stepping, not waiting, not rejected) over allocated ones.

@@ -12,7 +12,7 @@ steps on a virtual clock, with per-step jitter, in which
   eligible one, and asks `policy.decide_round` (quorum `min(K, alive)`, grace window from the EMAs
   of the slowest learner's step time, quorum time and sync time) at every delivery and deadline;
   a closed round is published `sync_s` later to every learner, which overwrites the fragment and
-  zeroes its counters (DESIGN.md 2.3);
+  zeroes its counters (docs/design.md 2.3);
 - a learner that delivered fragment p after step t must have received the round that admitted it
   before starting step t + tau + 1, else it waits (block_on_late_round).
 

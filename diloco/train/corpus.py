@@ -32,6 +32,8 @@ from diloco.errors import ConfigError
 from diloco.train import storage
 
 RECORD_SOURCES = ("jsonl", "parquet", "datasets")
+# The `data.source` values that `documents` reads (array_record shards: diloco/train/data.py).
+CORPUS_SOURCES = ("stdlib", "text") + RECORD_SOURCES
 _SUFFIXES = {"jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"), "parquet": (".parquet",)}
 
 

@@ -1,6 +1,6 @@
 """The data-parallel run: one learner over all visible devices, no syncer.
 
-This is the quality and speed reference of DESIGN.md 2.6 and the loop the DiLoCo
+This is the quality and speed reference of docs/design.md 2.6 and the loop the DiLoCo
 learner reuses: dispatch step t, then read step t-1's metrics (already computed), so
 the host never stalls the device; evaluate and checkpoint on schedule; resume from
 the last checkpoint with the exact same trajectory.

@@ -1,4 +1,4 @@
-"""One factor at a time around the Decoupled DiLoCo defaults (issue 16, item 5).
+"""One factor at a time around the Decoupled DiLoCo defaults (docs/design.md 5).
 
 Command (19 runs per seed, two seeds, of about 80 CPU seconds each as measured, most of it
 start-up and compiling, so about 50 CPU minutes in all; finished runs are reused):
@@ -15,7 +15,7 @@ fragmentation (balanced | layer | tensor, quality and peak bytes per round), anc
 (syncer | base), receipt (overwrite | mix alpha = 0.5) and tau (1 | 2 | 5). Seeds 0 and 1 (seed 0
 ran in session 7 on a heavily shared machine, seed 1 in session 8: only `wall_s` shows it).
 
-Expected outcome (the paper, DESIGN.md section 5): RDA beats plain averaging (55.4 vs 54.1 at
+Expected outcome (the paper, docs/design.md 5): RDA beats plain averaging (55.4 vs 54.1 at
 M = 8); int4 outer gradients are nearly lossless while 2-bit and 1-bit collapse; the three
 fragmentation schemes give the same quality and balanced has the flattest bandwidth (lowest
 peak bytes per round). The paper reports nothing on anchor, receipt and tau; the defaults

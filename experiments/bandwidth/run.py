@@ -20,15 +20,6 @@ from experiments.bandwidth import config
 
 import matplotlib.pyplot as plt  # noqa: E402  (harness selected the Agg backend)
 
-_PRESET = flags.DEFINE_enum("preset", "full", list(config.STEPS), "Run length.")
-_OUTDIR = flags.DEFINE_string("outdir", "runs/experiments/bandwidth", "Where the runs are kept.")
-_FOLDER = flags.DEFINE_string("results_dir", os.path.dirname(os.path.abspath(__file__)),
-                              "Where results.json, the plots and README.md are written.")
-_ONLY = flags.DEFINE_multi_string("only", [],
-                                  "Run only this method (repeatable; default: all of them).")
-_REPORT_ONLY = flags.DEFINE_bool("report_only", False,
-                                 "Regenerate the report from the finished runs; run nothing.")
-
 GBIT = 1e9
 
 
@@ -41,7 +32,7 @@ def model() -> tuple[config_lib.Config, int]:
 
 def measured_step_s(cfg) -> float:
   """The unthrottled Decoupled run's mean step time, or the pace before it has run."""
-  workdir = os.path.join(_OUTDIR.value, "decoupled__s0")
+  workdir = os.path.join(flags.FLAGS.outdir, "decoupled__s0")
   if not harness.finished(workdir):
     return cfg.learners.min_step_s
   return round(step_rates(workdir)["step_s"], 3)
@@ -150,20 +141,21 @@ def plot_rates(rows: list[dict], path: str) -> None:
 
 def main(argv):
   del argv
+  FLAGS = flags.FLAGS
   cfg, num_params = model()
   P = cfg.sync.num_fragments
   # The unthrottled runs first: the throttle is sized on the Decoupled run's measured step
   # time (on a loaded host a step takes longer than its 0.2 s pace, and a throttle sized on
   # the pace would then be too weak to matter).
-  plain = [r for r in config.runs(num_params, P, cfg.learners.min_step_s, _PRESET.value)
-           if "WAN" not in r.method and (not _ONLY.value or r.method in _ONLY.value)]
-  wall = 0.0 if _REPORT_ONLY.value else harness.run_all(plain, _OUTDIR.value)
+  plain = [r for r in config.runs(num_params, P, cfg.learners.min_step_s, FLAGS.preset)
+           if "WAN" not in r.method and (not FLAGS.only or r.method in FLAGS.only)]
+  wall = 0.0 if FLAGS.report_only else harness.run_all(plain, FLAGS.outdir)
   step_s = measured_step_s(cfg)
-  runs = [r for r in config.runs(num_params, P, step_s, _PRESET.value)
-          if not _ONLY.value or r.method in _ONLY.value]
-  if not _REPORT_ONLY.value:
-    wall += harness.run_all([r for r in runs if r not in plain], _OUTDIR.value)
-  folder = _FOLDER.value
+  runs = [r for r in config.runs(num_params, P, step_s, FLAGS.preset)
+          if not FLAGS.only or r.method in FLAGS.only]
+  if not FLAGS.report_only:
+    wall += harness.run_all([r for r in runs if r not in plain], FLAGS.outdir)
+  folder = FLAGS.results_dir
   os.makedirs(folder, exist_ok=True)
   mbps, latency = config.throttle(num_params, P, step_s)
   fragment = num_params * 4 / cfg.sync.num_fragments
@@ -176,16 +168,16 @@ def main(argv):
               f"whole model {num_params * 32 / (mbps * 1e6):.3f} s; latency {latency} ms. "
               f"tau = {cfg.sync.tau} steps.", ""]
   base = next((r for r in runs if r.method == "decoupled"), None)
-  done = {r.method: r for r in runs if harness.finished(os.path.join(_OUTDIR.value, r.name))}
+  done = {r.method: r for r in runs if harness.finished(os.path.join(FLAGS.outdir, r.name))}
   results = None
   if base is not None and base.method in done:
-    base_dir = os.path.join(_OUTDIR.value, base.name)
+    base_dir = os.path.join(FLAGS.outdir, base.name)
     step_s = step_rates(base_dir)["step_s"]
     base_cfg = json.load(open(os.path.join(base_dir, "config.json"), encoding="utf-8"))
     ledger_rows = reference(num_params, base_cfg["learners"]["count"], base_cfg, step_s)
     for method in ("decoupled", "sync DiLoCo"):
       if method in done:
-        ledger_rows += measured(done[method], os.path.join(_OUTDIR.value, done[method].name),
+        ledger_rows += measured(done[method], os.path.join(FLAGS.outdir, done[method].name),
                                 step_s)
     for r in ledger_rows:
       r["dp_over_this"] = ledger_rows[0]["gbps"] / r["gbps"] if r["gbps"] else None
@@ -198,12 +190,21 @@ def main(argv):
                  harness.table(ledger_rows, ("what", "gbps", "bytes_per_step", "dp_over_this")),
                  "", "![ledger](ledger.png)", ""]
   sections += ["## Step rate under the throttle", "", "![step rates](rates.png)", ""]
-  results = harness.report(config.NAME, runs, _OUTDIR.value, folder, columns=config.COLUMNS,
+  results = harness.report(config.NAME, runs, FLAGS.outdir, folder, columns=config.COLUMNS,
                            wall_s=wall, command="python -m experiments.bandwidth.run",
                            extra=figures, sections=["\n".join(sections)])
   plot_rates(results["rows"], os.path.join(folder, "rates.png"))
   print(harness.table(results["rows"], config.COLUMNS))
 
 
+def define_flags():
+  """The command line (defined only when run as a script, so tests can import this)."""
+  harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)))
+  flags.DEFINE_enum("preset", "full", list(config.STEPS), "Run length.")
+  flags.DEFINE_multi_string("only", [], "Run only this method (repeatable; default: all of "
+                            "them).")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -11,21 +11,12 @@ import shutil
 
 from absl import app, flags
 
+from diloco.distributed import chaos
 from diloco.observe.accounting import read_jsonl
 from experiments import harness
 from experiments.chaos import config
 
 import matplotlib.pyplot as plt  # noqa: E402  (harness selected the Agg backend)
-
-_PRESET = flags.DEFINE_enum("preset", "full", list(config.STEPS), "Run length and chaos window.")
-_OUTDIR = flags.DEFINE_string("outdir", "runs/experiments/chaos", "Where the runs are kept.")
-_FOLDER = flags.DEFINE_string("results_dir", os.path.dirname(os.path.abspath(__file__)),
-                              "Where results.json, the plots and README.md are written.")
-_SEEDS = flags.DEFINE_integer("seeds", len(config.SEEDS), "Seeds per method.")
-_ONLY = flags.DEFINE_multi_string("only", [],
-                                  "Run only this method (repeatable; default: all of them).")
-_REPORT_ONLY = flags.DEFINE_bool("report_only", False,
-                                 "Regenerate the report from the finished runs; run nothing.")
 
 
 def outages(workdir: str) -> list[tuple[int, float, float]]:
@@ -66,7 +57,7 @@ def figures(run: harness.Run, workdir: str) -> dict:
   rounds_up = sum(1 for r in tape if lo <= r["published_at"] <= hi) - rounds_down
   steps_down = sum(1 for r in steps if is_down(r["end"]))
   return {
-      "kills": sum(1 for e in overrides.get("launch.chaos", "").split(";") if e),
+      "kills": len(chaos.parse(overrides.get("launch.chaos", ""))),
       "kills_applied": int(acc.get("chaos/applied", 0)),
       "restarts": int(acc.get("restarts", 0)),
       "down_fraction": float(acc.get("accounting/down_fraction", 0.0)),
@@ -108,34 +99,35 @@ def plot_progress(runs: list[harness.Run], outdir: str, path: str) -> None:
 
 def main(argv):
   del argv
-  runs = config.runs(_PRESET.value, seeds=range(_SEEDS.value))
-  runs = [r for r in runs if not _ONLY.value or r.method in _ONLY.value]
-  wall = 0.0 if _REPORT_ONLY.value else harness.run_all(runs, _OUTDIR.value)
-  folder = _FOLDER.value
+  FLAGS = flags.FLAGS
+  runs = config.runs(FLAGS.preset, seeds=range(FLAGS.seeds))
+  runs = [r for r in runs if not FLAGS.only or r.method in FLAGS.only]
+  wall = 0.0 if FLAGS.report_only else harness.run_all(runs, FLAGS.outdir)
+  folder = FLAGS.results_dir
   os.makedirs(folder, exist_ok=True)
-  done = [r for r in runs if harness.finished(os.path.join(_OUTDIR.value, r.name))]
+  done = [r for r in runs if harness.finished(os.path.join(FLAGS.outdir, r.name))]
   sections = ["## Fault schedules", "",
               "Kills drawn by `faults.py` (times in seconds after every initial learner has "
-              f"stepped; compressed downtime {config.process(_PRESET.value).downtime_s:.2f} s, "
-              f"{config.EXPECTED_KILLS[_PRESET.value]:g} kills expected before thinning):", ""]
+              f"stepped; compressed downtime {config.process(FLAGS.preset).downtime_s:.2f} s, "
+              f"{config.EXPECTED_KILLS[FLAGS.preset]:g} kills expected before thinning):", ""]
   for seed in sorted({r.seed for r in runs}):
-    sections.append(f"- seed {seed}: `{config.schedule(seed, _PRESET.value)}`")
+    sections.append(f"- seed {seed}: `{config.schedule(seed, FLAGS.preset)}`")
   first = [r for r in done if r.seed == min(r.seed for r in done)] if done else []
   if first:
-    plot_progress(first, _OUTDIR.value, os.path.join(folder, "progress.png"))
+    plot_progress(first, FLAGS.outdir, os.path.join(folder, "progress.png"))
     sections += ["", "## Progress and timelines (first seed)", "",
                  "Dashed lines: kills; shaded: the learner out (kill to its next step).", "",
                  "![progress](progress.png)", ""]
     for run in first:
       name = f"timeline_{run.name.split('__')[0].replace(',', '')}.png"
-      shutil.copyfile(os.path.join(_OUTDIR.value, run.name, "timeline.png"),
+      shutil.copyfile(os.path.join(FLAGS.outdir, run.name, "timeline.png"),
                       os.path.join(folder, name))
       sections += [f"`{run.name}`:", "", f"![timeline {run.name}]({name})", ""]
-  results = harness.report(config.NAME, runs, _OUTDIR.value, folder, columns=config.COLUMNS,
+  results = harness.report(config.NAME, runs, FLAGS.outdir, folder, columns=config.COLUMNS,
                            wall_s=wall, command="python -m experiments.chaos.run",
                            extra=figures,
                            sections=["\n".join(sections), RATES_NOTE,
-                                     harness.table(_rates(done, _OUTDIR.value), RATE_COLUMNS)])
+                                     harness.table(_rates(done, FLAGS.outdir), RATE_COLUMNS)])
   print(harness.table(results["rows"], config.COLUMNS))
 
 
@@ -157,5 +149,15 @@ def _rates(done, outdir):
   return rows
 
 
+def define_flags():
+  """The command line (defined only when run as a script, so tests can import this)."""
+  harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)),
+                       seeds=len(config.SEEDS))
+  flags.DEFINE_enum("preset", "full", list(config.STEPS), "Run length and chaos window.")
+  flags.DEFINE_multi_string("only", [], "Run only this method (repeatable; default: all of "
+                            "them).")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

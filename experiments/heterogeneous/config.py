@@ -14,7 +14,7 @@ averaging (lr 1, no momentum; see the parity experiment), two seeds:
 - K = 1 + grace: the design default (gamma = 0.8): after quorum a round keeps admitting
   deliveries while tau leaves slack.
 
-Expected outcome (DESIGN section 5): K = M wastes the fast learners' time (lowest goodput,
+Expected outcome (docs/design.md 5): K = M wastes the fast learners' time (lowest goodput,
 longest run); K = 1 keeps them busy but merges about one learner per round and loses
 quality; K = 1 with the grace window keeps both goodput and quality.
 """

@@ -55,7 +55,12 @@ def main(argv):
                       ("method", "eval_loss_mean", "eval_loss_spread", "seeds")))
 
 
-if __name__ == "__main__":
+def define_flags():
+  """The command line (defined only when run as a script, so tests can import this)."""
   harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)),
                        seeds=len(config.SEEDS), steps=config.STEPS)
+
+
+if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -34,7 +34,7 @@ The runs, in the order they are run:
   480 steps on an idle 2-core CPU).
 
 Expected outcome: with the design's outer optimiser, Decoupled lands far above data-parallel
-at this length (the issue measured 1.92 vs 1.63, on different held-out windows); the outer
+at this length (an earlier run measured 1.92 vs 1.63, on different held-out windows); the outer
 optimiser's settings or a shorter period should close much of the gap. Target: Decoupled /
 data-parallel eval-loss ratio <= 1.02. M = 1 should match data-parallel at the same batch.
 The DiLoCo papers reach parity over many outer steps: the ratio should fall with run length.

@@ -16,7 +16,7 @@ a whole schedule of their own (the default, "own"). Two seeds.
 Measured: the virtual time at which each run's global eval loss first reaches the fixed-M=2
 run's final loss (same seed; linear interpolation between evaluations), and the final loss.
 
-Expected outcome (DESIGN section 5, "Dynamic scaling"): the added learners shorten the
+Expected outcome (docs/design.md 5, "Dynamic scaling"): the added learners shorten the
 time to the target loss and the final loss is at least as good; nothing stops or restarts
 when learners join or leave.
 """

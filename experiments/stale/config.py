@@ -1,8 +1,8 @@
-"""What a stale delivery should count for: `outer.stale=paper` vs `rebase` (issue 11, item 3).
+"""What a stale delivery should count for: `outer.stale=paper` vs `rebase` (docs/design.md 2.4).
 
 Command (about 30 minutes on a 2-core CPU; `--preset=tiny` runs the same pipeline in minutes):
 
-    python experiments/stale/run.py
+    python -m experiments.stale.run
 
 Setting: 4 learners of the `configs/decoupled.py:cpu` model on the deterministic virtual clock,
 half of them 18% slower with 10% per-step variation (the paper's heterogeneous setting), so the

@@ -1,4 +1,4 @@
-"""The grid sweep: model size x method x M x K x H from one config (issue 16, item 7).
+"""The grid sweep: model size x method x M x K x H from one config (docs/design.md 5).
 
 Command (the CPU grid: 17 tiny runs of about a minute and 5 small runs of 4-7 minutes, about
 45 minutes on an idle 2-core CPU, hours on a shared one; resumable: rerun it and finished

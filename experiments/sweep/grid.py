@@ -58,7 +58,7 @@ def expand(grid: Mapping[str, Mapping], sizes: Mapping[str, Mapping]) -> list[Po
         for h in axes["H"]:
           if h <= sizes[size]["tau"]:
             raise ValueError(f"{size}: H={h} must exceed the preset's tau="
-                             f"{sizes[size]['tau']} (DESIGN 2.3)")
+                             f"{sizes[size]['tau']} (docs/design.md 2.3)")
           p = 1 if method == "diloco" else min(sizes[size]["fragments"], h)
           quorums = [m] if method in SYNCHRONOUS else [m if k == config.ALL else k
                                                       for k in axes["K"]]

@@ -1,7 +1,7 @@
 """Launch files of the TPU points: JobSet manifests from scripts/make_jobset.py, and commands.
 
 These points are rendered, never run here: a DiLoCo-family point becomes a JobSet (one TPU
-slice per learner, a CPU syncer, the store on GCS) built by make_jobset's own functions, so
+slice per learner, a CPU syncer, the store on GCS) built by `diloco.distributed.jobset`, so
 the manifests pass its checks (config builds, mesh fits the slice); a `dp` point is the one
 command that every host of a single slice runs. `commands.sh` lists how to reproduce and
 apply each file.
@@ -9,29 +9,15 @@ apply each file.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
-import sys
 
-from experiments.harness import REPO
+from diloco.distributed import jobset
 from experiments.sweep import config
 from experiments.sweep.grid import Point
 
 
-@functools.cache
-def make_jobset():
-  """scripts/make_jobset.py as a module (scripts/ is not a package)."""
-  path = os.path.join(REPO, "scripts", "make_jobset.py")
-  spec = importlib.util.spec_from_file_location("make_jobset", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules.setdefault("make_jobset", module)  # its dataclasses look the module up
-  spec.loader.exec_module(module)
-  return sys.modules["make_jobset"]
-
-
 def overrides(point: Point, data_path: str) -> list[str]:
-  """KEY=VALUE config overrides of a point (M travels as make_jobset's --learners)."""
+  """KEY=VALUE config overrides of a point (M travels as the JobSet's --learners)."""
   out = [f"data.path={data_path}"]
   if point.method != "dp":
     out += [f"sync.period={point.H}", f"sync.num_fragments={point.P}"]
@@ -59,7 +45,6 @@ def render(points: list[Point], folder: str, *, image: str = config.IMAGE,
            bucket: str = config.BUCKET, data_path: str = config.DATA_PATH) -> list[dict]:
   """Writes `folder`/<slug>.yaml per DiLoCo-family point and `folder`/commands.sh; returns
   one row per point (what was rendered, where, on which slices)."""
-  mj = make_jobset()
   os.makedirs(folder, exist_ok=True)
   rows, script = [], ["#!/bin/sh", "# The TPU points of experiments/sweep, rendered by "
                       "`python -m experiments.sweep.run`; not run by it.", "set -e", ""]
@@ -75,7 +60,7 @@ def render(points: list[Point], folder: str, *, image: str = config.IMAGE,
       argv = jobset_argv(point, image=image, bucket=bucket, data_path=data_path)
       file = f"{point.slug}.yaml"
       with open(os.path.join(folder, file), "w", encoding="utf-8") as f:
-        f.write(mj.render(mj.parse_args(argv)))
+        f.write(jobset.render(jobset.parse_args(argv)))
       script += [f"# {point.label}: {point.M} x {size['tpu_type']} + a CPU syncer",
                  "python scripts/make_jobset.py " + " ".join(argv) + f" --output={file}",
                  f"kubectl apply -f {file}", ""]

@@ -81,7 +81,7 @@ def plot_points(rows: Sequence[dict], path: str) -> None:
 def report(points: Sequence[Point], runs: Sequence[harness.Run], rendered: Sequence[dict],
            outdir: str, folder: str, *, command: str, wall_s: float) -> dict:
   """Writes results.json, the plots and README.md to `folder`; returns the results."""
-  done = [(p, r) for p, r in zip(points, runs) if collect.finished(os.path.join(outdir, r.name))]
+  done = [(p, r) for p, r in zip(points, runs) if harness.finished(os.path.join(outdir, r.name))]
   rows = [collect.row(p, r, os.path.join(outdir, r.name)) for p, r in done]
   results = {"experiment": config.NAME, "commit": harness.commit(), "rows": rows,
              "rendered": [{**r, "params": params(r["size"])} for r in rendered]}
@@ -92,7 +92,7 @@ def report(points: Sequence[Point], runs: Sequence[harness.Run], rendered: Seque
     plot_points(rows, os.path.join(folder, "sweep.png"))
     plots.append("![final eval loss per point](sweep.png)")
   for size in dict.fromkeys(p.size for p, _ in done):
-    curves = {p.label: collect.eval_curve(os.path.join(outdir, r.name))
+    curves = {p.label: harness.eval_curve(os.path.join(outdir, r.name))
               for p, r in done if p.size == size}
     harness.plot_curves(curves, os.path.join(folder, f"eval_{size}.png"),
                         f"{config.NAME} ({size}): global eval loss")

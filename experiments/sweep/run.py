@@ -10,40 +10,41 @@ import os
 
 from absl import app, flags
 
-from experiments.sweep import collect, config, grid, launch, report
-
-_ONLY = flags.DEFINE_string("only", "", "Run only these points: AXIS=VALUE,... (axes size, "
-                            "method, M, K, H; OR within an axis, AND across; K=M for all).")
-_OUTDIR = flags.DEFINE_string("outdir", "runs/experiments/sweep", "Where the runs are kept.")
-_FOLDER = flags.DEFINE_string("results_dir", os.path.dirname(os.path.abspath(__file__)),
-                              "Where results.json, the plots, README.md and launch/ go.")
-_JOBS = flags.DEFINE_integer("jobs", 1, "Runs at a time (each is its own process).")
-_STEPS = flags.DEFINE_integer("steps", 0, "Shorten every run to this many steps (0: the "
-                              "size's own; for smoke tests).")
-_REPORT_ONLY = flags.DEFINE_bool("report_only", False,
-                                 "Regenerate the report from the finished runs; run nothing.")
-_IMAGE = flags.DEFINE_string("image", config.IMAGE, "Container image of the manifests.")
-_BUCKET = flags.DEFINE_string("bucket", config.BUCKET, "gs:// prefix of the stores.")
-_DATA_PATH = flags.DEFINE_string("data_path", config.DATA_PATH, "Pre-tokenised shards.")
+from experiments import harness
+from experiments.sweep import config, grid, launch, report
 
 
 def main(argv):
   del argv
+  FLAGS = flags.FLAGS
   cpu = grid.expand(config.CPU_GRID, config.CPU_SIZES)
   tpu = grid.expand(config.TPU_GRID, config.TPU_SIZES)
   # --only picks what runs (a value on neither grid is an error); the report covers the grid.
-  chosen = set(grid.select(cpu + tpu, grid.parse_only(_ONLY.value)))
-  runs = [grid.run_of(p, steps=_STEPS.value or None) for p in cpu]
+  chosen = set(grid.select(cpu + tpu, grid.parse_only(FLAGS.only)))
+  runs = [grid.run_of(p, steps=FLAGS.steps or None) for p in cpu]
   todo = [r for p, r in zip(cpu, runs) if p in chosen]
-  wall = 0.0 if _REPORT_ONLY.value else collect.run_all(todo, _OUTDIR.value, _JOBS.value)
-  rendered = launch.render(tpu, os.path.join(_FOLDER.value, "launch"), image=_IMAGE.value,
-                           bucket=_BUCKET.value, data_path=_DATA_PATH.value)
-  results = report.report(cpu, runs, rendered, _OUTDIR.value, _FOLDER.value,
+  wall = 0.0 if FLAGS.report_only else harness.run_all(todo, FLAGS.outdir, jobs=FLAGS.jobs)
+  rendered = launch.render(tpu, os.path.join(FLAGS.results_dir, "launch"), image=FLAGS.image,
+                           bucket=FLAGS.bucket, data_path=FLAGS.data_path)
+  results = report.report(cpu, runs, rendered, FLAGS.outdir, FLAGS.results_dir,
                           command="python -m experiments.sweep.run", wall_s=wall)
   print(report.summary_table(results["rows"]))
   print(f"{len(results['rows'])} of {len(cpu)} CPU points run, {len(rendered)} TPU points "
-        f"rendered; see {os.path.join(_FOLDER.value, 'README.md')}")
+        f"rendered; see {os.path.join(FLAGS.results_dir, 'README.md')}")
+
+
+def define_flags():
+  """The command line (defined only when run as a script, so tests can import this)."""
+  harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)), jobs=1)
+  flags.DEFINE_string("only", "", "Run only these points: AXIS=VALUE,... (axes size, method, "
+                      "M, K, H; OR within an axis, AND across; K=M for all).")
+  flags.DEFINE_integer("steps", 0, "Shorten every run to this many steps (0: the size's own; "
+                       "for smoke tests).")
+  flags.DEFINE_string("image", config.IMAGE, "Container image of the manifests.")
+  flags.DEFINE_string("bucket", config.BUCKET, "gs:// prefix of the stores.")
+  flags.DEFINE_string("data_path", config.DATA_PATH, "Pre-tokenised shards.")
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -1,6 +1,6 @@
-"""Fits the simulator's failure costs to the paper's data-parallel baselines (DESIGN.md 4).
+"""Fits the simulator's failure costs to the paper's data-parallel baselines (docs/design.md 4).
 
-    python experiments/calibrate_goodput.py [--days=30] [--seed=0]
+    python -m experiments.goodput.calibrate [--days=30] [--seed=0]
 
 Fits `restart_s`, `reconfig_s` and `repair_s` of `diloco.sim.FailureModel` (slice_chips = 256 and
 MTBI = 1 year fixed) by least squares on goodput, using the closed form of `diloco.sim.analytic`,
@@ -21,12 +21,11 @@ from scipy import optimize
 from diloco.sim import analytic, engine, params
 
 CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
-# Table 1 of Douillard et al. (2026) as quoted in DESIGN.md 4: goodput in percent.
+# Table 1 of Douillard et al. (2026) as quoted in docs/design.md 4: goodput in percent.
 PAPER = {"dp": (72, 57, 38, 27, 18), "elastic": (88, 80, 69, 58, 40)}
 FITTED = ("restart_s", "reconfig_s", "repair_s")
 
-flags.DEFINE_float("days", 30.0, "Simulated days of the check runs.")
-flags.DEFINE_integer("seed", 0, "Seed of the check runs.")
+FLAGS = flags.FLAGS
 FLAGS = flags.FLAGS
 
 
@@ -72,5 +71,12 @@ def main(argv: Sequence[str]) -> None:
         f"simulated {np.sqrt(np.mean(sq_s)):.2f} points")
 
 
+def define_flags() -> None:
+  """The command line (defined only when run as a script, so tests can import this)."""
+  flags.DEFINE_float("days", 30.0, "Simulated days of the check runs.")
+  flags.DEFINE_integer("seed", 0, "Seed of the check runs.")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

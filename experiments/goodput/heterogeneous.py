@@ -1,6 +1,6 @@
-"""Heterogeneous learners (DESIGN.md 5): half 18% slower, 10% per-step variation.
+"""Heterogeneous learners (docs/design.md 5): half 18% slower, 10% per-step variation.
 
-    python experiments/heterogeneous_goodput.py [--outdir=runs/goodput] [--chips=1200000]
+    python -m experiments.goodput.heterogeneous [--outdir=runs/goodput] [--chips=1200000]
 
 Compares the syncer policies K = M, K = 1 without grace and K = 1 with the grace window on M = 8
 learners, with failures (MTBI 1 year, fitted failure model) and without (`--mtbi_years=inf`
@@ -26,13 +26,7 @@ from diloco.sim import (
   params,
 )
 
-flags.DEFINE_string("outdir", "runs/goodput", "Where to write the plot.")
-flags.DEFINE_integer("chips", 1_200_000, "Chips.")
-flags.DEFINE_integer("learners", 8, "M learners (half of them slow).")
-flags.DEFINE_float("slowdown", 1.18, "Step-time factor of the slow half.")
-flags.DEFINE_float("step_jitter", 0.1, "Per-step variation.")
-flags.DEFINE_float("days", 30.0, "Simulated days.")
-flags.DEFINE_integer("seed", 0, "Random seed.")
+FLAGS = flags.FLAGS
 FLAGS = flags.FLAGS
 
 
@@ -84,5 +78,17 @@ def main(argv: Sequence[str]) -> None:
   print(f"\nwrote {path}")
 
 
+def define_flags() -> None:
+  """The command line (defined only when run as a script, so tests can import this)."""
+  flags.DEFINE_string("outdir", "runs/goodput", "Where to write the plot.")
+  flags.DEFINE_integer("chips", 1_200_000, "Chips.")
+  flags.DEFINE_integer("learners", 8, "M learners (half of them slow).")
+  flags.DEFINE_float("slowdown", 1.18, "Step-time factor of the slow half.")
+  flags.DEFINE_float("step_jitter", 0.1, "Per-step variation.")
+  flags.DEFINE_float("days", 30.0, "Simulated days.")
+  flags.DEFINE_integer("seed", 0, "Random seed.")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -1,12 +1,12 @@
-"""The goodput grid of DESIGN.md 4: chips x {dp, elastic, Decoupled M = 2, 4, 8, 16}.
+"""The goodput grid of docs/design.md 4: chips x {dp, elastic, Decoupled M = 2, 4, 8, 16}.
 
-    python experiments/goodput_table.py [--outdir=runs/goodput] [--days=30] [--seed=0]
+    python -m experiments.goodput.table [--outdir=runs/goodput] [--days=30] [--seed=0]
 
 Prints a markdown table (simulated goodput, with the paper's value in brackets where one is
 known) and writes `goodput_table.md` and `goodput_table.png` under `--outdir`. The Decoupled
 rows (K = 1, grace window on, equal speeds) use the failure model fitted to the dp and elastic
-rows by `experiments/calibrate_goodput.py`, with no further fitting. The paper values known to
-us: the ten dp / elastic numbers and 88% for M = 8 at 1.2M chips (DESIGN.md 1); no others.
+rows by `experiments/goodput/calibrate.py`, with no further fitting. The paper values known to
+us: the ten dp / elastic numbers and 88% for M = 8 at 1.2M chips (docs/design.md 1); no others.
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ ROWS = (("dp", 1), ("elastic", 1), ("decoupled", 2), ("decoupled", 4), ("decoupl
 PAPER = {("dp", 1): (72, 57, 38, 27, 18), ("elastic", 1): (88, 80, 69, 58, 40),
          ("decoupled", 8): (None, None, None, 88, None)}
 
-flags.DEFINE_string("outdir", "runs/goodput", "Where to write the table and the plot.")
-flags.DEFINE_float("days", 30.0, "Simulated days per configuration.")
-flags.DEFINE_integer("seed", 0, "Random seed.")
+FLAGS = flags.FLAGS
 FLAGS = flags.FLAGS
 
 
@@ -104,5 +102,13 @@ def main(argv: Sequence[str]) -> None:
   print(f"\nwrote {png} ({time.perf_counter() - start:.1f} s)")
 
 
+def define_flags() -> None:
+  """The command line (defined only when run as a script, so tests can import this)."""
+  flags.DEFINE_string("outdir", "runs/goodput", "Where to write the table and the plot.")
+  flags.DEFINE_float("days", 30.0, "Simulated days per configuration.")
+  flags.DEFINE_integer("seed", 0, "Random seed.")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

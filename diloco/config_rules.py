@@ -1,0 +1,112 @@
+"""What a setting accepts, stated once beside its field: a numeric range or a fixed set of
+choices (docs/architecture.md, "Where a config rule lives").
+
+A config group declares a field as `name: type = setting(default, rule)`; `check_fields`
+then checks every field of the group against its rule, and the group's `check` method holds
+only the rules that relate fields to each other. The syncer policy's own settings
+(`policy.PolicyConfig`) use the same `Range` objects as the `sync` group, so the two cannot
+accept different values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from diloco.errors import ConfigError
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """Numbers between `low` and `high` (None: unbounded), each end closed unless marked open.
+
+  NaN never passes; infinities pass unless a bound or `finite` excludes them. `integer` keeps
+  floats out (the config's type check does that too; the policy relies on this one). `text`
+  replaces the generated wording where the bare interval would mislead (quorum's 0)."""
+  low: float | None = None
+  high: float | None = None
+  low_open: bool = False
+  high_open: bool = False
+  finite: bool = False
+  integer: bool = False
+  text: str = ""
+
+  def admits(self, value: Any) -> bool:
+    if not _is_number(value) or math.isnan(value):
+      return False
+    if self.integer and not isinstance(value, int):
+      return False
+    if self.finite and not math.isfinite(value):
+      return False
+    if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+      return False
+    return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+  def describe(self) -> str:
+    if self.text:
+      return self.text
+    kind = "a finite number " if self.finite else ""
+    if self.high is None:
+      return f"{kind}{'>' if self.low_open else '>='} {self.low:g}"
+    if self.low is None:
+      return f"{kind}{'<' if self.high_open else '<='} {self.high:g}"
+    left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+    return f"{kind}in {left}{self.low:g}, {self.high:g}{right}"
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+  """One of a fixed tuple of values, imported from the module that acts on them."""
+  choices: tuple
+
+  def admits(self, value: Any) -> bool:
+    return any(value == c and type(value) is type(c) for c in self.choices)
+
+  def describe(self) -> str:
+    return f"one of {self.choices}"
+
+
+Rule = Range | OneOf
+
+# The rules that most fields share.
+POSITIVE = Range(low=0, low_open=True)
+NON_NEGATIVE = Range(low=0)
+AT_LEAST_ONE = Range(low=1)
+FRACTION = Range(low=0, high=1, high_open=True)  # [0, 1)
+
+
+def setting(default: Any, rule: Rule | None = None, note: str = "") -> Any:
+  """A dataclass field with its default and the rule its values must satisfy; `note` says
+  what a special value means (e.g. "0 = off") in the error message."""
+  return dataclasses.field(default=default, metadata={"rule": rule, "note": note})
+
+
+def rule_of(cls: type, name: str) -> Rule | None:
+  """The rule declared for field `name` of the dataclass `cls` (None: any value of its type)."""
+  return cls.__dataclass_fields__[name].metadata.get("rule")
+
+
+def message(rule: Rule, value: Any, note: str = "") -> str:
+  """'must be <rule> (<note>), got <value>': the end of every rule's error message."""
+  return f"must be {rule.describe()}{f' ({note})' if note else ''}, got {value!r}"
+
+
+def check_fields(group: str, values: Any) -> None:
+  """ConfigError naming `group.field` for the first field of the dataclass instance `values`
+  whose value its declared rule does not admit."""
+  for f in dataclasses.fields(values):
+    rule = f.metadata.get("rule")
+    value = getattr(values, f.name)
+    if rule is not None and not rule.admits(value):
+      raise ConfigError(f"{group}.{f.name}: {message(rule, value, f.metadata.get('note', ''))}")
+
+
+def require(ok: bool, field: str, message_text: str) -> None:
+  """ConfigError `field: message_text` unless `ok`: the rules that relate fields."""
+  if not ok:
+    raise ConfigError(f"{field}: {message_text}")

@@ -1,0 +1,142 @@
+"""Compute-optimal parity: data-parallel vs synchronous and Decoupled DiLoCo at D = 20N.
+
+Setting: the `tiny` model (N = `tiny_params()`, counted from the model) trained on
+`STEPS` = 20N / (32 x 64) steps: data-parallel steps on 32 sequences of 64 bytes, each of
+M learners on 32 / M, so every method trains the same tokens and evaluates the same
+`EVAL_WINDOWS` held-out windows every `EVAL_EVERY` steps (the same tokens seen). Decoupled
+and synchronous DiLoCo run on the virtual clock (deterministic interleaving).
+
+Stage one (seed 0), for each M in `LEARNERS`: synchronous DiLoCo (configs/diloco.py: P = 1,
+K = M, H = 30, and tau = 0: no overlap, as in the study) and Decoupled (configs/decoupled.py: K = 1, grace, tau = 2, H = 30 over
+`DECOUPLED_FRAGMENTS` fragments) with every receipt mode, each at every outer setting of
+`OUTER` (the DiLoCo scaling-law study's sweep); data-parallel at batch 32 and at one learner's
+batch. Stage two: the second seed of data-parallel and of the setting of lowest eval loss
+per method and M (picked from stage one's runs). Stage three: a third seed of every pair
+whose difference is within the seeds' spread. The second model size (`small`): data-parallel
+against the best Decoupled M = 4 of stage one, for `--small_steps` steps.
+
+Targets: M = 1 at or below data-parallel; Decoupled M = 2 within 1.5 % and M = 4 within 3 %
+of data-parallel; Decoupled no worse than synchronous DiLoCo at the same M beyond the seeds'
+spread.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from experiments.harness import Run
+
+NAME = "scaling"
+DP_BATCH, SEQ_LEN = 32, 64
+TOKENS_PER_PARAM = 20  # D = 20N: the compute-optimal budget of the study
+EVAL_WINDOWS = 128
+EVAL_EVERY = 100
+WARMUP = 50
+PERIOD = 30  # H, the study's
+DECOUPLED_FRAGMENTS = 6  # a fragment due every 5 steps, more than tau = 2 apart
+TAU = 2
+MIX_ALPHA = 0.5
+LEARNERS = (1, 2, 4)
+RECEIPTS = ("overwrite", "mix", "keep_local")
+# The study's outer sweep: learning rate with Nesterov momentum 0.9, and plain averaging.
+OUTER = ((0.4, 0.9), (0.6, 0.9), (0.8, 0.9), (1.0, 0.9), (1.0, 0.0))
+# Charles et al. 2025, "Scaling Laws for DiLoCo", Table 4: eval loss of the 35M-parameter
+# model at D = 20N, H = 30 (data-parallel, then DiLoCo with M replicas).
+STUDY_35M = {"data-parallel": 3.485, 1: 3.482, 2: 3.508, 4: 3.554, 8: 3.621}
+STUDY_CITATION = 'Charles et al. 2025, "Scaling Laws for DiLoCo", Table 4 (35M, D = 20N)'
+TARGET_GAP = {2: 1.5, 4: 3.0}  # Decoupled's allowed gap to data-parallel, in percent
+# The second model size: data-parallel vs the best Decoupled M = 4 at `small_steps`.
+SMALL_SEQ_LEN = 128
+SMALL_STEPS = 2000  # ~2 h per run on an idle 2-core CPU (README: measured step times)
+SMALL_EVAL_EVERY = 250
+
+
+@functools.cache
+def params(preset: str) -> int:
+  """N of a model preset, counted from its abstract shapes (never typed)."""
+  from diloco.model import presets, transformer  # pylint: disable=import-outside-toplevel
+  return transformer.param_counts(presets.get(preset))["total"]
+
+
+def tiny_params() -> int:
+  return params("tiny")
+
+
+def compute_optimal_steps(preset: str = "tiny", batch: int = DP_BATCH,
+                          seq_len: int = SEQ_LEN) -> int:
+  """Steps of `batch` x `seq_len` tokens that reach 20N tokens."""
+  return round(TOKENS_PER_PARAM * params(preset) / (batch * seq_len))
+
+
+def outer_label(lr: float, momentum: float) -> str:
+  return f"outer {lr:g}/{momentum:g}"
+
+
+def _common(steps: int, batch: int, seq_len: int, eval_every: int, *,
+            eval_windows: int = EVAL_WINDOWS, warmup: int = WARMUP) -> tuple:
+  """The overrides every run of a comparison shares: the same tokens per step in all, the
+  same held-out windows at the same steps."""
+  return (("train.steps", steps), ("train.batch_size", batch), ("data.seq_len", seq_len),
+          ("train.eval_every", eval_every), ("train.eval_batches", eval_windows // batch),
+          ("optim.warmup_steps", warmup), ("checkpoint.every_steps", 0))
+
+
+def dp(seed: int, steps: int, batch: int = DP_BATCH, preset: str = "tiny",
+       seq_len: int = SEQ_LEN, eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH,
+       extra: tuple = (), **common) -> Run:
+  """Data-parallel at `batch` sequences per step (one learner's batch when < `dp_batch`).
+  `extra` overrides are appended; `common` goes to `_common` (eval_windows, warmup)."""
+  method = "data-parallel" if batch == dp_batch else f"data-parallel B={batch}"
+  return Run(f"{preset} {method}", f"configs/dp.py:{preset}", seed,
+             _common(steps, batch, seq_len, eval_every, **common) + extra,
+             labels=(("model", preset), ("kind", "data-parallel"), ("M", 1),
+                     ("batch", batch)))
+
+
+def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, steps: int,
+           receipt: str = "overwrite", preset: str = "tiny", seq_len: int = SEQ_LEN,
+           eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH, extra: tuple = (),
+           **common) -> Run:
+  """Synchronous DiLoCo (`kind` = "diloco") or Decoupled with `receipt`, M = `learners`,
+  each learner on `dp_batch` / M sequences."""
+  batch = dp_batch // learners
+  lr, momentum = outer
+  overrides = _common(steps, batch, seq_len, eval_every, **common) + (
+      ("learners.count", learners), ("learners.virtual_clock", True),
+      ("outer.learning_rate", lr), ("outer.momentum", momentum), ("sync.period", PERIOD),
+      ("checkpoint.every_rounds", 0))
+  if kind == "decoupled":
+    overrides += (("sync.num_fragments", DECOUPLED_FRAGMENTS), ("sync.tau", TAU),
+                  ("sync.receipt", receipt))
+    if receipt == "mix":
+      overrides += (("sync.mixing_alpha", MIX_ALPHA),)
+    setting = f"{receipt} {outer_label(lr, momentum)}"
+  elif kind == "diloco":  # the study's DiLoCo: no overlap, the merge applied at once
+    overrides += (("sync.tau", 0),)
+    setting = outer_label(lr, momentum)
+  else:
+    raise ValueError(f"kind must be 'diloco' or 'decoupled', got {kind!r}")
+  return Run(f"{preset} {kind} M={learners} {setting}", f"configs/{kind}.py:{preset}", seed,
+             overrides + extra, labels=(("model", preset), ("kind", kind), ("M", learners),
+                                ("batch", batch), ("setting", setting)))
+
+
+def stage_one(steps: int, learners=LEARNERS) -> list[Run]:
+  """Seed 0: data-parallel (full and per-learner batch) and every method x M x setting."""
+  runs = [dp(0, steps)] + [dp(0, steps, DP_BATCH // m) for m in learners if m > 1]
+  for m in learners:
+    runs += [diloco("diloco", m, outer, 0, steps) for outer in OUTER]
+    runs += [diloco("decoupled", m, outer, 0, steps, receipt)
+             for receipt in RECEIPTS for outer in OUTER]
+  return runs
+
+
+def small_runs(best_decoupled: Run, steps: int, seeds: int = 1) -> list[Run]:
+  """The second model size: data-parallel and `best_decoupled`'s setting at M = 4."""
+  labels = dict(best_decoupled.labels)
+  receipt, outer = labels["setting"].split(" outer ")
+  lr, momentum = (float(x) for x in outer.split("/"))
+  return [run for seed in range(seeds) for run in (
+      dp(seed, steps, preset="small", seq_len=SMALL_SEQ_LEN, eval_every=SMALL_EVAL_EVERY),
+      diloco("decoupled", 4, (lr, momentum), seed, steps, receipt, preset="small",
+             seq_len=SMALL_SEQ_LEN, eval_every=SMALL_EVAL_EVERY))]

@@ -1,0 +1,76 @@
+"""The scaling experiment's plots: the gap to data-parallel against M, and eval loss against
+tokens of each picked method, one file per (model, steps) group."""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from experiments import harness  # noqa: E402
+from experiments.scaling import config  # noqa: E402
+from experiments.scaling.report import KIND_NAMES, gap, picked_stats  # noqa: E402
+
+
+def gap_plot(group: list[dict], path: str, title: str) -> bool:
+  """Gap (percent) against M: ours per kind (bar: seed spread), the study's 35M row and the
+  targets. False (nothing written) without a data-parallel reference."""
+  ps = picked_stats(group)
+  dp = ps.get(("data-parallel", 0))
+  if dp is None:
+    return False
+  fig, ax = plt.subplots(figsize=(5.5, 3.8))
+  for kind, marker in (("diloco", "o"), ("decoupled", "s")):
+    ms = sorted(m for k, m in ps if k == kind)
+    if ms:
+      ax.errorbar(ms, [gap(ps[(kind, m)]["mean"], dp["mean"]) for m in ms],
+                  yerr=[50.0 * ps[(kind, m)]["spread"] / dp["mean"] for m in ms],
+                  fmt=marker + "-", capsize=3, label=f"{KIND_NAMES[kind]} (ours)")
+  study = config.STUDY_35M
+  ms = sorted(m for m in study if m != "data-parallel")
+  ax.plot(ms, [gap(study[m], study["data-parallel"]) for m in ms], "k^--", lw=1,
+          label="DiLoCo, study 35M")
+  ax.plot(sorted(config.TARGET_GAP), [config.TARGET_GAP[m] for m in sorted(config.TARGET_GAP)],
+          "rv", ms=8, label="target (Decoupled)")
+  ax.axhline(0, color="grey", lw=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(ms, [str(m) for m in ms])
+  ax.set_xlabel("M (learners)")
+  ax.set_ylabel("eval-loss gap to data-parallel (%)")
+  ax.set_title(title, fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def curves_plot(group: list[dict], outdirs: dict[str, str], path: str, title: str) -> bool:
+  """Eval loss against tokens (and run time) of seed 0 of data-parallel, data-parallel at
+  one learner's batch and each picked setting. `outdirs` maps a row's run to its folder."""
+  picked = {s["method"] for (kind, _), s in picked_stats(group).items()
+            if kind != "data-parallel"}
+  chosen = [r for r in group if r["seed"] == 0
+            and (r["kind"] == "data-parallel" or r["method"] in picked)]
+  if not chosen:
+    return False
+  curves = {r["method"]: harness.eval_curve(outdirs[r["run"]]) for r in chosen}
+  harness.plot_curves(curves, path, title, time_key="time",
+                      time_label="run clock (virtual s for DiLoCo kinds, s for data-parallel)")
+  return True
+
+
+def section_plots(group: list[dict], outdirs: dict[str, str], folder: str,
+                  prefix: str, title: str) -> list[str]:
+  """Writes both plots of a group into `folder`; returns their markdown image lines."""
+  lines = []
+  gap_file, curve_file = f"{prefix}_gap.png", f"{prefix}_eval.png"
+  if gap_plot(group, os.path.join(folder, gap_file), title):
+    lines += [f"![gap against M]({gap_file})", ""]
+  if curves_plot(group, outdirs, os.path.join(folder, curve_file), title):
+    lines += [f"![eval loss against tokens]({curve_file})", ""]
+  return lines

@@ -1,0 +1,207 @@
+"""Tables, targets and plots of the scaling experiment, from the rows of `rows.collect`.
+
+Each (model, steps) group gets a section: the Table-4-shaped comparison (eval loss and gap
+to data-parallel per M, the study's 35M row beside it), the targets marked met or missed
+from the numbers, the outer sweep per M, goodput per run, and plots of the gap against M
+and of eval loss against tokens. A last table puts the Decoupled M = 4 gap of every model
+size side by side (the trend with N).
+"""
+
+from __future__ import annotations
+
+from experiments import harness
+from experiments.scaling import config, rows as rows_lib, stages
+
+KIND_NAMES = {"diloco": "synchronous DiLoCo", "decoupled": "Decoupled DiLoCo"}
+ROW_NAMES = {"diloco": "synchronous DiLoCo (ours)", "decoupled": "Decoupled DiLoCo (ours)",
+             "data-parallel": "data-parallel at one learner's batch (ours; 1/M of the tokens)"}
+
+
+def gap(loss: float, reference: float) -> float:
+  """Percent above the reference (the study's "gap to data-parallel")."""
+  return 100.0 * (loss / reference - 1.0)
+
+
+def picked_stats(group: list[dict]) -> dict[tuple[str, int], dict]:
+  """(kind, M) -> seed statistics of the picked setting; ("data-parallel", M) for the
+  data-parallel runs at one learner's batch, ("data-parallel", 0) for the reference."""
+  stats = rows_lib.stats(group)
+  out = {(kind, m): stats[f"{kind} M={m} {s}"]
+         for (kind, m), s in rows_lib.picks(group).items() if f"{kind} M={m} {s}" in stats}
+  for s in stats.values():
+    if s["kind"] == "data-parallel":
+      batch = next(r["batch"] for r in group if r["method"] == s["method"])
+      full = max(r["batch"] for r in group if r["kind"] == "data-parallel")
+      out[("data-parallel", 0 if batch == full else full // batch)] = s
+  return out
+
+
+def _cell(s: dict | None, reference: float | None) -> str:
+  if s is None:
+    return ""
+  seeds = len(s["seeds"])
+  spread = f" ±{s['spread'] / 2:.3f}" if seeds > 1 else ""
+  g = f", {gap(s['mean'], reference):+.2f}%" if reference else ""
+  return f"{s['mean']:.4f}{spread} ({seeds} seed{'s' * (seeds > 1)}{g})"
+
+
+def table4(group: list[dict]) -> str:
+  """Eval loss (gap to data-parallel) per M, one row per method, the study's 35M row last."""
+  ps = picked_stats(group)
+  dp = ps.get(("data-parallel", 0))
+  ref = dp["mean"] if dp else None
+  ms = sorted({m for kind, m in ps if kind != "data-parallel"} | {8})
+  header = ["method", "data-parallel"] + [f"M = {m}" for m in ms]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for kind in ("diloco", "decoupled", "data-parallel"):
+    cells = [_cell(ps.get((kind, m)) if kind != "data-parallel" or m > 1 else None, ref)
+             for m in ms]
+    if any(cells):
+      lines.append(f"| {ROW_NAMES[kind]} | {_cell(dp, None)} | " + " | ".join(cells) + " |")
+  study = config.STUDY_35M
+  lines.append(f"| DiLoCo, study 35M | {study['data-parallel']:.3f} | " + " | ".join(
+      f"{study[m]:.3f} ({gap(study[m], study['data-parallel']):+.2f}%)" if m in study else ""
+      for m in ms) + " |")
+  return "\n".join(lines)
+
+
+def targets(group: list[dict]) -> list[dict]:
+  """Each target of the experiment with its measured value and met / missed / not run."""
+  ps = picked_stats(group)
+  dp = ps.get(("data-parallel", 0))
+  out = []
+
+  def add(name, value, met):
+    out.append({"target": name, "value": value,
+                "status": "not run" if met is None else ("met" if met else "missed")})
+
+  for kind in ("diloco", "decoupled"):
+    s = ps.get((kind, 1))
+    ok = None if s is None or dp is None else s["mean"] <= dp["mean"]
+    add(f"{KIND_NAMES[kind]} M = 1 at or below data-parallel",
+        f"{gap(s['mean'], dp['mean']):+.2f}%" if ok is not None else "", ok)
+  for m, limit in sorted(config.TARGET_GAP.items()):
+    s = ps.get(("decoupled", m))
+    ok = None if s is None or dp is None else gap(s["mean"], dp["mean"]) <= limit
+    add(f"Decoupled M = {m} within {limit:g}% of data-parallel",
+        f"{gap(s['mean'], dp['mean']):+.2f}%" if ok is not None else "", ok)
+  for m in sorted({m for kind, m in ps if kind == "decoupled"}):
+    dec, syn = ps.get(("decoupled", m)), ps.get(("diloco", m))
+    if syn is None:
+      add(f"Decoupled no worse than synchronous DiLoCo at M = {m}", "", None)
+      continue
+    noise = max(dec["spread"], syn["spread"])
+    add(f"Decoupled no worse than synchronous DiLoCo at M = {m}",
+        f"{dec['mean'] - syn['mean']:+.4f} (seed spread {noise:.4f})",
+        dec["mean"] - syn["mean"] <= noise)
+  return out
+
+
+def sweep_table(group: list[dict]) -> str:
+  """Seed-0 eval loss of every outer setting (rows) per method and receipt (columns) and M;
+  the picked setting of each column starred."""
+  picked = rows_lib.picks(group)
+  columns, cells = [], {}
+  for r in group:
+    if r["kind"] == "data-parallel" or r["seed"] != 0:
+      continue
+    receipt, outer = stages.parse_setting(r["setting"])
+    column = f"M={r['M']} {r['kind']}" + (f" {receipt}" if r["kind"] == "decoupled" else "")
+    if column not in columns:
+      columns.append(column)
+    star = "*" if picked.get((r["kind"], r["M"])) == r["setting"] else ""
+    cells[(config.outer_label(*outer), column)] = f"{r['eval_loss']:.4f}{star}"
+  if not cells:
+    return ""
+  columns.sort(key=lambda c: (int(c.split()[0][2:]), c))
+  outers = [config.outer_label(*o) for o in config.OUTER]
+  outers += sorted({o for o, _ in cells} - set(outers))
+  lines = ["| outer lr / momentum | " + " | ".join(columns) + " |",
+           "|" + "---|" * (len(columns) + 1)]
+  lines += [f"| {o.removeprefix('outer ')} | " + " | ".join(cells.get((o, c), "")
+                                                            for c in columns) + " |"
+            for o in outers if any((o, c) in cells for c in columns)]
+  return "\n".join(lines)
+
+
+def goodput_table(group: list[dict]) -> str:
+  """Every run with its gap, goodput and where it ran. `wall_s` is the run's own training
+  time (accounting.json, or a data-parallel run's evaluations); `process_wall_s` the whole
+  process, compilation included (provenance.json)."""
+  ref = rows_lib.stats(group).get("data-parallel")
+  rows = [dict(r, gap_pct=round(gap(r["eval_loss"], ref["mean"]), 2) if ref else "")
+          for r in sorted(group, key=lambda r: (r["kind"], r["M"], r["setting"], r["seed"]))]
+  return harness.table(rows, ("method", "seed", "tokens", "eval_loss", "gap_pct", "goodput",
+                              "mean_learners_per_round", "wall_s", "process_wall_s", "machine",
+                              "device"))
+
+
+def trend_table(rows: list[dict]) -> str:
+  """Decoupled M = 4 (picked setting) against data-parallel for every (model, steps) group
+  that has both: the gap's trend with N and tokens per parameter."""
+  out = []
+  for (model, steps), group in sorted(rows_lib.groups(rows).items()):
+    ps = picked_stats(group)
+    dp, dec = ps.get(("data-parallel", 0)), ps.get(("decoupled", 4))
+    if dp is None or dec is None:
+      continue
+    n = config.params(model)
+    tokens = max(r["tokens"] for r in group if r["method"] == "data-parallel")
+    out.append({"model": model, "N": n, "steps": steps, "tokens": tokens,
+                "tokens_per_param": round(tokens / n, 2), "data-parallel": dp["mean"],
+                "decoupled M=4": dec["mean"], "setting": dec["method"].split(" ", 2)[2],
+                "gap_pct": round(gap(dec["mean"], dp["mean"]), 2)})
+  if not out:
+    return ""
+  return harness.table(out, ("model", "N", "steps", "tokens", "tokens_per_param",
+                             "data-parallel", "decoupled M=4", "setting", "gap_pct"))
+
+
+def budget_note(model: str, group: list[dict]) -> str:
+  """The group's token budget against 20N, labelled partial when it is less."""
+  n = config.params(model)
+  tokens = max(r["tokens"] for r in group)
+  share = tokens / (config.TOKENS_PER_PARAM * n)
+  label = "" if share >= 0.98 else f" **Partial run: {100 * share:.1f}% of the 20N budget.**"
+  return (f"N = {n:,} parameters (counted from the `{model}` preset); the longest run trained "
+          f"{tokens:,} tokens = {tokens / n:.2f} tokens per parameter.{label}")
+
+
+def section(model: str, steps: int, group: list[dict], outdirs: dict[str, str],
+            folder: str, prefix: str) -> list[str]:
+  """The markdown of one (model, steps) group; writes its plots into `folder`."""
+  from experiments.scaling import figures  # pylint: disable=import-outside-toplevel
+  title = f"{model}, {steps} steps"
+  tag = f"{prefix}_{model}_{steps}"
+  target_rows = targets(group)
+  parts = [f"## `{model}`, {steps} steps per learner", "", budget_note(model, group), "",
+           "### Eval loss and gap to data-parallel per M (picked settings; mean ± half the "
+           "seeds' spread)", "", table4(group), "",
+           f"The last row cites {config.STUDY_CITATION}; its losses are on another corpus and "
+           "tokenizer, so only its gaps compare with ours.", "",
+           *figures.section_plots(group, outdirs, folder, tag, title),
+           "### Targets", "", harness.table(target_rows, ("target", "value", "status")), ""]
+  sweep = sweep_table(group)
+  if sweep:
+    parts += ["### Outer sweep (seed 0; * = picked per M and method)", "", sweep, ""]
+  parts += ["### Every run (goodput from accounting.json)", "",
+            "`wall_s`: the run's own training time; `process_wall_s`: its whole process, "
+            "compilation included; machine and device from its provenance.json.", "",
+            goodput_table(group), ""]
+  return parts
+
+
+def headline(rows: list[dict]) -> str:
+  """One line for the top-level results table: per (model, steps), each picked method's gap
+  to data-parallel per M (mean over seeds)."""
+  parts = []
+  for (model, steps), group in sorted(rows_lib.groups(rows).items()):
+    ps = picked_stats(group)
+    dp = ps.get(("data-parallel", 0))
+    if dp is None:
+      continue
+    gaps = [f"{KIND_NAMES[kind].split()[0]} M={m} {gap(s['mean'], dp['mean']):+.2f}%"
+            for (kind, m), s in sorted(ps.items()) if kind != "data-parallel"]
+    parts.append(f"{model} {steps} steps: data-parallel {dp['mean']:.3f}; gap "
+                 + ", ".join(gaps))
+  return "; ".join(parts) or "no runs with a data-parallel reference"

@@ -1,0 +1,124 @@
+"""The rows of the scaling report, read from whatever runs an output directory holds.
+
+Nothing here needs the runner's list of runs: each run directory is described from its own
+`config.json` (model, method, M, batch, receipt, outer setting, seed), `metrics.jsonl` and
+`accounting.json` (through `harness.collect`) and `provenance.json` (the machine that ran it),
+so runs made on another machine and copied into the directory are reported like local ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from experiments import harness
+from experiments.scaling import config
+from experiments.scaling.pool import PROVENANCE_FILE
+
+
+def receipt_of(sync: dict) -> str:
+  """The receipt mode of a run's sync group (configs written before `sync.receipt` existed
+  mixed when `mixing_alpha` > 0 and overwrote otherwise)."""
+  if "receipt" in sync:
+    return sync["receipt"]
+  return "mix" if sync.get("mixing_alpha", 0.0) > 0 else "overwrite"
+
+
+def describe(cfg: dict) -> dict:
+  """The labels of a run from its config.json: model, kind, M, batch, setting."""
+  count, sync, outer = cfg["learners"]["count"], cfg["sync"], cfg["outer"]
+  labels = {"model": cfg["model"].get("name") or "custom", "M": max(count, 1),
+            "batch": cfg["train"]["batch_size"], "steps": cfg["train"]["steps"],
+            "seed": cfg.get("seed", 0)}
+  if count == 0:
+    return dict(labels, kind="data-parallel", setting="")
+  setting = config.outer_label(outer["learning_rate"], outer["momentum"])
+  if sync["quorum"] == 0 and sync["num_fragments"] == 1:
+    return dict(labels, kind="diloco", setting=setting)
+  return dict(labels, kind="decoupled", setting=f"{receipt_of(sync)} {setting}")
+
+
+def _read(path: str) -> dict:
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def run_dirs(outdir: str) -> list[str]:
+  """Finished run directories directly under `outdir`, sorted by name."""
+  if not os.path.isdir(outdir):
+    return []
+  return [os.path.join(outdir, d) for d in sorted(os.listdir(outdir))
+          if os.path.exists(os.path.join(outdir, d, "config.json"))
+          and harness.finished(os.path.join(outdir, d))]
+
+
+def collect(outdir: str) -> list[dict]:
+  """One row per finished run under `outdir` (see the module docstring)."""
+  rows = []
+  for workdir in run_dirs(outdir):
+    labels = describe(_read(os.path.join(workdir, "config.json")))
+    run = harness.Run(method=labels["kind"], config="", seed=labels["seed"])
+    row = harness.collect(run, workdir)
+    where = _read(os.path.join(workdir, PROVENANCE_FILE))
+    row.update(labels, run=os.path.basename(workdir),
+               machine=where.get("label") or where.get("machine", "unrecorded"),
+               device=where.get("device", "unrecorded"),
+               process_wall_s=where.get("wall_s", ""))
+    rows.append(row)
+  return with_methods(rows)
+
+
+def with_methods(rows: list[dict]) -> list[dict]:
+  """Names each row's method; the data-parallel reference of a (model, steps) group is its
+  largest data-parallel batch, the others are "data-parallel B=<batch>"."""
+  full = {}
+  for r in rows:
+    if r["kind"] == "data-parallel":
+      key = (r["model"], r["steps"])
+      full[key] = max(full.get(key, 0), r["batch"])
+  for r in rows:
+    if r["kind"] == "data-parallel":
+      reference = r["batch"] == full[(r["model"], r["steps"])]
+      r["method"] = "data-parallel" if reference else f"data-parallel B={r['batch']}"
+    else:
+      r["method"] = f"{r['kind']} M={r['M']} {r['setting']}"
+  return rows
+
+
+def groups(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
+  """Rows by (model, steps): one token budget of one model per report section."""
+  out: dict[tuple[str, int], list[dict]] = {}
+  for r in rows:
+    out.setdefault((r["model"], r["steps"]), []).append(r)
+  return out
+
+
+def stats(rows: list[dict]) -> dict[str, dict]:
+  """Per method: mean eval loss over seeds, spread (max - min), seeds, mean goodput."""
+  by: dict[str, list[dict]] = {}
+  for r in rows:
+    by.setdefault(r["method"], []).append(r)
+  out = {}
+  for method, group in by.items():
+    losses = [r["eval_loss"] for r in group]
+    goodputs = [r["goodput"] for r in group if "goodput" in r]
+    out[method] = {"method": method, "kind": group[0]["kind"], "M": group[0]["M"],
+                   "mean": sum(losses) / len(losses), "spread": max(losses) - min(losses),
+                   "seeds": sorted(r["seed"] for r in group),
+                   "goodput": sum(goodputs) / len(goodputs) if goodputs else None}
+  return out
+
+
+def picks(rows: list[dict]) -> dict[tuple[str, int], str]:
+  """(kind, M) -> the setting of lowest seed-0 eval loss among that kind's runs at that M
+  (one group's rows): what the study's per-M outer sweep picks."""
+  best: dict[tuple[str, int], dict] = {}
+  for r in rows:
+    if r["kind"] == "data-parallel" or r["seed"] != 0:
+      continue
+    key = (r["kind"], r["M"])
+    if key not in best or r["eval_loss"] < best[key]["eval_loss"]:
+      best[key] = r
+  return {key: r["setting"] for key, r in sorted(best.items())}

@@ -1,0 +1,121 @@
+"""Runs the `scaling` experiment (compute-optimal parity) and regenerates its report.
+
+    python -m experiments.scaling.run [--stage=all] [--parallel=1 --threads=0] [--only=...]
+
+Stage one is the seed-0 sweep, stage two the second seeds at the settings stage one picked,
+stage three the third seeds where two leave a comparison within noise (`stages.py`), and
+`small` the second model size. Every stage skips finished runs, so an interrupted or partial
+invocation resumes; `--report_only` regenerates README.md, results.json and the plots from
+whatever runs `--outdir` holds (runs copied back from another machine included).
+See `config.py` for the setting and the targets, README.md for the commands and timings.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+
+from experiments import harness
+from experiments.scaling import config, pool, report, rows as rows_lib, stages
+
+STAGES = ("1", "2", "3", "all", "small", "none")
+
+
+def define_flags() -> None:
+  """The command line (defined only when run as a script, so tests can import this)."""
+  harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)))
+  flags.DEFINE_enum("stage", "all", STAGES, "1, 2, 3, all (1 then 2 then 3), small, none.")
+  flags.DEFINE_integer("steps", 0, "Steps per run of the tiny model; 0: 20N tokens.")
+  flags.DEFINE_integer("small_steps", config.SMALL_STEPS, "Steps of the `small` runs.")
+  flags.DEFINE_list("learners", [str(m) for m in config.LEARNERS], "The values of M.")
+  flags.DEFINE_list("only", [], "Run only the runs whose method contains one of these "
+                    "(e.g. 'tiny data-parallel,M=4 keep_local'); empty: all.")
+  flags.DEFINE_integer("parallel", 1, "Runs at a time.")
+  flags.DEFINE_integer("threads", 0, "Cores each run is pinned to (0: no pinning).")
+  flags.DEFINE_string("machine_label", "", "Names this machine in each run's provenance.")
+
+
+def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
+               small_steps: int) -> list[harness.Run]:
+  """The runs of `stage`, derived from the runs `outdir` holds now."""
+  if stage == "1":
+    return config.stage_one(steps, learners)
+  found = rows_lib.collect(outdir)
+  if stage == "2":
+    return stages.stage_two(found, steps, learners)
+  if stage == "3":
+    return stages.stage_three(found, steps, learners)
+  picked = rows_lib.picks(rows_lib.groups(found).get(("tiny", steps), [])).get(("decoupled", 4))
+  if picked is None:
+    raise ValueError("--stage=small needs stage one's Decoupled M = 4 runs of the tiny model "
+                     f"at {steps} steps in {outdir}")
+  return config.small_runs(stages.method_run("decoupled", 4, picked, 0, steps), small_steps)
+
+
+def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
+            small_steps: int = config.SMALL_STEPS, only=(), parallel: int = 1,
+            threads: int = 0, label: str = "") -> float:
+  """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous); returns the wall
+  seconds spent."""
+  wall = 0.0
+  for s in ("1", "2", "3") if stage == "all" else (stage,):
+    runs = [r for r in stage_runs(s, outdir, steps, learners, small_steps)
+            if not only or any(o in r.method for o in only)]
+    print(f"stage {s}: {len(runs)} runs", flush=True)
+    wall += pool.run_parallel(runs, outdir, parallel=parallel, threads=threads, label=label)
+  return wall
+
+
+def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str = "scaling",
+                 command: str = "python -m experiments.scaling.run",
+                 readme: str = "README.md", about: str = config.__doc__) -> dict:
+  """results.json (or `prefix`.json), the plots and `readme` in `folder`, from `outdir`."""
+  found = rows_lib.collect(outdir)
+  outdirs = {r["run"]: os.path.join(outdir, r["run"]) for r in found}
+  os.makedirs(folder, exist_ok=True)
+  results = harness.write_results(
+      prefix, found, os.path.join(folder, "results.json" if prefix == config.NAME
+                                  else f"{prefix}.json"))
+  parts = [f"# Experiment `{prefix}`", "", f"Command: `{command}`", "", about.strip(), "",
+           f"Report generated {harness.today()} at commit `{results['commit'][:12]}` from "
+           f"{len(found)} finished runs ({wall_s / 60:.1f} min of runs in this invocation)."
+           " Which machine ran each run is in the last table of each section.", ""]
+  if not found:
+    parts += ["No finished runs yet: run the commands below, then this report is regenerated.",
+              ""]
+  for (model, steps), group in sorted(rows_lib.groups(found).items()):
+    parts += report.section(model, steps, group, outdirs, folder, prefix)
+  trend = report.trend_table(found)
+  if trend:
+    parts += ["## Decoupled M = 4 against data-parallel, every model size", "", trend, ""]
+  for extra in ("usage.md", "gpu35m.md") if prefix == config.NAME else ():
+    path = os.path.join(folder, extra)
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        parts += [f.read().strip(), ""]
+  if readme == "README.md":
+    harness.write_readme(folder, parts)
+  else:
+    with open(os.path.join(folder, readme), "w", encoding="utf-8") as f:
+      f.write("\n".join(parts))
+  return results
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  steps = f.steps or config.compute_optimal_steps()
+  learners = tuple(int(m) for m in f.learners)
+  wall = 0.0
+  if not f.report_only and f.stage != "none":
+    wall = execute(f.stage, f.outdir, steps, learners, small_steps=f.small_steps,
+                   only=f.only, parallel=f.parallel, threads=f.threads,
+                   label=f.machine_label)
+  write_report(f.outdir, f.results_dir, wall_s=wall)
+  print(f"report: {os.path.join(f.results_dir, 'README.md')}")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,79 @@
+"""The README and docs/ stand on their own: every relative link and every repository path they
+name exists in the repository, and a `file.py::name` reference names something defined there."""
+
+import pathlib
+import re
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# A path in backticks is checked when it starts at one of these (paths are written from the
+# repository's root); run outputs (runs/, WORKDIR/) and placeholders are not repository files.
+TOP = ("diloco/", "experiments/", "configs/", "scripts/", "tests/", "docs/", ".ci/")
+TOP_FILES = ("README.md", "BUILD_NOTES.md", "setup.py", "pyproject.toml", "Dockerfile")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+CODE = re.compile(r"`([^`\n]+)`")
+PLACEHOLDER = re.compile(r"[<>*{}$]|\.\.\.|\bNAME\b|\bSTEP\b|/N\b")
+
+
+def _links(text: str) -> list[str]:
+  return [t for t in LINK.findall(text)
+          if not re.match(r"[a-z]+:", t) and not t.startswith("#")]
+
+
+def _paths(text: str) -> list[str]:
+  """Repository paths named in code spans: `diloco/syncer.py`, `configs/dp.py:tiny`,
+  `tests/x_test.py::test_y`, `experiments/sweep/` (the first word of a span only)."""
+  found = []
+  for span in CODE.findall(text):
+    word = span.split()[0].rstrip(".,;:)") if span.split() else ""
+    if (word.startswith(TOP) or word in TOP_FILES) and not PLACEHOLDER.search(word):
+      found.append(word)
+  return found
+
+
+def _split(reference: str) -> tuple[str, str | None]:
+  """(path, symbol) of `path::symbol`; a config file's `:preset` is dropped."""
+  path, _, symbol = reference.partition("::")
+  if not symbol and re.search(r"\.py:[\w.]+$", path):
+    path = path.rsplit(":", 1)[0]
+  return path, symbol.split("(")[0].split(".")[0] or None
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve_inside_the_repository(doc):
+  text = doc.read_text(encoding="utf-8")
+  bad = []
+  for target in _links(text):
+    path = (doc.parent / target.split("#")[0]).resolve()
+    if not path.is_relative_to(REPO) or not path.exists():
+      bad.append(target)
+  assert not bad, f"{doc.name}: links that do not resolve in the repository: {bad}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_named_paths_and_symbols_exist(doc):
+  text = doc.read_text(encoding="utf-8")
+  bad = []
+  for reference in _paths(text):
+    path, symbol = _split(reference)
+    file = REPO / path
+    if not file.exists():
+      bad.append(reference)
+    elif symbol and file.is_file() and not re.search(
+        rf"^\s*(def|class)\s+{re.escape(symbol)}\b|^{re.escape(symbol)}\s*[:=]",
+        file.read_text(encoding="utf-8"), re.MULTILINE):
+      bad.append(reference)
+  assert not bad, f"{doc.name}: named paths or symbols that do not exist: {bad}"
+
+
+def test_the_checks_find_what_they_should():
+  text = ("see [design](design.md#2-the-algorithm), [web](https://x.org), `diloco/syncer.py`, "
+          "`configs/dp.py:tiny`, `tests/outer_test.py::test_rda`, `runs/x/`, `<WORKDIR>/a`, "
+          "`diloco/{a,b}.py`")
+  assert _links(text) == ["design.md#2-the-algorithm"]
+  assert _paths(text) == ["diloco/syncer.py", "configs/dp.py:tiny", "tests/outer_test.py::test_rda"]
+  assert _split("configs/dp.py:tiny") == ("configs/dp.py", None)
+  assert _split("tests/outer_test.py::test_rda") == ("tests/outer_test.py", "test_rda")
+  assert _split("diloco/syncer.py::Syncer.tick") == ("diloco/syncer.py", "Syncer")

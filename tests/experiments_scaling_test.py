@@ -1,0 +1,242 @@
+"""The scaling experiment's stage logic and report, on run directories written by the test.
+
+The report reads only each run's own files (config.json, metrics.jsonl, accounting.json,
+provenance.json), so fake files with chosen losses check what it derives: the picked
+settings, the later stages, the Table-4 gaps, the targets and the plots. One slow test runs
+a few real short runs through the runner.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments.scaling import config, pool, report, rows, run, stages
+
+STEPS = 40
+
+
+def _cfg(kind: str, m: int, setting: str = "", seed: int = 0, batch: int | None = None,
+         model: str = "tiny", steps: int = STEPS) -> dict:
+  receipt, (lr, momentum) = stages.parse_setting(setting) if setting else ("", (1.0, 0.0))
+  dp = kind == "data-parallel"
+  return {"model": {"name": model}, "seed": seed, "data": {"seq_len": 64},
+          "learners": {"count": 0 if dp else m},
+          "train": {"steps": steps, "batch_size": batch or config.DP_BATCH // m},
+          "outer": {"learning_rate": lr, "momentum": momentum},
+          "sync": {"quorum": 0 if kind == "diloco" else 1,
+                   "num_fragments": 1 if kind == "diloco" else 6,
+                   "receipt": receipt or "overwrite", "mixing_alpha": 0.0}}
+
+
+def fake_run(outdir: str, name: str, cfg: dict, loss: float, machine: str = "") -> str:
+  """A finished run directory: a data-parallel one (export/ and a final eval in
+  metrics.jsonl) or a DiLoCo kind (accounting.json with goodput)."""
+  workdir = os.path.join(outdir, name)
+  os.makedirs(os.path.join(workdir, "export"), exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  steps = cfg["train"]["steps"]
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    for step, value in ((0, 5.5), (steps // 2, (5.5 + loss) / 2), (steps, loss)):
+      f.write(json.dumps({"t": 100.0 + step, "step": step, "role": "syncer",
+                          "eval/loss": value}) + "\n")
+  if cfg["learners"]["count"]:
+    with open(os.path.join(workdir, "accounting.json"), "w") as f:
+      json.dump({"eval/loss": loss, "eval/initial_loss": 5.5, "wall_s": 12.0,
+                 "accounting/goodput": 0.9, "accounting/mean_learners_per_round": 1.5}, f)
+  if machine:
+    with open(os.path.join(workdir, pool.PROVENANCE_FILE), "w") as f:
+      json.dump({"label": machine, "device": "cpu: cpu x 8"}, f)
+  return workdir
+
+
+def _stage_one(outdir: str, losses: dict) -> None:
+  """Stage one at M = 1, 2, 4 over two outer settings: data-parallel 2.00; each kind's loss
+  from `losses[(kind, M)]`, the 0.6/0.9 setting worse by 0.05."""
+  fake_run(outdir, "dp", _cfg("data-parallel", 1), 2.0, machine="laptop")
+  for m in (2, 4):
+    fake_run(outdir, f"dpB{m}", _cfg("data-parallel", m), 2.3)
+  for (kind, m), loss in losses.items():
+    receipts = ("overwrite", "keep_local") if kind == "decoupled" else ("",)
+    for receipt in receipts:
+      for outer, extra in (("outer 1/0", 0.0), ("outer 0.6/0.9", 0.05)):
+        setting = f"{receipt} {outer}".strip()
+        bonus = -0.01 if receipt == "keep_local" else 0.0
+        fake_run(outdir, f"{kind}{m}{receipt}{outer}".replace("/", "-").replace(" ", ""),
+                 _cfg(kind, m, setting), loss + extra + bonus, machine="gpu-box")
+
+
+LOSSES = {("diloco", 1): 1.99, ("diloco", 2): 2.02, ("diloco", 4): 2.05,
+          ("decoupled", 1): 1.995, ("decoupled", 2): 2.035, ("decoupled", 4): 2.08}
+
+
+def test_rows_describe_and_pick_the_best_setting_per_method_and_m(tmp_path):
+  _stage_one(str(tmp_path), LOSSES)
+  found = rows.collect(str(tmp_path))
+  assert len(found) == 3 + 3 * 2 + 3 * 4
+  by_run = {r["run"]: r for r in found}
+  assert by_run["dp"]["method"] == "data-parallel" and by_run["dp"]["machine"] == "laptop"
+  assert by_run["dpB4"]["method"] == "data-parallel B=8"
+  assert by_run["decoupled4keep_localouter1-0"]["method"] == "decoupled M=4 keep_local outer 1/0"
+  assert by_run["decoupled4keep_localouter1-0"]["goodput"] == pytest.approx(0.9)
+  picked = rows.picks(found)
+  assert picked[("diloco", 2)] == "outer 1/0"
+  assert picked[("decoupled", 4)] == "keep_local outer 1/0"
+
+
+def test_stage_two_repeats_the_picks_with_seed_one_and_stage_three_follows_the_spread(tmp_path):
+  outdir = str(tmp_path)
+  _stage_one(outdir, LOSSES)
+  second = stages.stage_two(rows.collect(outdir), STEPS)
+  assert {r.seed for r in second} == {1}
+  names = {r.method for r in second}
+  assert "tiny decoupled M=4 keep_local outer 1/0" in names
+  assert "tiny diloco M=2 outer 1/0" in names
+  assert {"tiny data-parallel", "tiny data-parallel B=16", "tiny data-parallel B=8"} <= names
+  assert len(second) == 3 + 6
+  # Seed 1: data-parallel 2.03 (spread 0.03). Decoupled M=4 (2.07 +- 0) is 0.04 above it:
+  # beyond the spread; synchronous M=2 (2.02, 2.02) is 0.005 from data-parallel's mean: within.
+  fake_run(outdir, "dp_s1", _cfg("data-parallel", 1, seed=1), 2.03)
+  fake_run(outdir, "dec4_s1", _cfg("decoupled", 4, "keep_local outer 1/0", seed=1), 2.07)
+  fake_run(outdir, "dil2_s1", _cfg("diloco", 2, "outer 1/0", seed=1), 2.02)
+  third = stages.stage_three(rows.collect(outdir), STEPS)
+  assert {(r.method, r.seed) for r in third} == {("tiny data-parallel", 2),
+                                                 ("tiny diloco M=2 outer 1/0", 2)}
+
+
+def test_table4_gaps_and_targets_match_hand_computed_values(tmp_path):
+  _stage_one(str(tmp_path), LOSSES)
+  group = rows.collect(str(tmp_path))
+  text = report.table4(group)
+  # Decoupled M=4 picked keep_local 1/0: 2.08 - 0.01 = 2.07, gap 3.50% to 2.00.
+  assert "2.0700 (1 seed, +3.50%)" in text
+  assert "3.554 (+1.98%)" in text  # the study's M = 4 (3.554 / 3.485)
+  status = {t["target"]: t["status"] for t in report.targets(group)}
+  assert status["synchronous DiLoCo M = 1 at or below data-parallel"] == "met"
+  assert status["Decoupled DiLoCo M = 1 at or below data-parallel"] == "met"  # 1.985
+  assert status["Decoupled M = 2 within 1.5% of data-parallel"] == "met"  # 2.025: +1.25%
+  assert status["Decoupled M = 4 within 3% of data-parallel"] == "missed"
+  assert status["Decoupled no worse than synchronous DiLoCo at M = 4"] == "missed"
+  sweep = report.sweep_table(group)
+  assert "| 0.6/0.9 |" in sweep and "2.0700*" in sweep
+
+
+def test_report_writes_tables_plots_and_partial_label(tmp_path):
+  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "out")
+  _stage_one(outdir, LOSSES)
+  run.write_report(outdir, folder)
+  text = open(os.path.join(folder, "README.md")).read()
+  assert "Partial run" in text  # 40 steps of 2048 tokens are far below 20N
+  assert "gpu-box" in text and "laptop" in text
+  assert os.path.getsize(os.path.join(folder, f"scaling_tiny_{STEPS}_gap.png")) > 0
+  assert os.path.getsize(os.path.join(folder, f"scaling_tiny_{STEPS}_eval.png")) > 0
+  results = json.load(open(os.path.join(folder, "results.json")))
+  assert len(results["rows"]) == 21
+
+
+def test_compute_optimal_steps_reach_twenty_tokens_per_parameter():
+  n = config.tiny_params()
+  steps = config.compute_optimal_steps()
+  assert abs(steps * config.DP_BATCH * config.SEQ_LEN - 20 * n) <= config.DP_BATCH * 64
+  assert stages.parse_setting("mix outer 0.8/0.9") == ("mix", (0.8, 0.9))
+  with pytest.raises(ValueError, match="setting"):
+    stages.parse_setting("outer fast")
+
+
+def test_slots_pin_distinct_cores():
+  assert pool.slot_cores(0, 2, list(range(8))) == [0, 1]
+  assert pool.slot_cores(3, 2, list(range(8))) == [6, 7]
+  assert pool.slot_cores(5, 2, list(range(8))) == [2, 3]  # wraps around
+  with pytest.raises(ValueError, match="threads"):
+    pool.slot_cores(0, 0, [0])
+
+
+@pytest.mark.slow
+def test_runner_end_to_end_with_real_short_runs(tmp_path):
+  """Data-parallel at both batches and Decoupled M = 2, 12 steps, two at once, then the
+  report: picks, provenance and the table come from the real runs' files."""
+  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "out")
+  code = subprocess.call(
+      [sys.executable, "-m", "experiments.scaling.run", "--stage=1", "--steps=12",
+       "--learners=2", "--only=tiny data-parallel,keep_local outer 0.4", f"--outdir={outdir}",
+       f"--results_dir={folder}", "--parallel=2", "--threads=1", "--machine_label=ci"],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert code == 0
+  found = rows.collect(outdir)
+  assert {r["method"] for r in found} == {"data-parallel", "data-parallel B=16",
+                                         "decoupled M=2 keep_local outer 0.4/0.9"}
+  assert all(r["machine"] == "ci" and r["device"].startswith("cpu") for r in found)
+  assert "Decoupled DiLoCo (ours)" in open(os.path.join(folder, "README.md")).read()
+
+
+def test_share_devices_refuses_a_device_list():
+  from diloco import config_lib
+  from diloco.errors import ConfigError
+  raw = config_lib.load("configs/decoupled.py:tiny").to_dict()
+  raw["learners"].update(share_devices=True, devices="1,1,1,1")
+  with pytest.raises(ConfigError, match="learners.share_devices"):
+    config_lib.from_config_dict(raw)
+
+
+def test_gpu35m_budget_and_runs():
+  from experiments.scaling import gpu35m
+  n = config.params("m35")
+  assert 34e6 < n < 37e6
+  steps = gpu35m.budget("m35", 1.0, 64, 512)
+  assert abs(steps * 64 * 512 - 20 * n) <= 64 * 512
+  assert gpu35m.budget("m35", 0.25, 64, 512) == round(steps / 4)
+  with pytest.raises(ValueError, match="token_fraction"):
+    gpu35m.budget("m35", 1.5, 64, 512)
+  planned = gpu35m.runs("m35", 100, 64, 512, [2, 4], "outer 0.8/0.9", "keep_local outer 1/0")
+  assert [r.method for r in planned] == [
+      "m35 data-parallel", "m35 diloco M=2 outer 0.8/0.9",
+      "m35 decoupled M=2 keep_local outer 1/0", "m35 diloco M=4 outer 0.8/0.9",
+      "m35 decoupled M=4 keep_local outer 1/0"]
+  assert dict(planned[1].overrides)["sync.tau"] == 0  # synchronous: no overlap
+  assert dict(planned[2].overrides)["sync.tau"] == config.TAU
+  overrides = dict(planned[4].overrides)
+  assert overrides["learners.share_devices"] is True and overrides["train.batch_size"] == 16
+  assert overrides["train.eval_batches"] * 16 == dict(planned[0].overrides)[
+      "train.eval_batches"] * 64  # the same held-out windows
+
+
+@pytest.mark.slow
+def test_gpu35m_rehearsal_on_one_cpu_device(tmp_path):
+  """The GPU command at a tiny size: three runs on ONE device (learners sharing it), then
+  its table, labelled partial, in gpu35m.md."""
+  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "out")
+  code = subprocess.call(
+      [sys.executable, "-m", "experiments.scaling.gpu35m", "--preset=tiny",
+       "--token_fraction=0.01", "--seq_len=64", "--batch=16", "--learners=2", "--devices=1",
+       "--parallel=3", f"--outdir={outdir}", f"--results_dir={folder}"],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert code == 0
+  found = rows.collect(outdir)
+  assert sorted(r["method"] for r in found) == [
+      "data-parallel", "decoupled M=2 keep_local outer 1/0", "diloco M=2 outer 0.8/0.9"]
+  assert all(r["device"] == "cpu: cpu x 1" for r in found)
+  text = open(os.path.join(folder, "gpu35m.md")).read()
+  assert "Partial run: 1.0% of the 20N budget" in text
+  assert "| Decoupled DiLoCo (ours) |" in text and "passes over it" in text
+
+
+def test_headline_gives_each_picked_gap(tmp_path):
+  from experiments import summary
+  _stage_one(str(tmp_path), LOSSES)
+  line = summary.HEADLINES["scaling"](rows.collect(str(tmp_path)))
+  assert line.startswith(f"tiny {STEPS} steps: data-parallel 2.000; gap ")
+  assert "Decoupled M=4 +3.50%" in line and "synchronous M=2 +1.00%" in line
+
+
+def test_small_stage_takes_the_best_decoupled_m4_setting(tmp_path):
+  with pytest.raises(ValueError, match="stage one's Decoupled M = 4"):
+    run.stage_runs("small", str(tmp_path), STEPS, (1, 2, 4), 100)
+  _stage_one(str(tmp_path), LOSSES)
+  small = run.stage_runs("small", str(tmp_path), STEPS, (1, 2, 4), 100)
+  assert [r.method for r in small] == ["small data-parallel",
+                                       "small decoupled M=4 keep_local outer 1/0"]
+  assert all(dict(r.overrides)["train.steps"] == 100 for r in small)
+  assert dict(small[1].overrides)["train.batch_size"] == 8
