@@ -132,9 +132,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
     # retired one makes its final deliveries.
     final = learner_loop.leave(learner, cfg, on_purpose=not preempted)
     if not preempted:
-      _write_alive(link, learner, clock)
-      print(f"learner {learner_id} incarnation {incarnation}: final deliveries of fragments "
-            f"{final} at local step {learner.local_step}", flush=True)
+      _write_alive(link, learner, clock, final)
   finally:
     writer.close()
     activity_file.close()
@@ -159,8 +157,10 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
           "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}
 
 
-def _write_alive(link: hosts_lib.AgreedLink, learner: Learner, clock) -> None:
-  """Writes the final deliveries to the store, heartbeating meanwhile. The syncer admits a
+def _write_alive(link: hosts_lib.AgreedLink, learner: Learner, clock, final: list[int]
+                 ) -> None:
+  """Writes the final deliveries (of fragments `final`) to the store, heartbeating
+  meanwhile, and says which fragments they were (the log). The syncer admits a
   delivery only from a learner it heard within `sync.heartbeat_timeout_s`; no step heartbeats
   any more, so on a loaded host the last of several final entries could otherwise land after
   the learner's last heartbeat had timed out, and be rejected as from a dead learner."""
@@ -179,6 +179,8 @@ def _write_alive(link: hosts_lib.AgreedLink, learner: Learner, clock) -> None:
     if written.wait(0.5):
       break
   writer.join()
+  print(f"learner {learner.id} incarnation {learner.incarnation}: final deliveries of "
+        f"fragments {final} at local step {learner.local_step}", flush=True)
 
 
 def _metric_writer(cfg: Config, records: str, hosts: hosts_lib.HostGroup, learner: Learner):
