@@ -11,6 +11,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.11",
+    # diloco.configs is the repository's configs/ (a link in the checkout), so the presets
+    # ship with the package: `diloco --config=decoupled:tiny` works from any directory.
     packages=find_packages(include=["diloco", "diloco.*"]),
     install_requires=[
         # Python 3.11 resolves jax 0.10.x / flax 0.12.8; 3.12+ gets the newer releases.
@@ -35,6 +37,8 @@ setup(
         "ml-dtypes>=0.5,<1",
         "PyYAML>=6,<7",
         "scipy>=1.14,<2",
+        # The export's optional model.safetensors (diloco/train/export.py), read without JAX.
+        "safetensors>=0.4,<1",
     ],
     extras_require={
         # Record sources (parquet, `datasets` directories) and tokenizer.json files
@@ -57,8 +61,9 @@ setup(
         "cuda": ["jax[cuda12]>=0.10.2,<0.13"],
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],
     },
-    # `diloco --config=... --workdir=...` is `python -m diloco.main --config=... --workdir=...`.
-    entry_points={"console_scripts": ["diloco = diloco.main:run_cli"]},
+    # `diloco [train] --config=... --workdir=...` is `python -m diloco.main ...`; `diloco compare`,
+    # `sample` and `evaluate` are the tools around a run (diloco/cli.py, `diloco --help`).
+    entry_points={"console_scripts": ["diloco = diloco.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3.11",
         "Programming Language :: Python :: 3.12",

@@ -1,5 +1,5 @@
-"""`python -m diloco` is the same as `python -m diloco.main`."""
+"""`python -m diloco` is the `diloco` command: training by default, and its subcommands."""
 
-from diloco.main import run_cli
+from diloco.cli import main
 
-run_cli()
+main()

@@ -20,7 +20,7 @@ from typing import Any
 
 import ml_collections
 
-from diloco import config_lib
+from diloco import config_files, config_lib
 
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=\s]+)")
 _SPEC = re.compile(r"^--?config(?:=(.*))?$")
@@ -88,7 +88,7 @@ def unknown_key_message(cfg: ml_collections.ConfigDict, key: str) -> str | None:
       message += f"; did you mean {' or '.join(near)}?"
     parent = ".".join(parts[:depth])
     if isinstance(node, ml_collections.ConfigDict):
-      message += f"\n  {parent or 'the config'} has: {', '.join(sorted(node.keys()))}"
+      message += f" ({parent or 'the config'} has: {', '.join(sorted(node.keys()))})"
     return message
   return None
 
@@ -99,14 +99,55 @@ def unknown_override(argv: list[str]) -> str | None:
   if spec is None:
     return None
   try:
-    cfg = config_lib.load(spec)
-  except Exception:  # pylint: disable=broad-except
-    return None  # the flag parser's own error about the file is the one to show
+    cfg = config_files.load(spec)
+  except config_lib.ConfigError:
+    return None  # `with_config_resolved` reports the file's own error first
   for key in override_keys(argv):
     message = unknown_key_message(cfg, key)
     if message is not None:
       return message
   return None
+
+
+def with_config_resolved(argv: list[str]) -> list[str]:
+  """`argv` with its `--config=SPEC` made a path that exists (`decoupled:tiny` names a shipped
+  file, see `diloco.config_files`), after loading it once: a missing file, a file that fails
+  to load or an unknown preset is a one-line ConfigError here, not a traceback in the flag
+  parser."""
+  for i, arg in enumerate(argv):
+    m = _SPEC.match(arg)
+    if not m:
+      continue
+    if m.group(1) is None:  # `--config SPEC`
+      if i + 1 == len(argv):
+        raise config_lib.ConfigError("--config needs a value, e.g. --config=decoupled:tiny")
+      spec, span = argv[i + 1], slice(i, i + 2)
+    else:
+      spec, span = m.group(1), slice(i, i + 1)
+    config_files.load(spec)
+    return argv[:span.start] + [f"--config={config_files.resolve(spec)}"] + argv[span.stop:]
+  return argv
+
+
+_BAD_VALUE = re.compile(r"^flag --config\.([^=\s]+)=(.*?): (.*)$", re.S)
+
+
+def bad_value_message(argv: list[str], error: str) -> str:
+  """absl's error for an override that does not parse (`--config.train.steps=abc`), as one line
+  naming the field and the type it needs."""
+  error = " ".join(error.split())
+  m = _BAD_VALUE.match(error)
+  spec = config_spec(argv)
+  if m is None or spec is None:
+    return error
+  key, value = m.group(1), m.group(2)
+  try:
+    node = config_files.load(spec)
+    for part in key.split("."):
+      node = node[part]
+  except (config_lib.ConfigError, KeyError, TypeError):
+    return error
+  return f"--config.{key}={value}: {key} must be {type(node).__name__}, got {value!r}"
 
 
 def _comments(cls: type) -> tuple[str, dict[str, str]]:

@@ -14,7 +14,6 @@ fields of one group is that group's `check` method, and a rule across groups is 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from typing import Any
 
@@ -442,17 +441,13 @@ def base_config(model_preset: str) -> ml_collections.ConfigDict:
 
 
 def load(spec: str) -> ml_collections.ConfigDict:
-  """`get_config(preset)` of a config file given as `path/to/file.py[:preset]`.
+  """`get_config(preset)` of a config file given as `path/to/file.py[:preset]` or by the name of
+  a shipped one (`decoupled:tiny`, see `diloco.config_files`).
 
   The same syntax as `--config=`, for scripts and notebooks that do not parse flags.
   """
-  path, _, preset = spec.partition(":")
-  if not os.path.isfile(path):
-    raise ConfigError(f"config file {path!r} does not exist")
-  module_spec = importlib.util.spec_from_file_location("_diloco_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(preset) if preset else module.get_config()
+  from diloco import config_files  # pylint: disable=import-outside-toplevel
+  return config_files.load(spec)
 
 
 def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:

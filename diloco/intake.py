@@ -15,6 +15,7 @@ G and the momentum could become; a delivery that could push them past `MAX_NORM`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -40,6 +41,16 @@ REJECT_BAD_HEARTBEAT = "bad_heartbeat"
 # runtime moves its store entry to quarantine, so a restarted syncer never reads it again).
 REJECT_INGEST_ERROR = "ingest_error"
 REJECT_MERGE_ERROR = "merge_error"
+# Counters that are integers in range but cannot be true of an honest learner: more tokens
+# than its steps can hold (`steps x tokens_per_step`), or more steps than its local step.
+REJECT_UNEARNED = "unearned"
+# A learner id at or beyond the configured number of learners (no such data shard exists).
+REJECT_LEARNER_RANGE = "learner_out_of_range"
+# A delivery identity (learner, incarnation, fragment, local step) already merged, or older
+# than one already merged from the same incarnation (`diloco.ledger`).
+REJECT_REPLAYED = "replayed"
+# A delivery or heartbeat of an incarnation that left for good or was superseded.
+REJECT_DEPARTED = "departed"
 
 # Counters beyond 2**53 are not exact in float64 (the token weights square them); no real run
 # comes near it, so a larger one is a corrupt or crafted delivery.
@@ -47,6 +58,61 @@ MAX_COUNTER = 2**53
 # A duration longer than a week (transit, lead, step time) is a broken clock or a crafted value.
 MAX_DURATION_S = 7 * 24 * 3600.0
 MAX_NORM = 1e18
+# Incarnations are counted per learner from 0, one per start: 2**31 starts is no real run.
+MAX_INCARNATION = 2**31 - 1
+# A restart takes the next incarnation (a crash loop skips a few): a heartbeat that jumps
+# further ahead of the registered one is a crafted or corrupt record.
+MAX_INCARNATION_JUMP = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What the run's config says an honest delivery can hold (None: not known, not checked).
+
+  `tokens_per_step`: tokens one inner step consumes (`train.batch_size x data.seq_len`);
+  `max_learners`: learner ids are `0..max_learners-1` (one data shard each).
+  """
+  tokens_per_step: int | None = None
+  max_learners: int | None = None
+
+  def __post_init__(self):
+    for name in ("tokens_per_step", "max_learners"):
+      value = getattr(self, name)
+      if value is not None and not is_count(value, 1):
+        raise ValueError(f"intake.Limits.{name} = {value!r}; allowed: an integer >= 1 or None")
+
+
+def check_earned(payload: Any, limits: Limits) -> str | None:
+  """The reason a delivery's counters cannot be true (its weight would be claimed, not
+  earned), or None. Call after `check_payload` (the counters are integers in range).
+
+  An honest learner counts `steps` and `tokens` together since its last applied merge, and
+  every step adds `tokens_per_step`, so `tokens <= steps x tokens_per_step` and
+  `steps <= local_step`. The merge weights (`tokens^2 / steps`, `tokens`) are then bounded
+  by what those steps consumed.
+  """
+  if limits.max_learners is not None and payload.learner >= limits.max_learners:
+    return REJECT_LEARNER_RANGE
+  if payload.incarnation > MAX_INCARNATION:
+    return REJECT_BAD_COUNTERS
+  if payload.steps > payload.local_step:
+    return REJECT_UNEARNED
+  if (limits.tokens_per_step is not None
+      and payload.tokens > payload.steps * limits.tokens_per_step):
+    return REJECT_UNEARNED
+  return None
+
+
+def heartbeat_time(beat: Any, now: float) -> float | None:
+  """The time to record for a heartbeat, or None if its `time` is not a finite number.
+
+  A time ahead of `now` (a skewed or crafted clock) is recorded as `now`: a heartbeat can
+  never keep its learner alive beyond the timeout after the syncer last heard from it.
+  """
+  t = as_float(beat.time)
+  if t is None or not math.isfinite(t):
+    return None
+  return min(t, float(now))
 
 
 def is_count(x: Any, low: int) -> bool:
@@ -61,9 +127,21 @@ def is_number(x: Any) -> bool:
           and not isinstance(x, (bool, np.bool_)))
 
 
+def as_float(x: Any) -> float | None:
+  """`x` as a float, or None if it is not a number; an int too large for a float is inf
+  (so `math.isfinite` and comparisons on it never raise)."""
+  if not is_number(x):
+    return None
+  try:
+    return float(x)
+  except OverflowError:
+    return math.inf if x > 0 else -math.inf
+
+
 def is_duration(x: Any) -> bool:
   """A usable time measurement: a real number, finite, in [0, MAX_DURATION_S]."""
-  return is_number(x) and math.isfinite(x) and 0.0 <= x <= MAX_DURATION_S
+  f = as_float(x)
+  return f is not None and math.isfinite(f) and 0.0 <= f <= MAX_DURATION_S
 
 
 def sum_of_squares(x: np.ndarray) -> float:
@@ -79,10 +157,13 @@ def all_finite(x: np.ndarray) -> bool:
   return math.isfinite(sum_of_squares(x)) or bool(np.isfinite(x.ravel()).all())
 
 
-def check_heartbeat(beat: Any) -> bool:
-  """Whether a heartbeat's ids are counters; its step time is checked where it is used."""
+def check_heartbeat(beat: Any, limits: Limits | None = None) -> bool:
+  """Whether a heartbeat's ids are counters (the learner within `limits`, the incarnation
+  within MAX_INCARNATION); its times are checked where they are used."""
+  max_learners = None if limits is None else limits.max_learners
   return (is_count(beat.learner, 0) and is_count(beat.incarnation, 0)
-          and is_count(beat.local_step, 0))
+          and is_count(beat.local_step, 0) and beat.incarnation <= MAX_INCARNATION
+          and (max_learners is None or beat.learner < max_learners))
 
 
 def check_payload(payload: Any, fragments: list[list[str]],

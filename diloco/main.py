@@ -1,4 +1,7 @@
-"""Command line: `python -m diloco.main --config=configs/dp.py:small --workdir=DIR`.
+"""Training: `python -m diloco.main --config=dp:small --workdir=DIR` (or `diloco train ...`).
+
+`--config` takes a shipped config by name (`decoupled:tiny`; the files of the repository's
+`configs/`) or a config file's path (`configs/decoupled.py:tiny`, `my_exp.py:PRESET`).
 
 `--role` picks what this process is: `train` (default: data-parallel, or the single-
 controller Decoupled DiLoCo runtime when `learners.count > 0`), `launch` (a local
@@ -7,8 +10,10 @@ multi-process run: `syncer`, `learner --learner_id=N` (e.g. one per TPU slice, w
 `--store=gs://bucket/run`), or `evaluator` (with `train.eval_mode=process`).
 
 `--config_help[=FILTER]` lists the config fields with their values and help, e.g.
-`--config=configs/decoupled.py:cpu --config_help=sync`. Installed, the `diloco` command is
-the same as `python -m diloco.main`.
+`--config=decoupled:cpu --config_help=sync`. Installed, `diloco` (or `python -m diloco`)
+runs this as its default subcommand, next to `compare`, `sample` and `evaluate`
+(`diloco --help`). The inputs (workdir, config, data, tokenizer) are checked before any
+model is built (`diloco.preflight`); Ctrl-C stops a run with one line on how to resume it.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from diloco import config_cli, config_lib
+from diloco import config_cli, config_lib, interrupt, preflight
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file and preset, e.g. configs/dp.py:small; override "
+    "config", None, "Config and preset: a shipped name (dp:small, decoupled:tiny) or a file "
+    "(configs/dp.py:small); override "
     "fields with --config.GROUP.FIELD=VALUE (list them with --config_help).", lock_config=True)
 _CONFIG_HELP = flags.DEFINE_string(
     "config_help", None, "Print the config fields (group.field = value  # help) and exit; a "
@@ -53,7 +59,8 @@ _PROCESS_ID = flags.DEFINE_integer(
 
 def _load_config() -> config_lib.Config:
   if (_CONFIG.value is None) == (_CONFIG_JSON.value is None):
-    raise app.UsageError("give exactly one of --config=FILE.py:PRESET or --config_json=FILE")
+    raise config_lib.ConfigError("give exactly one of --config=NAME:PRESET (or FILE.py:PRESET) "
+                                 "or --config_json=FILE")
   if _CONFIG_JSON.value is not None:
     try:
       with open(_CONFIG_JSON.value, encoding="utf-8") as f:
@@ -83,27 +90,20 @@ def _run(cfg: config_lib.Config, workdir: str):
     from diloco.distributed import evaluator  # pylint: disable=import-outside-toplevel
     return evaluator.run(cfg, workdir, store)
   if _LEARNER_ID.value is None:
-    raise app.UsageError("--role=learner needs --learner_id=N")
+    raise config_lib.ConfigError("--role=learner needs --learner_id=N")
   from diloco.distributed import learner_process  # pylint: disable=import-outside-toplevel
   return learner_process.run(cfg, workdir, store, _LEARNER_ID.value)
 
 
-def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _CONFIG_HELP.value is not None:
-    try:
-      print(config_cli.help_text(_CONFIG.value, _CONFIG_HELP.value))
-    except config_lib.ConfigError as e:
-      sys.exit(f"config error: {e}")
-    return
-  if _WORKDIR.value is None:
-    raise app.UsageError("--workdir=DIR is required")
+def _quiet_logs() -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   # Orbax warns on every save without OCDBT (the store's choice, see diloco/distributed/store.py).
   logging.get_absl_logger().addFilter(
       lambda record: "Skipping merge of OCDBT" not in record.getMessage())
+
+
+def _start_jax_distributed() -> None:
   if _JAX_DISTRIBUTED.value:
     # CPU hosts need a collectives library for computations that span processes.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -111,10 +111,33 @@ def main(argv: list[str]) -> None:
                                num_processes=_NUM_PROCESSES.value,
                                process_id=_PROCESS_ID.value)
   elif _COORDINATOR.value or _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None:
-    raise app.UsageError("--coordinator_address, --num_processes and --process_id need "
-                         "--jax_distributed")
+    raise config_lib.ConfigError("--coordinator_address, --num_processes and --process_id need "
+                                 "--jax_distributed")
+
+
+def _prepare() -> config_lib.Config:
+  """The checked config, after the workdir and inputs passed `preflight` (before any model)."""
+  if _WORKDIR.value is None:
+    raise config_lib.ConfigError("--workdir=DIR is required")
+  cfg = _load_config()
+  preflight.check(cfg, _WORKDIR.value)
+  _quiet_logs()
+  _start_jax_distributed()
+  return cfg
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    sys.exit(f"usage error: unexpected arguments {argv[1:]}; flags are --NAME=VALUE "
+             "(see --help)")
+  if _CONFIG_HELP.value is not None:
+    try:
+      print(config_cli.help_text(_CONFIG.value, _CONFIG_HELP.value))
+    except config_lib.ConfigError as e:
+      sys.exit(f"config error: {e}")
+    return
   try:
-    cfg = _load_config()
+    cfg = _prepare()
   except config_lib.ConfigError as e:
     sys.exit(f"config error: {e}")
   logging.info("jax %s on %d %s devices (process %d of %d)", jax.__version__,
@@ -125,23 +148,44 @@ def main(argv: list[str]) -> None:
   if _ROLE.value in ("train", "launch"):  # the processes of a launch log to logs/ instead
     print("config (non-default fields; all of them in WORKDIR/config.json):\n  "
           + "\n  ".join(lines), flush=True)
+  if _ROLE.value == "train":  # the launcher and learner processes handle signals themselves
+    interrupt.install()
+    print("compiling the model's steps (minutes for a large model; the first step waits for "
+          "it)...", flush=True)
   try:
     result = _run(cfg, _WORKDIR.value)
   except config_lib.ConfigError as e:
     sys.exit(f"config error: {e}")
-  print(f"done: {result}", flush=True)
+  except interrupt.Interrupted as e:
+    interrupt.exit_stopped(_WORKDIR.value, e)
+  if not _printed_report(cfg):
+    print(f"done: {result}", flush=True)
   if isinstance(result, dict) and result.get("exit_code"):
     sys.exit(result["exit_code"])  # e.g. a preempted learner asks its supervisor for a restart
 
 
+def _printed_report(cfg: config_lib.Config) -> bool:
+  """Whether the run printed its end-of-run table (`diloco.observe.report`) itself; other
+  roles end with their result on a `done:` line."""
+  return _ROLE.value == "launch" or (_ROLE.value == "train" and cfg.learners.count > 0)
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser, but an unknown `--config.KEY` fails in a few lines that name the key."""
+  """absl's parser, but every mistake on the command line is one line that names the flag or
+  the config key: a missing config file or preset (`config_cli.with_config_resolved`), an
+  unknown `--config.KEY`, a value of the wrong type."""
   if "--config_help" in argv[1:]:  # bare: all fields
     i = argv.index("--config_help")
     if i + 1 == len(argv) or argv[i + 1].startswith("-"):
       argv = argv[:i] + ["--config_help="] + argv[i + 1:]
   try:
-    return app.parse_flags_with_usage(argv)
+    argv = config_cli.with_config_resolved(argv)
+  except config_lib.ConfigError as e:
+    sys.exit(f"config error: {e}")
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f"flag error: {config_cli.bad_value_message(argv[1:], str(e))}")
   except (AttributeError, KeyError):
     message = config_cli.unknown_override(argv[1:])
     if message is None:
@@ -150,7 +194,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def run_cli() -> None:
-  """The `diloco` console command and `python -m diloco.main`."""
+  """`python -m diloco.main` and the `train` subcommand of `diloco` (diloco/cli.py)."""
   jax.config.config_with_absl()
   app.run(main, flags_parser=_parse_flags)
 

@@ -264,6 +264,21 @@ def slowest_step_time(step_times: Iterable[float | None], default: float = 0.0) 
   return max(known) if known else default
 
 
+def grace_step_time(alive_step_times: Iterable[float | None],
+                    quorum_step_times: Iterable[float | None], tau: int) -> float:
+  """The step time a round's grace window is sized by: the slowest alive learner's
+  (docs/design.md 2.4), but at most `max(tau, 1)` steps of the slowest learner counted in the
+  round.
+
+  The learners in the round wait for its merge after tau of their own steps, so a window
+  longer than that spends slack they do not have; and one learner's claimed step time (a
+  crafted heartbeat says a week) cannot stretch every round's window: it is capped by what
+  the round's own deliverers measured. 0 when none of them has a step time yet.
+  """
+  cap = max(tau, 1) * slowest_step_time(quorum_step_times)
+  return min(slowest_step_time(alive_step_times), cap)
+
+
 def decide_round(arrival_times: Sequence[float], *, num_alive: int, opened_at: float, now: float,
                  config: PolicyConfig, step_time: float, quorum_time: float,
                  sync_time: float, lead_time: float = 0.0) -> RoundDecision:

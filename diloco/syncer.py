@@ -20,7 +20,8 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco import intake, outer, policy
+from diloco import durable_state, intake, outer, policy
+from diloco import ledger as ledger_lib
 from diloco.config_lib import OuterConfig, SyncConfig
 from diloco.transport import Heartbeat, Merged, Payload
 
@@ -47,6 +48,10 @@ def _nbytes(payload: Payload) -> int:
     return 0
 
 
+# A learner silent for this many heartbeat timeouts leaves the registry (it is long dead).
+_PRUNE_AFTER = 10
+
+
 class _RoundRejected(Exception):
   """No delivery of a round can be merged."""
 
@@ -56,9 +61,14 @@ class Syncer:
 
   def __init__(self, global_params: dict[str, np.ndarray], plan: fragments_lib.FragmentPlan,
                sync: SyncConfig, outer_cfg: OuterConfig, *, sync_delay_s: float | None = None,
-               on_round: Callable[[dict], None] | None = None):
-    """`global_params` maps paths to arrays; `sync_delay_s` fixes the (virtual) sync time."""
+               on_round: Callable[[dict], None] | None = None,
+               limits: intake.Limits | None = None):
+    """`global_params` maps paths to arrays; `sync_delay_s` fixes the (virtual) sync time;
+    `limits` what an honest delivery can hold (`intake.check_earned`)."""
     self.plan = plan
+    self.limits = limits or intake.Limits()
+    # Delivery identities G holds, and incarnations that left (exactly once, durably).
+    self.ledger = ledger_lib.DeliveryLedger()
     self.params = {k: np.array(v, np.float32, order="C") for k, v in global_params.items()}
     self.momentum = {k: np.zeros_like(v) for k, v in self.params.items()}
     # Holds an RDA direction between merge passes; kept across rounds to spare page faults.
@@ -120,21 +130,31 @@ class Syncer:
             for p in range(self.plan.num_fragments)]
 
   # Ingestion.
-  def _heartbeat(self, beat: Heartbeat) -> None:
-    if not intake.check_heartbeat(beat):
-      self.reject(0, beat.learner, beat.incarnation, intake.REJECT_BAD_HEARTBEAT, 0, beat.time)
+  def _heartbeat(self, beat: Heartbeat, now: float = math.inf) -> None:
+    stamp = intake.heartbeat_time(beat, now)
+    if stamp is None or not intake.check_heartbeat(beat, self.limits):
+      self.reject(0, beat.learner, beat.incarnation, intake.REJECT_BAD_HEARTBEAT, 0, now)
+      return
+    if self.ledger.departed(beat.learner, beat.incarnation):
+      self.ignored[intake.REJECT_DEPARTED] += 1  # it left, or a newer incarnation merged
       return
     known = self.registry.get(beat.learner)
-    if known is not None and beat.incarnation < known.incarnation:
-      return  # a late message of a dead incarnation
-    if known is None or beat.incarnation > known.incarnation:
+    if known is not None and beat.incarnation > known.incarnation + intake.MAX_INCARNATION_JUMP:
+      self.reject(0, beat.learner, beat.incarnation, intake.REJECT_BAD_HEARTBEAT, 0, now)
+      return
+    if (known is not None and beat.incarnation < known.incarnation
+        and policy.is_alive(known.last_heartbeat, stamp, self.policy.heartbeat_timeout_s)):
+      return  # a late message of a superseded incarnation
+    # An older incarnation is taken back once the newer one fell silent: a crafted jump
+    # costs the live learner at most one heartbeat timeout, never the rest of the run.
+    if known is None or beat.incarnation != known.incarnation:
       self._step_ema[beat.learner] = policy.Ema(self.policy.ema_decay)
     if _is_duration(beat.step_time) and beat.step_time > 0:
       self._step_ema[beat.learner] = self._step_ema[beat.learner].update(beat.step_time)
     elif not _is_duration(beat.step_time):
       self.ignored[intake.IGNORED_TIME] += 1
     self.registry[beat.learner] = policy.LearnerStatus(
-        learner_id=beat.learner, incarnation=beat.incarnation, last_heartbeat=beat.time,
+        learner_id=beat.learner, incarnation=beat.incarnation, last_heartbeat=stamp,
         step_time=self._step_ema[beat.learner].value)
 
   def _reject(self, payload: Payload, reason: str, now: float) -> None:
@@ -166,10 +186,15 @@ class Syncer:
     Deliveries it made before leaving stay in their rounds and are merged when those close
     (a clean exit flushes its last progress); they no longer count toward the quorum.
     """
+    if not (intake.is_count(learner, 0) and intake.is_count(incarnation, 0)):
+      return
     known = self.registry.get(learner)
     if known is not None and known.incarnation <= incarnation:
       del self.registry[learner]
       self._departed[learner] = known.incarnation
+    # It and its older incarnations stay out (a crafted far-ahead number is bounded).
+    ahead_of = known.incarnation if known is not None else self.ledger.floor(learner)
+    self.ledger.left(learner, min(incarnation, ahead_of + intake.MAX_INCARNATION_JUMP))
 
   def pending_keys(self) -> set[tuple[int, int, int, int]]:
     """(fragment, learner, incarnation, local_step) of deliveries waiting for a round."""
@@ -191,11 +216,15 @@ class Syncer:
 
   def _admit(self, payload: Payload, now: float) -> None:
     p = payload.fragment
-    problem = intake.check_payload(payload, self.plan.fragments, self._shapes)
+    problem = (intake.check_payload(payload, self.plan.fragments, self._shapes)
+               or intake.check_earned(payload, self.limits))
     if problem:
       self._reject(payload, problem, now)
       self._faults.append((payload.fragment, payload.learner, payload.incarnation,
                            payload.local_step, problem, "failed the syncer's intake checks"))
+      return
+    if self.ledger.departed(payload.learner, payload.incarnation):
+      self._reject(payload, intake.REJECT_DEPARTED, now)  # it left, or a newer one merged
       return
     if not (_is_duration(payload.transit_s) and _is_duration(payload.lead_s)):
       self.ignored[intake.IGNORED_TIME] += 1  # left out of the EMAs where they are used
@@ -212,9 +241,23 @@ class Syncer:
     if not ok:
       self._reject(payload, reason, now)
       return
+    if self._replayed(payload, now):
+      return
     if not self._pending[p]:
       self._opened_at[p] = now
     self._pending[p][payload.learner] = _Pending(payload, now)  # a newer one replaces the older
+
+  def _replayed(self, payload: Payload, now: float) -> bool:
+    """Rejects (True) a delivery that G (or the open round) already holds from the same
+    incarnation, or a newer one of it (`diloco.ledger`)."""
+    m, i, p, t = payload.learner, payload.incarnation, payload.fragment, payload.local_step
+    waiting = self._pending.get(p, {}).get(m)
+    if self.ledger.replayed(m, i, p, t) or (
+        waiting is not None and waiting.payload.incarnation == i
+        and waiting.payload.local_step >= t):
+      self._reject(payload, intake.REJECT_REPLAYED, now)
+      return True
+    return False
 
   # Rounds.
   def settled(self) -> bool:
@@ -233,7 +276,7 @@ class Syncer:
     `payloads` or pending) are still merged.
     """
     for beat in beats:
-      self._heartbeat(beat)
+      self._heartbeat(beat, now)
     for payload in payloads:
       self._payload(payload, now)
     for learner, incarnation in left:
@@ -251,7 +294,9 @@ class Syncer:
         continue
       counted = [e.arrived_at for m, e in entries.items()
                  if m in alive and self.registry[m].incarnation == e.payload.incarnation]
-      step_time = policy.slowest_step_time(self.registry[m].step_time for m in alive)
+      step_time = policy.grace_step_time(
+          (self.registry[m].step_time for m in alive),
+          (self.registry[m].step_time for m in entries if m in alive), self.policy.tau)
       finals = [e.arrived_at for e in entries.values() if e.payload.final]
       decision = policy.decide_final_round(
           counted, num_alive=len(alive), final_since=min(finals), opened_at=self._opened_at[p],
@@ -270,7 +315,17 @@ class Syncer:
       del self._pending[p]
     waiting = {m for entries in self._pending.values() for m in entries}
     self._departed = {m: i for m, i in self._departed.items() if m in waiting}
+    self._prune(now, waiting)
     return published, (min(deadlines) if deadlines else None)
+
+  def _prune(self, now: float, waiting: set[int]) -> None:
+    """Forgets learners silent for `_PRUNE_AFTER` heartbeat timeouts (none of whose
+    deliveries wait), so the registry and the state records stay small."""
+    horizon = now - _PRUNE_AFTER * self.policy.heartbeat_timeout_s
+    for m in [m for m, s in self.registry.items()
+              if s.last_heartbeat < horizon and m not in waiting]:
+      del self.registry[m]
+      self._step_ema.pop(m, None)
 
   def _outer_gradient(self, payload: Payload, anchor_now: dict[str, np.ndarray],
                       slot: int) -> dict:
@@ -370,6 +425,8 @@ class Syncer:
     if not all(math.isfinite(x) and x <= intake.MAX_NORM for x in self._norms[p]):
       raise FloatingPointError(f"syncer: fragment {p} left its bound after a merge: norms of G "
                                f"and momentum {self._norms[p]} (bound {intake.MAX_NORM:g})")
+    for _, e in entries:
+      self.ledger.merged(e.payload.learner, e.payload.incarnation, p, e.payload.local_step)
     update_norm = float(np.sqrt(sum(step_sq.values())))
     old_version = self.versions[p]
     self.versions[p] += 1
@@ -431,7 +488,7 @@ class Syncer:
         "quorum_ema": self._quorum_ema.value, "sync_ema": self._sync_ema.value,
         "lead_ema": self._lead_ema.value,
         "rejections": dict(self.rejections), "last_quorum": self.last_quorum,
-        "last_grace": self.last_grace,
+        "last_grace": self.last_grace, "ledger": self.ledger.export(),
     }
 
   def restore_state(self, state: dict[str, Any], fragments: dict[int, tuple[int, dict, dict]],
@@ -451,9 +508,11 @@ class Syncer:
                             for v, t in versions.items()}
     self.rounds = rounds
     decay = self.policy.ema_decay
-    self.registry = {int(r["learner_id"]): policy.LearnerStatus(**r)
-                     for r in state.get("registry", [])}
-    self._step_ema = {int(m): policy.Ema(decay, v) for m, v in state.get("step_ema", {}).items()}
+    state = durable_state.typed(state)  # read from a file: every field typed first
+    self.registry = {r["learner_id"]: policy.LearnerStatus(**r) for r in state["registry"]}
+    self._step_ema = {m: policy.Ema(decay, v) for m, v in state["step_ema"].items()}
+    self.ledger = ledger_lib.DeliveryLedger()
+    self.ledger.absorb(state["ledger"])
     self._quorum_ema = policy.Ema(decay, state.get("quorum_ema"))
     self._sync_ema = policy.Ema(decay, state.get("sync_ema"))
     self._lead_ema = policy.Ema(decay, state.get("lead_ema"))

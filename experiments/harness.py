@@ -22,13 +22,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import matplotlib
 from absl import flags
 
+from diloco.compare import table  # noqa: F401  (the experiments' tables)
+from diloco.observe import curves
 from diloco.observe.accounting import read_jsonl
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from diloco.observe.curves import plot_curves  # noqa: F401  (the experiments' plots)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Written by `run_all` next to a finished run: its wall time as the harness measured it.
@@ -87,14 +86,33 @@ def _flag(value: object) -> str:
   return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def trained_tokens(workdir: str, cfg: dict) -> float:
+  """Tokens every learner of the run trained on: from its step spans (activity.jsonl), else
+  from the per-step `train/tokens` records of metrics.jsonl (a run copied back without its
+  activity log), else the configured steps x batch x sequence length x learners."""
+  activity = read_jsonl(os.path.join(workdir, "activity.jsonl"))
+  if activity:
+    return sum(r.get("tokens", 0) for r in activity if r["kind"] == "step")
+  logged = sum(r["train/tokens"] for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+               if "train/tokens" in r)
+  if logged:
+    return logged
+  return (cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
+          * max(cfg["learners"]["count"], 1))
+
+
 def finished(workdir: str) -> bool:
   """A Decoupled run ends with accounting.json; a data-parallel one with its final evaluation
-  (at `train.steps`) in metrics.jsonl and its export."""
+  (at `train.steps`) in metrics.jsonl and its export, or the harness's record that its
+  process ended well (`HARNESS_FILE`: a run copied back from another machine without its
+  export)."""
   if os.path.exists(os.path.join(workdir, "accounting.json")) or os.path.exists(
       os.path.join(workdir, "final.json")):
     return True
   config_path = os.path.join(workdir, "config.json")
-  if not os.path.isdir(os.path.join(workdir, "export")) or not os.path.exists(config_path):
+  ended = (os.path.isdir(os.path.join(workdir, "export"))
+           or os.path.exists(os.path.join(workdir, HARNESS_FILE)))
+  if not ended or not os.path.exists(config_path):
     return False
   with open(config_path, encoding="utf-8") as f:
     steps = json.load(f)["train"]["steps"]
@@ -151,46 +169,13 @@ def _run_one(run: Run, workdir: str, env: dict, position: str) -> None:
 
 
 def init_tokens(cfg: dict) -> int:
-  """Tokens already trained by the checkpoint a run starts from (`train.init_from` naming a
-  run's `checkpoints/STEP`), so that a warm start counts them; 0 otherwise."""
-  source = os.path.normpath(os.path.join(REPO, cfg["train"].get("init_from") or "."))
-  head, step = os.path.split(source)
-  run_dir, kind = os.path.split(head)
-  config_path = os.path.join(run_dir, "config.json")
-  if kind != "checkpoints" or not step.isdigit() or not os.path.exists(config_path):
-    return 0
-  with open(config_path, encoding="utf-8") as f:
-    source_cfg = json.load(f)
-  return int(step) * source_cfg["train"]["batch_size"] * source_cfg["data"]["seq_len"] * max(
-      source_cfg["learners"]["count"], 1)
+  """`curves.init_tokens` with `train.init_from` relative to the repository (the runs' cwd)."""
+  return curves.init_tokens(cfg, REPO)
 
 
 def eval_curve(workdir: str) -> list[dict]:
-  """(step, tokens, time, wall, eval_loss) of every global evaluation of a run, in order.
-
-  `time` is the run clock of the evaluation (virtual seconds on the virtual clock), `wall`
-  real seconds since the run's first record. Tokens count all learners together: the steps
-  that ended by then in `activity.jsonl` (so learners added or removed midway count), or,
-  for a data-parallel run, which has none, the step times the tokens per step; plus those of
-  the checkpoint it started from (`init_tokens`)."""
-  cfg = json.load(open(os.path.join(workdir, "config.json"), encoding="utf-8"))
-  per_step = cfg["train"]["batch_size"] * cfg["data"]["seq_len"] * max(
-      cfg["learners"]["count"], 1)
-  steps = sorted((r["end"], r.get("tokens", 0))
-                 for r in read_jsonl(os.path.join(workdir, "activity.jsonl"))
-                 if r["kind"] == "step")
-  records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  t0 = records[0]["t"] if records else 0.0
-  start = init_tokens(cfg)
-  points = []
-  for r in records:
-    if "eval/loss" in r and r.get("role") in ("syncer", "dp", "train", None):
-      time = r.get("time", r["t"] - t0)
-      tokens = start + (sum(n for end, n in steps if end <= time + 1e-9) if steps
-                        else r["step"] * per_step)
-      points.append({"step": r["step"], "tokens": tokens, "time": time,
-                     "wall": r["t"] - t0, "eval_loss": r["eval/loss"]})
-  return points
+  """`curves.eval_curve` of a run that `run_all` started (from the repository)."""
+  return curves.eval_curve(workdir, REPO)
 
 
 def collect(run: Run, workdir: str) -> dict:
@@ -208,11 +193,7 @@ def collect(run: Run, workdir: str) -> dict:
     curve = eval_curve(workdir)
     acc = {"eval/loss": curve[-1]["eval_loss"], "eval/initial_loss": curve[0]["eval_loss"],
            "wall_s": curve[-1]["wall"]}
-  activity = read_jsonl(os.path.join(workdir, "activity.jsonl"))
-  if activity:
-    tokens = sum(r.get("tokens", 0) for r in activity if r["kind"] == "step")
-  else:
-    tokens = cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["data"]["seq_len"]
+  tokens = trained_tokens(workdir, cfg)
   tokens += init_tokens(cfg)
   row = {"method": run.method, **dict(run.labels), "seed": run.seed, "tokens": int(tokens),
          "eval_loss": float(acc["eval/loss"]), "initial_loss": float(acc["eval/initial_loss"]),
@@ -245,39 +226,6 @@ def write_results(name: str, rows: list[dict], path: str) -> dict:
   with open(path, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=2)
   return results
-
-
-def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
-  """A markdown table of `columns` (floats to 4 significant digits)."""
-  def cell(v):
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-  lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
-  return "\n".join(lines)
-
-
-def plot_curves(curves: dict[str, list[dict]], path: str, title: str, *,
-                time_key: str = "wall", time_label: str = "wall clock since the run's start (s)"
-                ) -> None:
-  """Eval loss against tokens (left) and against `time_key` (right), one line per run."""
-  fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-  for label, points in sorted(curves.items()):
-    if not points:
-      continue
-    by_tokens.plot([p["tokens"] for p in points], [p["eval_loss"] for p in points], "o-",
-                   label=label, ms=3)
-    by_time.plot([p[time_key] for p in points], [p["eval_loss"] for p in points], "o-",
-                 label=label, ms=3)
-  by_tokens.set_xlabel("tokens (all learners)")
-  by_time.set_xlabel(time_label)
-  for ax in (by_tokens, by_time):
-    ax.set_ylabel("global eval loss")
-    ax.grid(alpha=0.3)
-  by_tokens.legend(fontsize=7)
-  fig.suptitle(title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def machine() -> str:

@@ -95,7 +95,7 @@ def main(argv: list[str]) -> None:
   def syncer_round():
     base = syncer.versions[0]
     merged, _ = syncer.tick(1.0, [], [
-        Payload(m, 0, 0, base + 1, 8, int(tokens[m]), base, "values", thetas[m], 0.0)
+        Payload(m, 0, 0, 8 * (base + 1), 8, int(tokens[m]), base, "values", thetas[m], 0.0)
         for m in range(args.learners)])
     assert len(merged) == 1, "the syncer round did not close"
 

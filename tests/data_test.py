@@ -498,7 +498,8 @@ def test_example_corpus_trains_from_the_cli(tmp_path):
   assert done["source"] == "jsonl" and done["tokenizer"] == made["tokenizer.json"]
   losses = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines()
             if "global eval/loss" in line]
-  assert len(losses) >= 2 and losses[0] > 6.0 and losses[-1] < losses[0] - 1.0
+  losses.append(json.loads((workdir / "accounting.json").read_text())["eval/loss"])  # the final
+  assert len(losses) >= 3 and losses[0] > 6.0 and losses[-1] < losses[0] - 1.0
 
 
 # --- Corpora behind URLs (gs:// in production; fsspec's memory:// here, offline) -----------

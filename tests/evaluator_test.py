@@ -79,3 +79,7 @@ def test_evaluator_process_evaluates_the_published_versions(tmp_path):
   with open(os.path.join(workdir, "accounting.json")) as f:
     acc = json.load(f)
   assert acc["eval/loss"] == evals[-1]["eval/loss"] < acc["eval/initial_loss"]
+  steps = [r["step"] for r in evals]
+  assert len(steps) == len(set(steps)) and steps[-1] == 48, steps  # one record per step
+  # The launcher's console shows the evaluator's evals as it records them.
+  assert "global eval/loss" in proc.stdout, proc.stdout[-3000:]

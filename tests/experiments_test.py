@@ -162,7 +162,7 @@ def test_compare_flags_runs_scored_on_different_held_out_windows(tmp_path):
   _fake_run(tmp_path / "learners", 8, 16, [5.0, 2.1])
   _fake_run(tmp_path / "other", 8, 4, [5.0, 2.2])
   same = compare.compare([str(tmp_path / "dp"), str(tmp_path / "learners")])
-  assert "Warning" not in same and "| dp | 2 | 5 | 128 | 1 | 128 |" in same
+  assert "held-out windows" not in same and "| dp | 2 | 5 | 128 | 1 | 128 |" in same
   mixed = compare.compare([str(tmp_path / "dp"), str(tmp_path / "other")])
   assert "different held-out windows ([32, 128])" in mixed
 
@@ -202,3 +202,19 @@ def test_a_warm_start_counts_the_tokens_of_its_checkpoint(tmp_path):
   assert harness.init_tokens(warm) == 40 * 32 * 128
   assert harness.init_tokens({"train": {"init_from": ""}}) == 0
   assert harness.init_tokens({"train": {"init_from": str(tmp_path / "export")}}) == 0
+
+
+def test_trained_tokens_falls_back_to_logged_steps_then_to_the_config(tmp_path):
+  # A run copied back without activity.jsonl still counts every learner's tokens.
+  cfg = {"train": {"steps": 3, "batch_size": 2}, "data": {"seq_len": 5}, "learners": {"count": 2}}
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    for step in (1, 2, 3):
+      for learner in (0, 1):
+        f.write(json.dumps({"step": step, "learner": learner, "train/tokens": 10.0}) + "\n")
+    f.write(json.dumps({"step": 3, "eval/loss": 1.0}) + "\n")
+  assert harness.trained_tokens(str(tmp_path), cfg) == 60
+  os.remove(tmp_path / "metrics.jsonl")
+  assert harness.trained_tokens(str(tmp_path), cfg) == 3 * 2 * 5 * 2
+  with open(tmp_path / "activity.jsonl", "w") as f:
+    f.write(json.dumps({"kind": "step", "tokens": 7}) + "\n")
+  assert harness.trained_tokens(str(tmp_path), cfg) == 7

@@ -5,6 +5,7 @@ the virtual clock), the learner protocol must survive the races and failures the
 and stale deliveries must count for what `outer.stale` says.
 """
 
+import itertools
 import json
 import os
 
@@ -64,9 +65,11 @@ def test_sync_time_uses_transit_not_compute_and_ignores_bad_measurements():
                         SyncConfig(quorum=1, gamma=0.8, tau=2), OuterConfig(),
                         sync_delay_s=0.1)
 
+  local_steps = itertools.count(1)  # each delivery its own (merged exactly once)
+
   def deliver(now, learner, transit, lead=0.0):
     beats = [Heartbeat(m, 0, 1, 1.0, now) for m in (0, 1)]
-    payload = Payload(learner, 0, 0, 1, 1, 10, s.versions[0], "values",
+    payload = Payload(learner, 0, 0, next(local_steps), 1, 10, s.versions[0], "values",
                       {"w": np.full(4, 0.1 * (learner + 1), np.float32)}, transit, lead)
     return s.tick(now, beats, [payload])
 

@@ -109,8 +109,8 @@ def test_modules_are_imported_normally():
   """Code is imported by name, never executed from a path behind Python's back: the only
   loaders by path are the two that take a user's file (a config file and a model module)."""
   root = os.path.dirname(PACKAGE)
-  allowed = {os.path.join("diloco", "config_lib.py"), os.path.join("diloco", "model",
-                                                                  "registry.py")}
+  allowed = {os.path.join("diloco", "config_files.py"), os.path.join("diloco", "model",
+                                                                    "registry.py")}
   tricks = ("spec_from_file_location", "module_from_spec", "sys.modules[", "SourceFileLoader")
   found = []
   for top in ("diloco", "experiments", "scripts", "tests", "configs"):

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from diloco.observe import report
+
 # These tests start a syncer and learners (some over two hosts joined by gloo): the README's
 # test command runs them on their own, after the parallel tests, so that another worker's load
 # never pushes a restarted host past gloo's 30 s initialisation deadline.
@@ -66,6 +68,28 @@ def test_chaos_run_finishes_learns_and_reports_goodput(run_dir):
   assert 0.0 < acc["accounting/goodput"] <= 1.0
   for name in ("loss.png", "timeline.png", "activity.jsonl"):
     assert os.path.getsize(os.path.join(workdir, name)) > 0
+
+
+def test_console_echoes_the_evals_and_ends_with_the_report_table(run_dir):
+  workdir, stdout = run_dir
+  with open(os.path.join(workdir, "accounting.json")) as f:
+    acc = json.load(f)
+  assert set(report.RUN_KEYS) <= set(acc)
+  assert all(k.startswith("accounting/") for k in set(acc) - set(report.RUN_KEYS))
+  evals = [r for r in _jsonl(os.path.join(workdir, "metrics.jsonl")) if "eval/loss" in r]
+  steps = [r["step"] for r in evals]
+  assert len(steps) == len(set(steps)) >= 3, steps  # one record per step
+  # Every eval but the final one is echoed as the syncer writes it; the final one is in the
+  # table only.
+  echoed = [line for line in stdout.splitlines() if ": global eval/loss " in line]
+  assert echoed and len(echoed) <= len(evals) - 1, echoed
+  assert all(f"step {r['step']}: global eval/loss {r['eval/loss']:.4f}" in stdout
+             for r in evals[:-1] if f"step {r['step']}:" in stdout)
+  final = f"{acc['eval/loss']:.4f}"
+  assert [line for line in stdout.splitlines() if final in line] == [
+      f"  eval loss       {final} at step {evals[-1]['step']} "
+      f"(initial {acc['eval/initial_loss']:.4f})"]
+  assert "run summary" in stdout and "done: {" not in stdout
 
 
 def test_syncer_restart_keeps_versions_and_tape_exact(run_dir):

@@ -1,6 +1,8 @@
 """Poison pills in a live multi-process run: bad entries planted in the store while a syncer and
 two learners train. The syncer must keep merging, the learners keep stepping, and every planted
-entry must end in the store's quarantine with its reason (so that no syncer reads it again)."""
+entry must end in the store's quarantine with its reason (so that no syncer reads it again).
+A delivery claiming tokens it did not earn is one of them; an already merged delivery written
+again (a replay) is refused as `replayed` and deleted."""
 
 import json
 import os
@@ -47,10 +49,10 @@ def _plant(store_root):
     incarnation = json.load(f)["incarnation"]
   planted, step = {}, 10**6
 
-  def put(tensors, reason, edit=None):
+  def put(tensors, reason, edit=None, steps=4, tokens=400):
     nonlocal step
     step += 1
-    payload = Payload(0, incarnation, 0, step, 4, 400, version, "values", tensors, 0.0)
+    payload = Payload(0, incarnation, 0, step, steps, tokens, version, "values", tensors, 0.0)
     store.put_payload(payload)
     name = f"f0_l0_i{incarnation}_s{step}"
     if edit is not None:
@@ -82,9 +84,26 @@ def _plant(store_root):
   put(values, "bad_metadata", escape)
   put(values, "oversize", pad)
   put(huge, "too_large")
+  put(values, "unearned", steps=1, tokens=2**53)  # a learner lying about its tokens
   with open(os.path.join(store_root, "run.json")) as f:
     origin = json.load(f)["start"]
   return planted, time.time() - origin
+
+
+def _replay(store_root, workdir):
+  """Writes a delivery that a committed round already merged again, under its own name (a
+  learner replaying an old entry); returns its name and identity."""
+  store = Store(store_root)
+  with open(os.path.join(workdir, "tape.jsonl")) as f:
+    record = json.loads(f.readline())
+  old = record["admitted"][0]
+  p = record["fragment"]
+  version = store.merged_index()[p]
+  values = store.read_merged(p, version)[0].tensors
+  store.put_payload(Payload(old["learner"], old["incarnation"], p, old["local_step"],
+                            old["steps"], old["tokens"], version, "values", values, 0.0))
+  return (f"f{p}_l{old['learner']}_i{old['incarnation']}_s{old['local_step']}",
+          (p, old["learner"], old["incarnation"], old["local_step"]))
 
 
 def test_planted_bad_entries_are_quarantined_while_training_goes_on(tmp_path):
@@ -99,6 +118,7 @@ def test_planted_bad_entries_are_quarantined_while_training_goes_on(tmp_path):
   try:
     _wait_for_rounds(store_root, proc, rounds=2)
     planted, planted_at = _plant(store_root)
+    replayed, replayed_key = _replay(store_root, workdir)
     out, _ = proc.communicate(timeout=_TIMEOUT_S)
   finally:
     if proc.poll() is None:
@@ -122,4 +142,11 @@ def test_planted_bad_entries_are_quarantined_while_training_goes_on(tmp_path):
     counted = json.load(f)["rejected"]
   for reason in set(planted.values()):
     assert counted.get(reason, 0) >= 1, (reason, counted)
+  # The replay is refused (`replayed`; `departed` or `wrong_incarnation` when the chaos
+  # schedule restarted its learner meanwhile) and merged exactly once in the whole run.
+  assert sum(counted.get(r, 0) for r in ("replayed", "departed", "wrong_incarnation")) >= 1
+  assert replayed not in os.listdir(os.path.join(store_root, "payloads"))
+  merges = [(r["fragment"], a["learner"], a["incarnation"], a["local_step"])
+            for r in tape for a in r["admitted"]]
+  assert merges.count(replayed_key) == 1 and len(set(merges)) == len(merges)
   assert all(os.path.exists(os.path.join(store_root, "quarantine", n)) for n in planted)

@@ -21,9 +21,11 @@ def _syncer(**sync):
   return syncer_lib.Syncer(_params(0), plan, cfg, OuterConfig(), sync_delay_s=0.5)
 
 
-def _payload(learner, tensors, *, steps=4, tokens=400, base=0, incarnation=0, fragment=0):
-  return Payload(learner, incarnation, fragment, steps, steps, tokens, base, "values", tensors,
-                 0.0)
+def _payload(learner, tensors, *, steps=4, tokens=400, base=0, incarnation=0, fragment=0,
+             step=None):
+  """A delivery at local step `step` (default `steps`: its learner's first delivery)."""
+  return Payload(learner, incarnation, fragment, steps if step is None else step, steps, tokens,
+                 base, "values", tensors, 0.0)
 
 
 def _beats(now, *learners):
@@ -133,7 +135,7 @@ def test_dead_and_stale_learners_are_rejected():
   merged, _ = s.tick(20.0, _beats(20.0, 1), [_payload(0, _params(1))])  # learner 0 is dead
   assert merged == [] and s.rejections["learner_dead"] == 1
   for t in (21.0, 22.0):  # two rounds from learner 1: version 2
-    s.tick(t, _beats(t, 1), [_payload(1, _params(int(t)), base=s.versions[0])])
+    s.tick(t, _beats(t, 1), [_payload(1, _params(int(t)), base=s.versions[0], step=int(t))])
   merged, _ = s.tick(23.0, _beats(23.0, 1), [_payload(1, _params(5), base=0)])
   assert merged == [] and s.rejections["stale"] == 1 and s.versions == [2]
 

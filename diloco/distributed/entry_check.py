@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from typing import Any
 
 from etils import epath
@@ -108,6 +109,9 @@ def check_entry(entry: epath.Path, keys: set[tuple[str, ...]], data_bytes: int,
   """Checks an entry's files and `_METADATA` against `keys`, and its size against
   `data_bytes`, before any data file is opened (StoreError otherwise)."""
   files = {".".join(k) + ".npy" for k in keys} | {METADATA_FILE}
+  if local and not _real_dir(entry):
+    raise StoreError(BAD_METADATA if os.path.lexists(entry) else UNREADABLE,
+                     f"{what}: the entry is not a directory (a symlink, a file or missing)")
   try:
     listed = list(entry.iterdir())
   except (FileNotFoundError, NotADirectoryError):
@@ -119,13 +123,28 @@ def check_entry(entry: epath.Path, keys: set[tuple[str, ...]], data_bytes: int,
   limit = int(data_bytes * 1.05) + _SLACK_PER_FILE * len(files)
   total = 0
   for path in listed:
-    if (local and os.path.islink(path)) or path.is_dir():
-      raise StoreError(BAD_METADATA, f"{what}: {path.name} is not a plain file")
-    total += path.stat().length
+    if local:  # by lstat: a symlink, FIFO, device or folder is never opened
+      st = os.lstat(path)
+      if not stat.S_ISREG(st.st_mode):
+        raise StoreError(BAD_METADATA, f"{what}: {path.name} is not a plain file")
+      size = st.st_size
+    else:
+      if path.is_dir():
+        raise StoreError(BAD_METADATA, f"{what}: {path.name} is not a plain file")
+      size = path.stat().length
+    total += size
     if total > limit:
       raise StoreError(OVERSIZE, f"{what}: more than {limit} bytes for {data_bytes} bytes of "
                        "tensors; not read")
   _check_metadata(entry / METADATA_FILE, keys, what)
+
+
+def _real_dir(path: epath.Path) -> bool:
+  """A directory itself, not a symlink to one (local disk)."""
+  try:
+    return stat.S_ISDIR(os.lstat(path).st_mode)
+  except OSError:
+    return False
 
 
 def _check_metadata(path: epath.Path, keys: set[tuple[str, ...]], what: str) -> None:

@@ -64,6 +64,7 @@ class Evaluator:
         cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
     self._thread: threading.Thread | None = None
     self.last: float | None = None
+    self._last_at: tuple[int, int] | None = None  # (step, rounds) of `last`
     self.skipped = 0
 
   def evaluate(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
@@ -77,8 +78,32 @@ class Evaluator:
                              "time": now, "outer/rounds": rounds})
     print(f"t={now:.1f}s step {step}: global eval/loss {loss:.4f} after {rounds} rounds",
           flush=True)
-    self.last = loss
+    self.last, self._last_at = loss, (step, rounds)
     return loss
+
+  def recall(self, workdir: str) -> bool:
+    """Takes the last global eval recorded in `workdir` (by an earlier incarnation of this
+    process) as its own, so that a restart evaluates no step twice; False if there is none."""
+    path = os.path.join(workdir, metrics_lib.METRICS_FILE)
+    evals = [r for r in (metrics_lib.read_metrics(path) if os.path.exists(path) else [])
+             if r.get("role") == "syncer" and "eval/loss" in r]
+    if evals:
+      self.last = evals[-1]["eval/loss"]
+      self._last_at = (evals[-1]["step"], int(evals[-1].get("outer/rounds", -1)))
+    return bool(evals)
+
+  def final(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
+    """The end-of-run eval; the last eval's loss when that one saw the same step and rounds
+    (the same parameters), so that metrics.jsonl keeps one eval record per step."""
+    if self._last_at == (step, rounds) and self.last is not None:
+      return self.last
+    return self.evaluate(flat_params, step, now, rounds)
+
+  def due(self, step: int, next_eval: int, total_steps: int) -> bool:
+    """Whether a periodic eval is due at `step`: not at the last step (the final eval is
+    that step's record), nor at a step evaluated already."""
+    evaluated = self._last_at is not None and self._last_at[0] == step
+    return bool(next_eval) and next_eval <= step < total_steps and not evaluated
 
   def start(self, flat_params: dict, step: int, now: float, rounds: int) -> bool:
     """Evaluates on a background thread; False (skipped) while the previous one runs."""
@@ -128,11 +153,9 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   """`--role=evaluator`: evaluates published versions until the syncer has stopped."""
   store = Store(store_root)
   spec, init_fn, eval_fn = model_on_first_device(cfg)
-  metrics_path = os.path.join(workdir, metrics_lib.METRICS_FILE)
-  restarted = os.path.exists(metrics_path) and any(
-      "eval/loss" in r for r in metrics_lib.read_metrics(metrics_path))
   writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="evaluator")
   evaluator = Evaluator(cfg, spec, eval_fn, writer)
+  restarted = evaluator.recall(workdir)
   origin = store.run_start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   try:
@@ -151,10 +174,10 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
       registry = store.read_json("registry.json") or {}
       if registry.get("stopped"):
         flat, index = read_global(store)
-        final = evaluator.evaluate(flat, _progress(store), clock(), int(registry["rounds"]))
+        final = evaluator.final(flat, _progress(store), clock(), int(registry["rounds"]))
         break
       progress = _progress(store)
-      if next_eval and progress >= next_eval:
+      if evaluator.due(progress, next_eval, cfg.train.steps):
         flat, index = read_global(store)
         evaluator.evaluate(flat, progress, clock(), int(registry.get("rounds", 0)))
         next_eval = (progress // every + 1) * every

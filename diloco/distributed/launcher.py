@@ -7,7 +7,9 @@ and applies the seeded chaos schedule (`diloco.distributed.chaos`) with real sig
 world, like the hosts of a TPU slice: a kill hits one of them, and the launcher then stops
 the others and restarts the learner whole (JAX would take its heartbeat timeout to notice).
 When every learner has finished or retired it stops the syncer, gathers the activity logs,
-and writes accounting.json, loss.png and timeline.png like the single-controller runtime.
+and writes the same report as the single-controller runtime (`diloco.observe.report`:
+accounting.json, loss.png, timeline.png, a short table). While the run goes on it prints
+the global evals as the syncer or the evaluator process records them.
 
 On a GPU host or TPU VM (`launch.platform`, `diloco.distributed.accelerators`) each learner
 gets its own group of the host's devices and the syncer stays on the CPU. SIGTERM or SIGINT to
@@ -34,7 +36,7 @@ from diloco.distributed import accelerators, chaos
 from diloco.distributed.store import Store
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
-from diloco.observe import timeline
+from diloco.observe import report
 from diloco.observe import tracking
 from diloco.observe.accounting import span_record
 from diloco.train import data as data_lib
@@ -113,7 +115,11 @@ class Launcher:
     self._activity = open(os.path.join(self.workdir, "activity", LAUNCHER_ACTIVITY), "a",
                           encoding="utf-8")
     self.origin = self.store.run_start(create=True)
+    self.started = time.monotonic()
     self.applied: list[dict] = []
+    # The global evals as the syncer or the evaluator process records them, for the console.
+    self.evals = metrics_lib.EvalFollower(os.path.join(self.workdir, metrics_lib.METRICS_FILE),
+                                          last_step=cfg.train.steps)
 
   def now(self) -> float:
     return time.time() - self.origin
@@ -340,6 +346,8 @@ class Launcher:
         active = self._learners("running", "stopped", "waiting", "retiring")
         if not active and not [e for e in pending if e.kind == "add"]:
           break
+        for line in self.evals.new_lines():
+          print(line, flush=True)
         if now - last_status >= cfg.log.progress_every_s:
           last_status = now
           print(self.status_line(), flush=True)
@@ -408,7 +416,8 @@ class Launcher:
     self._activity.close()
 
   def finish(self) -> dict:
-    """Merges activity logs; writes accounting.json, loss.png and timeline.png."""
+    """Merges the activity logs into activity.jsonl, writes chaos.json, and writes and prints
+    the run's report (`diloco.observe.report`) from the records the processes left."""
     activity = []
     folder = os.path.join(self.workdir, "activity")
     for name in sorted(os.listdir(folder)):
@@ -417,40 +426,33 @@ class Launcher:
     with open(os.path.join(self.workdir, accounting.ACTIVITY_FILE), "w") as f:
       for r in activity:
         f.write(json.dumps(r) + "\n")
-    cfg = self.cfg
-    num_params = sum(int(np.prod(s)) for s in _param_shapes(cfg).values())
-    summary = accounting.summary(self.workdir, num_fragments=cfg.sync.num_fragments,
-                                 num_params=num_params)
-    records = metrics_lib.read_metrics(os.path.join(self.workdir, metrics_lib.METRICS_FILE))
-    evals = [r["eval/loss"] for r in records if r.get("role") == "syncer" and "eval/loss" in r]
-    summary.update({
-        "eval/initial_loss": evals[0] if evals else float("nan"),
-        "eval/loss": evals[-1] if evals else float("nan"),
-        "chaos/events": len(self.applied),
-        "chaos/applied": sum(r["applied"] for r in self.applied),
-        "restarts": sum(p.restarts for p in self.procs.values()),
-        "syncer_restarts": self.procs[-1].restarts,
-    })
-    with open(os.path.join(self.workdir, "accounting.json"), "w") as f:
-      json.dump(summary, f, indent=2)
-    # Into the syncer's TensorBoard run (WORKDIR/tensorboard/syncer), at the last eval's step.
-    steps = [r["step"] for r in records if r.get("role") == "syncer" and "eval/loss" in r]
-    writer = metrics_lib.open_writer(cfg, self.workdir, role="syncer", process="launcher")
-    try:
-      writer.track(steps[-1] if steps else 0,
-                   {k: v for k, v in summary.items() if not k.startswith("eval/")})
-    finally:
-      writer.close()
     with open(os.path.join(self.workdir, "chaos.json"), "w") as f:
       json.dump(self.applied, f, indent=2)
-    metrics_lib.plot_loss(records, os.path.join(self.workdir, "loss.png"),
-                          title=f"Decoupled DiLoCo, {cfg.learners.count} learner processes")
-    tape = accounting.read_jsonl(os.path.join(self.workdir, accounting.TAPE_FILE))
-    print(accounting.fidelity_line(tape), flush=True)
-    timeline.plot_timeline(tape, activity, os.path.join(self.workdir, "timeline.png"),
-                           title=f"multi-process, M={cfg.learners.count}, "
-                                 f"K={cfg.sync.quorum or 'M'}, chaos {len(self.applied)} events")
-    return summary
+    cfg = self.cfg
+    records = metrics_lib.read_metrics(os.path.join(self.workdir, metrics_lib.METRICS_FILE))
+    evals = [r for r in records if r.get("role") == "syncer" and "eval/loss" in r]
+    figures = report.RunFigures(
+        eval_loss=evals[-1]["eval/loss"] if evals else float("nan"),
+        initial_loss=evals[0]["eval/loss"] if evals else float("nan"),
+        eval_step=evals[-1]["step"] if evals else 0,
+        wall_s=time.monotonic() - self.started,
+        restarts=sum(p.restarts for p in self.procs.values()),
+        syncer_restarts=self.procs[-1].restarts, chaos_events=len(self.applied),
+        chaos_applied=sum(r["applied"] for r in self.applied))
+    # Into the syncer's TensorBoard run (WORKDIR/tensorboard/syncer), at the last eval's step.
+    writer = metrics_lib.open_writer(cfg, self.workdir, role="syncer", process="launcher")
+    try:
+      return report.finish(
+          self.workdir, num_fragments=cfg.sync.num_fragments,
+          num_params=sum(int(np.prod(s)) for s in _param_shapes(cfg).values()),
+          figures=figures, activity=activity,
+          tape=accounting.read_jsonl(os.path.join(self.workdir, accounting.TAPE_FILE)),
+          writer=writer,
+          loss_title=f"Decoupled DiLoCo, {cfg.learners.count} learner processes",
+          timeline_title=f"multi-process, M={cfg.learners.count}, K={cfg.sync.quorum or 'M'}, "
+                         f"chaos {len(self.applied)} events")
+    finally:
+      writer.close()
 
 
 class Stopped(Exception):

@@ -35,6 +35,7 @@ before each write to keep that window to a few instructions.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -45,9 +46,15 @@ from collections.abc import Callable
 
 from absl import logging
 
+from diloco import intake
 from diloco.distributed.store import Store, StoreError
 
-_GENERATION = re.compile(r"^g(\d{1,12})\.json$")
+# A generation of any length (canonical ASCII digits, matched whole); 240 digits keep a
+# record's name within a file system's 255 bytes.
+_GENERATION = re.compile(r"g(0|[1-9][0-9]{0,239})\.json")
+# An expiry further ahead than this many lease durations (plus the skew) cannot have been
+# written by a holder of this store's lease: it is unusable and protects nothing.
+_MAX_EXPIRY_AHEAD = 4
 
 
 class LeaseLost(RuntimeError):
@@ -70,8 +77,10 @@ def _process_gone(record: dict) -> bool:
   """Whether the record's holder process no longer exists on this host (same boot)."""
   if record.get("host") != socket.gethostname() or record.get("boot") != _boot_id():
     return False
+  pid = record.get("pid")
+  if not intake.is_count(pid, 1) or pid > 2**22:  # never 0 or -1 (a process group, everyone)
+    return False
   try:
-    pid = int(record["pid"])
     os.kill(pid, 0)
   except ProcessLookupError:
     return True
@@ -118,7 +127,7 @@ class Lease:
     generations = []
     try:
       for path in (self.store.root / "lease").iterdir():
-        m = _GENERATION.match(path.name)
+        m = _GENERATION.fullmatch(path.name)
         if m is not None:
           generations.append(int(m[1]))
     except FileNotFoundError:
@@ -128,6 +137,8 @@ class Lease:
         record = self.store.read_json(self._rel(generation))
       except StoreError:  # writes are atomic, so only a foreign hand makes one unreadable;
         record = {"holder": "unreadable"}  # it names no expiry and protects nothing
+      if record is not None and not isinstance(record, dict):
+        record = {"holder": "unreadable"}
       if record is not None:
         return generation, record
     return -1, None
@@ -139,13 +150,14 @@ class Lease:
                 expires=started + self.duration_s, **extra)
 
   def _free(self, record: dict) -> bool:
-    if record.get("released"):
+    if record.get("released") is True:
       return True
-    try:
-      expires = float(record["expires"])
-    except (KeyError, TypeError, ValueError):
-      return True  # a record that names no expiry protects nothing
-    return self._wall() > expires + self.skew_s or (self.same_host and _process_gone(record))
+    expires = intake.as_float(record.get("expires"))
+    now = self._wall()
+    if (expires is None or not math.isfinite(expires)
+        or expires > now + _MAX_EXPIRY_AHEAD * self.duration_s + self.skew_s):
+      return True  # a record that names no usable expiry protects nothing
+    return now > expires + self.skew_s or (self.same_host and _process_gone(record))
 
   # Taking and giving back.
   def acquire(self, timeout_s: float | None = None) -> int:
@@ -154,6 +166,7 @@ class Lease:
     LeaseHeld if `timeout_s` passes first (None: wait as long as it takes)."""
     deadline = None if timeout_s is None else self._monotonic() + timeout_s
     told = None
+    backoff = self._poll_s
     while True:
       newest, record = self._newest()
       if record is None or self._free(record):
@@ -167,9 +180,11 @@ class Lease:
         try:
           created = self.store.create_json(self._rel(generation),
                                            self._record(generation, started_wall))
-        except StoreError as e:  # a full disk: nobody can write; try again later
+        except StoreError as e:  # a full disk: nobody can write; try again later, backing off
           logging.warning("lease: cannot take generation %d: %s", generation, e)
-          time.sleep(self._poll_s)
+          self._wait_or_give_up(deadline, backoff, f"could not create generation {generation}: "
+                                f"{e}")
+          backoff = min(2 * backoff, 8 * self._poll_s + 1.0)
           continue
         if created:
           mine = self.store.read_json(self._rel(generation))
@@ -181,7 +196,11 @@ class Lease:
             logging.info("lease: %s holds generation %d of %s", self.holder, generation,
                          self.store.root)
             return generation
-        continue  # another contender took this generation first: look again
+        # Another contender took this generation first: look again (after a pause, so a
+        # name that keeps existing without being a lease record cannot spin this loop).
+        self._wait_or_give_up(deadline, self._poll_s / 4,
+                              f"generation {generation} exists but is not this holder's")
+        continue
       if deadline is not None and self._monotonic() >= deadline:
         raise LeaseHeld(
             f"store {self.store.root}: syncer {record.get('holder')!r} (pid {record.get('pid')} "
@@ -195,11 +214,17 @@ class Lease:
                         record.get("host"))
       time.sleep(self._poll_s)
 
+  def _wait_or_give_up(self, deadline: float | None, wait_s: float, why: str) -> None:
+    """Sleeps `wait_s`, or raises LeaseHeld if that would pass the caller's deadline."""
+    if deadline is not None and self._monotonic() + wait_s >= deadline:
+      raise LeaseHeld(f"store {self.store.root}: lease not taken before the deadline: {why}")
+    time.sleep(wait_s)
+
   def _collect_old(self, generation: int) -> None:
     """Deletes generations older than the previous one (the history a reader needs)."""
     try:
       for path in (self.store.root / "lease").iterdir():
-        m = _GENERATION.match(path.name)
+        m = _GENERATION.fullmatch(path.name)
         if m is not None and int(m[1]) < generation - 1:
           self.store.remove(f"lease/{path.name}")
     except OSError as e:

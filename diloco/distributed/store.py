@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -57,11 +59,19 @@ from diloco.distributed import entry_check, npy_handler
 from diloco.distributed.entry_check import StoreError
 from diloco.transport import Merged, Payload
 
-_PAYLOAD_NAME = re.compile(r"^f(\d{1,6})_l(\d{1,6})_i(\d{1,9})_s(\d{1,12})$")
-_MERGED_NAME = re.compile(r"^f(\d{1,6})_v(\d{1,12})$")
+def _num(digits: int) -> str:
+  """A canonical decimal of at most `digits` ASCII digits (no leading zeros, no other
+  Unicode digits): one name per number, so no entry has two names."""
+  return f"(0|[1-9][0-9]{{0,{digits - 1}}})"
+
+
+# Names are matched whole (`fullmatch`: no trailing newline slips past a `$`).
+_PAYLOAD_NAME = re.compile(f"f{_num(6)}_l{_num(6)}_i{_num(9)}_s{_num(12)}")
+_MERGED_NAME = re.compile(f"f{_num(6)}_v{_num(12)}")
+_LEARNER_RECORD = re.compile(f"l{_num(6)}\\.json")
 # A merged version's data folder: the version's name and, since each write has its own, a
 # suffix naming the write (so that no writer ever deletes or overwrites another's data).
-_MERGED_DATA = re.compile(r"^f(\d{1,6})_v(\d{1,12})(\.[0-9a-f]{12})?$")
+_MERGED_DATA = re.compile(f"f{_num(6)}_v{_num(12)}(\\.[0-9a-f]{{12}})?")
 _MAX_JSON_BYTES = 1 << 22
 
 # Rejection reasons of entries that cannot even be read as a payload.
@@ -74,6 +84,8 @@ GONE = "gone"
 WRITE_FAILED = "write_failed"
 # A merged version that another writer committed first (two syncers on one store).
 CONFLICT = "conflict"
+# A merged version whose values are NaN or infinite (corrupt or planted): never applied.
+NON_FINITE = "non_finite"
 
 
 def _checked_int(value: int, what: str) -> int:
@@ -89,7 +101,7 @@ def payload_name(fragment: int, learner: int, incarnation: int, local_step: int)
 
 def parse_payload_name(name: str) -> tuple[int, int, int, int] | None:
   """(fragment, learner, incarnation, local_step) of a payload entry name, or None."""
-  m = _PAYLOAD_NAME.match(name)
+  m = _PAYLOAD_NAME.fullmatch(name) if isinstance(name, str) else None
   return None if m is None else tuple(int(x) for x in m.groups())
 
 
@@ -157,11 +169,63 @@ class Store:
     self._writer = uuid.uuid4().hex  # names this Store's merged commits (see put_merged)
 
   def _list(self, sub: str) -> list[epath.Path]:
-    """The entries under a folder (a prefix without objects is empty, not an error)."""
-    try:
-      return list((self.root / sub).iterdir())
-    except FileNotFoundError:
+    """The entries under a folder (a prefix without objects is empty, not an error; so is a
+    folder that is a symlink, which could lead anywhere)."""
+    folder = self.root / sub
+    if self.local and os.path.islink(folder):
+      logging.error("store: %s is a symlink; its entries are not read", folder)
       return []
+    try:
+      return list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+
+  def _plain_file(self, path: epath.Path) -> bool:
+    """Whether `path` is a regular file (on a local disk: not a symlink, FIFO or device)."""
+    if not self.local:
+      return True  # an object store holds objects only
+    try:
+      return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+      return False
+
+  def read_bytes(self, path: epath.Path, limit: int, what: str) -> bytes | None:
+    """The bytes of a regular file of at most `limit` bytes, or None if it does not exist.
+
+    StoreError(UNREADABLE) for anything else, decided before a byte is read: on a local disk
+    a symlink, FIFO, device or directory (never opened: a FIFO would block), or a size over
+    the limit by `stat`; then it is opened without following links or blocking, and checked
+    again on the open descriptor (a swap between the two is caught).
+    """
+    if not self.local:
+      try:
+        raw = path.read_bytes()
+      except FileNotFoundError:
+        return None
+      except (IsADirectoryError, NotADirectoryError) as e:
+        raise StoreError(UNREADABLE, f"{what}: not a file ({e!r})") from None
+    else:
+      try:
+        st = os.lstat(path)
+      except (FileNotFoundError, NotADirectoryError):
+        return None
+      if not stat.S_ISREG(st.st_mode):
+        raise StoreError(UNREADABLE, f"{what}: not a regular file (mode {st.st_mode:o})")
+      if st.st_size > limit:
+        raise StoreError(UNREADABLE, f"{what}: {st.st_size} bytes is too large (limit {limit})")
+      try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+      except FileNotFoundError:
+        return None
+      except OSError as e:
+        raise StoreError(UNREADABLE, f"{what}: cannot open ({e!r})") from None
+      with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+          raise StoreError(UNREADABLE, f"{what}: not a regular file")
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+      raise StoreError(UNREADABLE, f"{what}: {len(raw)} bytes is too large (limit {limit})")
+    return raw
 
   # JSON control records.
   def write_json(self, rel: str, record: Any, *, durable: bool = False) -> None:
@@ -230,15 +294,12 @@ class Store:
   def read_json(self, rel: str) -> Any:
     """The record, or None if it does not exist; StoreError if it is not valid JSON."""
     path = self.root / rel
-    try:
-      raw = path.read_bytes()
-    except FileNotFoundError:
+    raw = self.read_bytes(path, _MAX_JSON_BYTES, str(path))
+    if raw is None:
       return None
-    if len(raw) > _MAX_JSON_BYTES:
-      raise StoreError(UNREADABLE, f"{path}: {len(raw)} bytes is too large for a record")
     try:
       return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
       raise StoreError(UNREADABLE, f"{path}: not JSON ({e})") from None
 
   def exists(self, rel: str) -> bool:
@@ -246,7 +307,9 @@ class Store:
 
   def remove(self, rel: str) -> None:
     path = self.root / rel
-    if path.is_dir():
+    if self.local and os.path.islink(path):  # the link goes, never what it points to
+      path.unlink()
+    elif path.is_dir():
       path.rmtree()
     elif path.exists():
       path.unlink()
@@ -473,7 +536,10 @@ class Store:
     for path in folder.glob("*.reason.json") if folder.exists() else ():
       name = path.name[:-len(".reason.json")]
       if parse_payload_name(name) is not None:
-        out[name] = self.read_json(f"quarantine/{path.name}")
+        try:
+          out[name] = self.read_json(f"quarantine/{path.name}")
+        except StoreError as e:  # a planted or damaged record still names its entry
+          out[name] = {"reason": UNREADABLE, "detail": str(e)[:500], "time": None}
     return out
 
   def remove_payload(self, name: str) -> None:
@@ -498,13 +564,21 @@ class Store:
     if fence is not None:
       fence()
     name = merged_name(merged.fragment, merged.version)
-    existing = self.merged_marker(merged.fragment, merged.version)
+    try:
+      existing = self.merged_marker(merged.fragment, merged.version)
+    except StoreError as e:  # not a marker any writer made (a folder, a FIFO, garbage)
+      self.set_aside(f"merged/{name}.json", str(e))
+      existing = None
     if existing is None:
       self._write_merged(merged, momentum, marker, fence)
     elif not (isinstance(existing, dict) and existing.get("writer") == self._writer):
       raise StoreError(CONFLICT, f"merged {name}: already committed by another writer; only "
                        f"one syncer may write to {self.root}")
-    index = self.merged_index()
+    try:
+      index = self.merged_index()
+    except StoreError as e:  # not a record at all: rebuilt from the commit markers
+      logging.error("store: %s; rebuilding the index from the commit markers", e)
+      index = self._index_from_markers()
     index[merged.fragment] = merged.version
     if fence is not None:
       fence()
@@ -545,6 +619,18 @@ class Store:
       raise StoreError(CONFLICT, f"merged {name}: already committed by another writer; only "
                        f"one syncer may write to {self.root}")
 
+  def set_aside(self, rel: str, why: str) -> None:
+    """Moves a planted or corrupt file out of the way of a commit (to `quarantine/`), so the
+    version's name is free; removed if it cannot be moved."""
+    logging.error("store: %s is not a usable record (%s); moved to quarantine/", rel, why)
+    target = self.root / "quarantine" / f"{rel.replace('/', '_')}.{uuid.uuid4().hex[:8]}"
+    try:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      (self.root / rel).rename(target)
+    except OSError as e:
+      logging.error("store: could not move %s aside (%r); removing it", rel, e)
+      self.remove(rel)
+
   def _remove_quietly(self, rel: str) -> None:
     """Removes what a failed write left; if that fails too, the entry stays uncommitted (no
     marker names it) and `collect_uncommitted_merged` or the payload GC removes it."""
@@ -554,31 +640,72 @@ class Store:
       logging.warning("store: could not remove %s after a failed write: %r", rel, e)
 
   def merged_index(self) -> dict[int, int]:
+    """{fragment: version} of `merged/index.json`; entries that are not a canonical fragment
+    number and a version counter are left out (StoreError if it is no record at all)."""
     raw = self.read_json("merged/index.json") or {}
-    return {int(p): int(v) for p, v in raw.items()}
+    if not isinstance(raw, dict):
+      raise StoreError(UNREADABLE, f"{self.root}/merged/index.json: not a JSON object")
+    return {int(p): int(v) for p, v in raw.items()
+            if re.fullmatch(_num(6), p) and intake.is_count(v, 0)}
 
   def merged_marker(self, fragment: int, version: int) -> dict | None:
     return self.read_json(f"merged/{merged_name(fragment, version)}.json")
 
-  def read_merged(self, fragment: int, version: int, *, with_momentum: bool = False
+  def read_merged(self, fragment: int, version: int, *, with_momentum: bool = False,
+                  shapes: dict[str, tuple] | None = None
                   ) -> tuple[Merged, dict[str, np.ndarray] | None]:
-    """A committed merged fragment (and the syncer's momentum of it, on request)."""
+    """A committed merged fragment (and the syncer's momentum of it, on request).
+
+    StoreError if it cannot be used: a marker of wrong types, data that are not plain files
+    in real folders (checked, sizes included, before Orbax opens them), tensors that are
+    not float32 of the marker's (or, given `shapes`, the plan's) paths and shapes, or values
+    that are not finite (NON_FINITE: a corrupt or planted version is never applied).
+    """
     name = merged_name(fragment, version)
     marker = self.merged_marker(fragment, version)
     if marker is None:
       raise StoreError(UNREADABLE, f"merged {name}: no commit marker")
-    paths = marker["paths"]
-    data = marker.get("data", name)
-    m = _MERGED_DATA.match(data) if isinstance(data, str) else None
+    paths, data, published_at, nbytes = merged_marker_fields(marker, name, shapes)
+    m = _MERGED_DATA.fullmatch(data)
     if m is None or (int(m[1]), int(m[2])) != (fragment, version):
       raise StoreError(UNREADABLE, f"merged {name}: marker names data {data!r}")
-    params = self._load_tree(f"merged/{data}/params")
-    tensors = {k: np.asarray(params[_tensor_key(i)]) for i, k in enumerate(paths)}
+    tensors = self._merged_part(f"merged/{data}/params", paths, shapes, nbytes, name)
     momentum = None
     if with_momentum:
-      saved = self._load_tree(f"merged/{data}/outer")
-      momentum = {k: np.asarray(saved[_tensor_key(i)]) for i, k in enumerate(paths)}
-    return Merged(fragment, version, tensors, float(marker["published_at"])), momentum
+      momentum = self._merged_part(f"merged/{data}/outer", paths, shapes, nbytes, name)
+    return Merged(fragment, version, tensors, published_at), momentum
+
+  def _merged_part(self, rel: str, paths: list[str], shapes: dict[str, tuple] | None,
+                   nbytes: int, what: str) -> dict[str, np.ndarray]:
+    """One Orbax tree of a merged version, checked before and after it is read."""
+    if self.local and os.path.islink(self.root / rel.rsplit("/", 1)[0]):
+      raise StoreError(entry_check.BAD_METADATA, f"merged {what}: its data folder is a symlink")
+    data_bytes = (entry_check.expected_bytes([tuple(shapes[k]) for k in paths], None)
+                  if shapes is not None else nbytes)
+    entry_check.check_entry(self.root / rel, entry_check.leaf_keys(len(paths), None),
+                            data_bytes, self.local, f"merged {what}")
+    try:
+      tree = self._load_tree(rel)
+      tensors = {k: tree[_tensor_key(i)] for i, k in enumerate(paths)}
+    except Exception as e:  # Orbax and NumPy raise many types on damaged data
+      raise StoreError(UNREADABLE, f"merged {what}: cannot read ({type(e).__name__}: "
+                       f"{str(e)[:200]})") from None
+    for k, x in tensors.items():
+      shape = tuple(shapes[k]) if shapes is not None else getattr(x, "shape", None)
+      _checked_array(x, shape, np.float32, f"merged {what} {k}")
+      if not intake.all_finite(x):
+        raise StoreError(NON_FINITE, f"merged {what} {k}: values are not finite")
+    return tensors
+
+  def _index_from_markers(self) -> dict[int, int]:
+    """{fragment: newest committed version} from the markers' names."""
+    index: dict[int, int] = {}
+    for marker in self._list("merged"):
+      m = _MERGED_NAME.fullmatch(marker.name[:-len(".json")]) if marker.name.endswith(
+          ".json") else None
+      if m is not None and self._plain_file(marker):
+        index[int(m[1])] = max(int(m[2]), index.get(int(m[1]), -1))
+    return index
 
   def merged_versions(self, fragment: int) -> list[int]:
     """Committed versions of a fragment still in the store, ascending."""
@@ -586,8 +713,8 @@ class Store:
     fragment = _checked_int(fragment, "fragment")
     for marker in self._list("merged"):
       if marker.name.endswith(".json"):
-        m = _MERGED_NAME.match(marker.name[:-len(".json")])
-        if m is not None and int(m[1]) == fragment:
+        m = _MERGED_NAME.fullmatch(marker.name[:-len(".json")])
+        if m is not None and int(m[1]) == fragment and self._plain_file(marker):
           out.append(int(m[2]))
     return sorted(out)
 
@@ -611,7 +738,7 @@ class Store:
     """(fragment, version) -> its data folders (a committed one, and failed writes')."""
     out: dict[tuple[int, int], list[str]] = {}
     for path in self._list("merged"):
-      m = _MERGED_DATA.match(path.name)
+      m = _MERGED_DATA.fullmatch(path.name)
       if m is not None:
         out.setdefault((int(m[1]), int(m[2])), []).append(path.name)
     return out
@@ -636,7 +763,7 @@ class Store:
     """The latest heartbeat record of every learner that has one (unreadable ones skipped)."""
     out = {}
     for path in self._list("heartbeats"):
-      m = re.match(r"^l(\d{1,6})\.json$", path.name)
+      m = _LEARNER_RECORD.fullmatch(path.name)
       if m is None:
         continue
       try:
@@ -669,10 +796,29 @@ class Store:
 
   def ready_learners(self) -> set[int]:
     return {int(m[1]) for path in self._list("ready")
-            if (m := re.match(r"^l(\d{1,6})\.json$", path.name)) is not None}
+            if (m := _LEARNER_RECORD.fullmatch(path.name)) is not None}
 
   def learner_dir(self, learner: int) -> epath.Path:
     return self.root / "learners" / f"l{_checked_int(learner, 'learner')}"
+
+
+def merged_marker_fields(marker: Any, name: str, shapes: dict[str, tuple] | None
+                         ) -> tuple[list[str], str, float, int]:
+  """(paths, data folder, published_at, nbytes) of a merged version's commit marker, typed
+  (StoreError UNREADABLE otherwise); `shapes`, if given, must be exactly its paths."""
+  if not isinstance(marker, dict):
+    raise StoreError(UNREADABLE, f"merged {name}: commit marker is not a JSON object")
+  paths, data = marker.get("paths"), marker.get("data", name)
+  published_at = intake.as_float(marker.get("published_at"))
+  nbytes = marker.get("nbytes", 0)
+  if not (isinstance(paths, list) and all(isinstance(k, str) for k in paths)
+          and len(set(paths)) == len(paths) and paths == sorted(paths)
+          and isinstance(data, str) and published_at is not None
+          and math.isfinite(published_at) and intake.is_count(nbytes, 0)):
+    raise StoreError(UNREADABLE, f"merged {name}: commit marker fields of wrong type")
+  if shapes is not None and set(paths) != set(shapes):
+    raise StoreError(UNREADABLE, f"merged {name}: not the parameters of its fragment")
+  return paths, data, published_at, int(nbytes)
 
 
 def _checked_array(item: Any, shape: tuple, dtype, what: str) -> np.ndarray:

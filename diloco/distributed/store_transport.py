@@ -20,14 +20,17 @@ from typing import Callable
 from absl import logging
 
 from diloco.distributed import wan
-from diloco.distributed.store import GONE, WRITE_FAILED, Store, StoreError, parse_payload_name
+from diloco import intake
+from diloco.distributed.store import (GONE, NON_FINITE, WRITE_FAILED, Store, StoreError,
+                                      parse_payload_name)
 from diloco.transport import Heartbeat, Merged, Payload
 
 UP, RETIRED, DONE = "up", "retired", "done"
 # An entry whose read raised something other than a StoreError (a poison pill): quarantined.
 READ_ERROR = "read_error"
 # A merged version the index still names but that cannot be read this many polls in a row is
-# broken, not merely collected between the index read and the entry read.
+# broken, not merely collected between the index read and the entry read: the learner skips it
+# for good and waits for a newer one.
 _MAX_READ_FAILURES = 20
 # Backoff of a delivery whose write failed (write_failed): from this, doubling, up to the max.
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.1, 10.0
@@ -235,12 +238,17 @@ class LearnerStoreLink:
           have = self._merged.get(p)
         if have is not None and have.version >= version:
           continue
+        if failures.get((p, version), 0) >= _MAX_READ_FAILURES:
+          continue  # broken (logged once): never applied, a newer version is
         try:
           merged, _ = self.store.read_merged(p, version)
         except Exception as e:  # collected under us (the syncer moved on): next poll's index
           n = failures[(p, version)] = failures.get((p, version), 0) + 1
-          if n >= _MAX_READ_FAILURES:
-            raise
+          if n >= _MAX_READ_FAILURES or getattr(e, "reason", None) == NON_FINITE:
+            failures[(p, version)] = _MAX_READ_FAILURES
+            logging.error("learner %d: merged f%d_v%d cannot be used, skipped: %r",
+                          self.learner, p, version, e)
+            continue
           logging.info("learner %d: merged f%d_v%d not read (%r); retrying", self.learner, p,
                        version, e)
           continue
@@ -253,6 +261,21 @@ class LearnerStoreLink:
           self._merged[p] = merged
           self._cond.notify_all()
       self._stop.wait(self._poll_s)
+
+
+def _beat_fields(record: dict) -> tuple | None:
+  """((incarnation, seq), state, local_step, step_time, sent_at) of a heartbeat record, typed:
+  None if an id is not a counter or the state is unknown. A step time or send time that is
+  not a number is passed on as NaN (the syncer ignores unusable measurements)."""
+  ids = [record.get(k) for k in ("incarnation", "seq", "local_step")]
+  state = record.get("state", UP)
+  if not all(intake.is_count(x, 0) for x in ids) or state not in (UP, RETIRED, DONE):
+    return None
+  step_time = intake.as_float(record.get("step_time"))
+  sent_at = intake.as_float(record.get("sent_at", 0.0))
+  return ((int(ids[0]), int(ids[1])), state, int(ids[2]),
+          float("nan") if step_time is None else step_time,
+          0.0 if sent_at is None or sent_at != sent_at else sent_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,14 +370,11 @@ class SyncerStoreLink:
     """
     beats, left = [], []
     for learner, record in sorted(self.store.heartbeats().items()):
-      try:
-        key = (int(record["incarnation"]), int(record["seq"]))
-        state = str(record.get("state", UP))
-        beat = Heartbeat(learner, key[0], int(record["local_step"]),
-                         float(record["step_time"]), now)
-        sent_at = float(record.get("sent_at", 0.0))
-      except (KeyError, TypeError, ValueError, OverflowError):  # a crafted record is skipped
+      fields = _beat_fields(record)
+      if fields is None:  # a crafted record is skipped
         continue
+      key, state, local_step, step_time, sent_at = fields
+      beat = Heartbeat(learner, key[0], local_step, step_time, now)
       if self._beats.get(learner) == key:
         continue
       self._beats[learner] = key
@@ -420,7 +440,16 @@ class SyncerStoreLink:
   def _quarantine(self, name: str, reason: str, detail: str) -> None:
     self._released.add(name)
     self._quarantining[name] = (reason, detail)
-    self._deleter.submit(name, lambda: self.store.quarantine_payload(name, reason, detail))
+    self._deleter.submit(name, lambda: self._quarantine_or_remove(name, reason, detail))
+
+  def _quarantine_or_remove(self, name: str, reason: str, detail: str) -> None:
+    """Quarantines the entry; if `quarantine/` cannot be written, deletes it instead, so
+    that no syncer (this one or a restarted one) ever reads it again."""
+    try:
+      self.store.quarantine_payload(name, reason, detail)
+    except (OSError, StoreError) as e:
+      logging.error("store: could not quarantine %s (%r); deleting it", name, e)
+      self.store.remove_payload(name)
 
   def release(self, pending: set[tuple[int, int, int, int]]) -> None:
     """Deletes held payload entries that are no longer pending (merged, replaced, rejected).

@@ -26,10 +26,12 @@ import jax
 from absl import logging
 
 from diloco import fragments as fragments_lib
+from diloco import intake
 from diloco.config_lib import Config
 from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.lease import Lease
-from diloco.distributed.store import WRITE_FAILED, Store, StoreError
+from diloco.distributed import chaos, store_markers
+from diloco.distributed.store import WRITE_FAILED, Store, StoreError, merged_name
 from diloco.distributed.store_transport import DONE, RETIRED, SyncerStoreLink
 from diloco.observe import metrics as metrics_lib
 from diloco.syncer import Syncer
@@ -43,30 +45,36 @@ TAPE_FILE = "tape.jsonl"
 def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int,
             fence=None) -> tuple[bool, set, list[dict]]:
   """Restores `syncer` from the store's committed rounds (`fence`: the lease's check, run
-  before the index is rewritten).
+  before the store is changed).
 
-  Returns (recovered?, keys (fragment, learner, incarnation, step) of deliveries that
-  committed rounds merged, the committed rounds' tape records).
+  Each fragment resumes from its newest version that reads back whole, typed and finite
+  (`Store.read_merged` with the plan's shapes); newer ones that do not (corrupt or planted)
+  are moved aside, so their version numbers are free for the rounds to come. Returns
+  (recovered?, keys (fragment, learner, incarnation, step) of deliveries that committed
+  rounds merged, the committed rounds' tape records).
   """
   store.collect_uncommitted_merged()  # a dead syncer's half-written rounds
-  if not store.merged_versions(0):
+  found = {p: _newest_usable(store, syncer, p, max_staleness) for p in range(num_fragments)}
+  if not any(found.values()):
     return False, set(), []
-  fragments, history, markers = {}, {}, []
-  for p in range(num_fragments):
-    versions = store.merged_versions(p)
-    if not versions:
-      raise RuntimeError(f"store {store.root}: fragment {p} has no committed version while "
-                         "fragment 0 has; the store is not from one run")
-    version = versions[-1]
-    merged, momentum = store.read_merged(p, version, with_momentum=True)
-    fragments[p] = (version, merged.tensors, momentum)
-    history[p] = {v: store.read_merged(p, v)[0].tensors for v in versions
-                  if v >= version - max_staleness}
-    markers.append(store.merged_marker(p, version))
-  with_rounds = [m for m in markers if m.get("round") is not None]
+  missing = [p for p, f in found.items() if f is None]
+  if missing:
+    raise RuntimeError(f"store {store.root}: fragments {missing[:8]} have no usable committed "
+                       "version while others have; the store is not from one run")
+  if fence is not None:
+    fence()
+  for p, (_, _, _, _, refused) in found.items():
+    for version, why in refused:
+      store.set_aside(f"merged/{merged_name(p, version)}.json", why)
+  fragments = {p: (f[0], f[1].tensors, f[2]) for p, f in found.items()}
+  history = {p: f[3] for p, f in found.items()}
+  markers = {p: store_markers.typed_marker(store.merged_marker(p, f[0]))
+             for p, f in found.items()}
+  with_rounds = [m for m in markers.values() if m["round"] is not None]
   newest = max(with_rounds, key=lambda m: m["round"], default=markers[0])
   rounds = newest["round"] + 1 if with_rounds else 0
-  syncer.restore_state(newest["state"], fragments, history, rounds)
+  state = dict(newest["state"], ledger=store_markers.joined_ledger(markers))
+  syncer.restore_state(state, fragments, history, rounds)
   merged_keys = {(m["fragment"], a["learner"], a["incarnation"], a["local_step"])
                  for m in with_rounds for a in m["tape"]["admitted"]}
   # The index may lag the markers by one write if the syncer died in between.
@@ -75,6 +83,32 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
   store.write_json("merged/index.json", {str(p): fragments[p][0] for p in range(num_fragments)},
                    durable=True)
   return True, merged_keys, [m["tape"] for m in with_rounds]
+
+
+def _newest_usable(store: Store, syncer: Syncer, p: int, max_staleness: int):
+  """(version, Merged, momentum, history, refused newer versions) of fragment p's newest
+  version that reads back whole, or None if none does."""
+  shapes = {k: syncer.params[k].shape for k in syncer.plan.fragments[p]}
+  versions = store.merged_versions(p)
+  refused = []
+  for version in reversed(versions):
+    try:
+      if store_markers.typed_marker(store.merged_marker(p, version)) is None:
+        raise StoreError("unreadable", f"merged f{p}_v{version}: commit marker of wrong types")
+      merged, momentum = store.read_merged(p, version, with_momentum=True, shapes=shapes)
+    except StoreError as e:
+      logging.error("syncer: merged version %d of fragment %d refused: %s", version, p, e)
+      refused.append((version, str(e)))
+      continue
+    history = {version: merged.tensors}
+    for older in versions:
+      if version - max_staleness <= older < version:
+        try:
+          history[older] = store.read_merged(p, older, shapes=shapes)[0].tensors
+        except StoreError as e:  # a base nobody can use: deliveries on it are stale
+          logging.error("syncer: merged version %d of fragment %d refused: %s", older, p, e)
+    return version, merged, momentum, history, refused
+  return None
 
 
 def repair_tape(path: str, rounds: int, committed: list[dict]) -> None:
@@ -120,7 +154,9 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
     # train.init_from seeds G; a recovered store replaces it (`recover`).
     global_params = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"])
   pending_records: list[dict] = []
-  syncer = Syncer(global_params, plan, cfg.sync, cfg.outer, on_round=pending_records.append)
+  syncer = Syncer(global_params, plan, cfg.sync, cfg.outer, on_round=pending_records.append,
+                  limits=intake.Limits(cfg.train.batch_size * cfg.data.seq_len,
+                                       chaos.max_learners(cfg) or None))
   keep = cfg.sync.max_staleness + 2
   recovered, merged_keys, committed = recover(store, syncer, plan.num_fragments,
                                               cfg.sync.max_staleness, fence=lease.check)
@@ -143,6 +179,8 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
   evaluator = (evaluator_lib.Evaluator(cfg, spec, eval_fn, writer)
                if cfg.train.eval_mode == "background" else None)
   progress, next_eval = 0, cfg.train.eval_every if evaluator else 0
+  if evaluator is not None and recovered:
+    evaluator.recall(workdir)  # what the syncer before this one evaluated
   if evaluator is not None and not recovered:
     evaluator.start(syncer.global_params(), 0, clock(), 0)
   tape = open(tape_path, "a", encoding="utf-8")
@@ -155,9 +193,9 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
       beats, deadline = sync_once(store, syncer, link, pending_records, tape, keep, now,
                                   fence=lease.check)
       progress = max([progress] + [b.local_step for b in beats])
-      if next_eval and progress >= next_eval:
+      if evaluator is not None and evaluator.due(progress, next_eval, cfg.train.steps):
         evaluator.start(syncer.global_params(), progress, clock(), syncer.rounds)
-        next_eval += cfg.train.eval_every
+        next_eval = (progress // cfg.train.eval_every + 1) * cfg.train.eval_every
       if now - last_registry >= 1.0:
         last_registry = now
         store.collect_uncommitted(max_age_s=max(60.0, 2 * cfg.sync.heartbeat_timeout_s))
@@ -173,7 +211,7 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
     final = None
     if evaluator is not None:
       evaluator.join()  # after the last merge: nothing waits on it any more
-      final = evaluator.evaluate(syncer.global_params(), progress, clock(), syncer.rounds)
+      final = evaluator.final(syncer.global_params(), progress, clock(), syncer.rounds)
     export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()), cfg,
                 step=progress, runtime="multiprocess",
                 extra={"outer/rounds": syncer.rounds, "eval/loss": final})

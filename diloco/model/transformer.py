@@ -87,6 +87,15 @@ class Attention(nnx.Module):
   def __call__(self, x_BLD, positions_BL, *, positions_are_arange: bool = False):
     """`positions_are_arange`: positions are 0..L-1 in every row, so that the fused path may
     build its causal and window masks from indices instead of reading the positions."""
+    q_BLNH, k_BSKH, v_BSKH = self._project(x_BLD, positions_BL)
+    if self.impl == "reference":
+      out_BLNH = self._reference(q_BLNH * self.scale, k_BSKH, v_BSKH, positions_BL)
+    else:
+      out_BLNH = self._fused(q_BLNH, k_BSKH, v_BSKH, positions_BL, positions_are_arange)
+    return jnp.einsum("BLNH,NHD->BLD", out_BLNH, self.o_NHD[...].astype(self.dtype))
+
+  def _project(self, x_BLD, positions_BL):
+    """Queries, keys and values of `x_BLD`, normed and rotated."""
     dt = self.dtype
     q_BLNH = jnp.einsum("BLD,DNH->BLNH", x_BLD, self.q_DNH[...].astype(dt))
     k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BLD, self.k_DKH[...].astype(dt))
@@ -95,26 +104,44 @@ class Attention(nnx.Module):
       q_BLNH, k_BSKH = self.q_norm(q_BLNH), self.k_norm(k_BSKH)
     q_BLNH = apply_rope(q_BLNH, positions_BL, self.rope_base)
     k_BSKH = apply_rope(k_BSKH, positions_BL, self.rope_base)
-    if self.impl == "reference":
-      out_BLNH = self._reference(q_BLNH * self.scale, k_BSKH, v_BSKH, positions_BL)
-    else:
-      out_BLNH = self._fused(q_BLNH, k_BSKH, v_BSKH, positions_BL, positions_are_arange)
-    return jnp.einsum("BLNH,NHD->BLD", out_BLNH, self.o_NHD[...].astype(dt))
+    return q_BLNH, k_BSKH, v_BSKH
 
-  def _mask_BLS(self, positions_BL):
-    q_pos, k_pos = positions_BL[:, :, None], positions_BL[:, None, :]
+  def decode(self, x_BLD, positions_BL, cache):
+    """Attention of L new positions over the keys and values cached so far (decoding).
+
+    `cache` holds {"k": [B, S, K, H], "v": [B, S, K, H]}: slot s is position s. The new
+    keys and values are written at positions_BL[0] (the same in every row), and the queries
+    attend to slots at or before their own position (and within the window of a local layer),
+    so unwritten slots are never read. Returns (out_BLD, the updated cache).
+    """
+    q_BLNH, k_BLKH, v_BLKH = self._project(x_BLD, positions_BL)
+    start = positions_BL[0, 0]
+    k_BSKH = jax.lax.dynamic_update_slice_in_dim(cache["k"], k_BLKH.astype(cache["k"].dtype),
+                                                 start, axis=1)
+    v_BSKH = jax.lax.dynamic_update_slice_in_dim(cache["v"], v_BLKH.astype(cache["v"].dtype),
+                                                 start, axis=1)
+    slots_BS = jnp.broadcast_to(jnp.arange(k_BSKH.shape[1]), (x_BLD.shape[0], k_BSKH.shape[1]))
+    out_BLNH = self._reference(q_BLNH * self.scale, k_BSKH, v_BSKH, positions_BL, slots_BS)
+    out_BLD = jnp.einsum("BLNH,NHD->BLD", out_BLNH, self.o_NHD[...].astype(self.dtype))
+    return out_BLD, {"k": k_BSKH, "v": v_BSKH}
+
+  def _mask_BLS(self, positions_BL, key_positions_BS=None):
+    if key_positions_BS is None:
+      key_positions_BS = positions_BL
+    q_pos, k_pos = positions_BL[:, :, None], key_positions_BS[:, None, :]
     mask_BLS = k_pos <= q_pos
     if self.local:
       mask_BLS &= (q_pos - k_pos) < self.window
     return mask_BLS
 
-  def _reference(self, q_BLNH, k_BSKH, v_BSKH, positions_BL):
-    """Explicit GQA attention with the full float32 logits: the numerics of record."""
+  def _reference(self, q_BLNH, k_BSKH, v_BSKH, positions_BL, key_positions_BS=None):
+    """Explicit GQA attention with the full float32 logits: the numerics of record.
+    `key_positions_BS`: the keys' positions where they differ from the queries' (a cache)."""
     b, seq, n, h = q_BLNH.shape
     q_BLKGH = q_BLNH.reshape(b, seq, n // self.groups, self.groups, h)
     logits_BKGLS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BLKGH, k_BSKH,
                               preferred_element_type=jnp.float32)
-    mask_BLS = self._mask_BLS(positions_BL)
+    mask_BLS = self._mask_BLS(positions_BL, key_positions_BS)
     logits_BKGLS = jnp.where(mask_BLS[:, None, None], logits_BKGLS, _NEG_INF)
     probs_BKGLS = jax.nn.softmax(logits_BKGLS, axis=-1).astype(self.dtype)
     out_BLKGH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BKGLS, v_BSKH)
@@ -189,7 +216,14 @@ class Block(nnx.Module):
   def __call__(self, x_BLD, positions_BL, *, positions_are_arange: bool = False):
     attn_BLD = self.attn(self.pre_attn_norm(x_BLD), positions_BL,
                          positions_are_arange=positions_are_arange)
-    x_BLD = x_BLD + self.post_attn_norm(attn_BLD)
+    return self._feed_forward(x_BLD + self.post_attn_norm(attn_BLD))
+
+  def decode(self, x_BLD, positions_BL, cache):
+    """The layer on new positions, attending over its KV cache: (x_BLD, the updated cache)."""
+    attn_BLD, cache = self.attn.decode(self.pre_attn_norm(x_BLD), positions_BL, cache)
+    return self._feed_forward(x_BLD + self.post_attn_norm(attn_BLD))[0], cache
+
+  def _feed_forward(self, x_BLD):
     h_BLD = self.pre_mlp_norm(x_BLD)
     if isinstance(self.mlp, moe.MoE):
       h_BLD, aux = self.mlp(h_BLD)
@@ -234,13 +268,10 @@ class Transformer(nnx.Module):
     head, so that a loss can apply the head a chunk of positions at a time
     (`model.loss_chunk`)."""
     cfg = self.cfg
-    dt = jnp.dtype(cfg.dtype)
     arange = positions_BL is None
     if arange:
       positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-    table_VD = self.embedder.embedding[...].astype(dt)
-    x_BLD = table_VD[tokens_BL] * jnp.asarray(math.sqrt(cfg.embed_dim), dt)
-    x_BLD = constrain(x_BLD, "batch", "length", "embed")
+    x_BLD = self._embed(tokens_BL)
     blocks = list(self.layers)
     aux = jnp.zeros((), jnp.float32)
     if cfg.scan_layers:
@@ -250,6 +281,35 @@ class Transformer(nnx.Module):
       x_BLD, block_aux = _layer_fn(gd, cfg.remat, arange, True)(state, x_BLD, positions_BL)
       aux = aux + block_aux
     return self.final_norm(x_BLD), aux * cfg.moe_aux_loss_weight
+
+  def _embed(self, tokens_BL: jax.Array) -> jax.Array:
+    dt = jnp.dtype(self.cfg.dtype)
+    table_VD = self.embedder.embedding[...].astype(dt)
+    x_BLD = table_VD[tokens_BL] * jnp.asarray(math.sqrt(self.cfg.embed_dim), dt)
+    return constrain(x_BLD, "batch", "length", "embed")
+
+  def init_cache(self, batch: int, length: int) -> list[dict[str, jax.Array]]:
+    """Zeroed key/value caches of every layer for `length` positions (`decode`)."""
+    cfg = self.cfg
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    zeros = lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype))  # noqa: E731
+    return [{"k": zeros(), "v": zeros()} for _ in range(cfg.num_layers)]
+
+  def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache):
+    """(logits_BLV, updated cache) of L new tokens at positions_BL (the same in every row,
+    consecutive), attending over the cached keys and values of the positions before them.
+
+    The prompt goes in whole (prefill), then one token at a time; each call computes what
+    `__call__` computes for those positions, with the reference attention (an explicit mask
+    over the cache slots). The layers are unrolled whatever `scan_layers` says, and an MoE
+    layer routes only the new tokens, so its expert capacity may differ from the full pass.
+    """
+    x_BLD = self._embed(tokens_BL)
+    updated = []
+    for block, layer_cache in zip(self.layers, cache):
+      x_BLD, layer_cache = block.decode(x_BLD, positions_BL, layer_cache)
+      updated.append(layer_cache)
+    return self.logits(self.final_norm(x_BLD)), updated
 
   def logits(self, x_BLD: jax.Array) -> jax.Array:
     """The tied output head on hidden states: float32 logits, soft-capped."""

@@ -72,6 +72,39 @@ def read_metrics(path: str) -> list[dict]:
   return records
 
 
+class EvalFollower:
+  """Follows a metrics.jsonl that other processes append to, for the global evals written
+  after it started: a launcher prints them as the syncer or evaluator process records them.
+  Evals at `last_step` or later are left out: that is the final eval, which the end-of-run
+  report prints (`diloco.observe.report`)."""
+
+  def __init__(self, path: str, last_step: int):
+    self.path, self.last_step = path, last_step
+    self._offset = os.path.getsize(path) if os.path.exists(path) else 0  # earlier runs' records
+
+  def new_lines(self) -> list[str]:
+    """One console line per global eval record completed since the last call."""
+    try:
+      with open(self.path, "rb") as f:
+        f.seek(self._offset)
+        chunk = f.read()
+    except OSError:
+      return []
+    complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written waits
+    self._offset += len(complete)
+    lines = []
+    for raw in complete.splitlines():
+      try:
+        r = json.loads(raw)
+      except json.JSONDecodeError:
+        continue
+      if r.get("role") == "syncer" and "eval/loss" in r and "learner" not in r \
+          and r["step"] < self.last_step:
+        lines.append(f"t={r.get('time', 0.0):.1f}s step {r['step']}: global eval/loss "
+                     f"{r['eval/loss']:.4f} after {r.get('outer/rounds', 0):.0f} rounds")
+    return lines
+
+
 def last_per_step(records: list[dict], key: str) -> tuple[list[int], list[float]]:
   """Sorted (steps, values) of `key`, keeping the latest record of a step (resumed runs)."""
   by_step = {r["step"]: r[key] for r in records if key in r}

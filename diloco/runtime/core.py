@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco import learner_loop
+from diloco import intake, learner_loop
 from diloco.config_lib import Config, ConfigError
 from diloco.learner import Learner, Resume
 from diloco.runtime import faults as faults_lib
@@ -187,7 +187,9 @@ class Runtime:
     self.recorder = Recorder(workdir, append=resume)
     delay = cfg.learners.virtual_sync_s if cfg.learners.virtual_clock else None
     self.syncer = Syncer(global_params, self.plan, cfg.sync, cfg.outer, sync_delay_s=delay,
-                         on_round=self.recorder.round)
+                         on_round=self.recorder.round,
+                         limits=intake.Limits(cfg.train.batch_size * cfg.data.seq_len,
+                                              len(self.slots) or None))
     self.transport = InMemoryTransport()
     self.lock = threading.Lock()  # guards the syncer against concurrent readers
     self._poison_lock = threading.Lock()

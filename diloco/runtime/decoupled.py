@@ -4,7 +4,8 @@
 a live status, evaluates the global parameters on schedule, and leaves in `workdir`:
 metrics.jsonl, tape.jsonl (one record per merged round), activity.jsonl, loss.png,
 timeline.png, accounting.json (goodput, uptime, bandwidth ledger, ...), tensorboard/ (learner_<m>
-and syncer runs) and export/ (the final global parameters, diloco/train/export.py).
+and syncer runs) and export/ (the final global parameters, diloco/train/export.py). The end of
+the run is `diloco.observe.report`, shared with the launcher.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from diloco.config_lib import Config, check_in_process_eval
 from diloco.model.sharding import batch_sharding
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
-from diloco.observe import timeline
+from diloco.observe import report as report_lib
 from diloco.observe import tracking
 from diloco.runtime import checkpoint as run_checkpoint
 from diloco.runtime.core import Runtime, Slot
@@ -89,6 +90,28 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
 
 def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
          ) -> tuple[Runtime, dict[str, float]]:
+  """Prepare the workdir, build (or restore) the runtime, train, close the records, export G,
+  report (`diloco.observe.report`, shared with the launcher)."""
+  snapshot = _prepare(cfg, workdir, ckpt)
+  rt = _runtime(cfg, workdir, ckpt, snapshot)
+  session = _Session(cfg, workdir, rt, ckpt, snapshot)
+  try:
+    try:
+      final = session.train()
+    finally:
+      session.close_records()
+    session.status.maybe_print(force=True)
+    session.export(final)
+    summary = session.report(final)
+  finally:
+    session.writer.close()
+  return rt, summary
+
+
+def _prepare(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
+             ) -> run_checkpoint.Snapshot | None:
+  """Checks the config, loads the newest run checkpoint (rewinding the logs to it, or
+  starting them afresh without one) and writes config.json."""
   tracking.check(cfg.log)
   check_in_process_eval(cfg, "single-controller runtime")
   snapshot = ckpt.load()
@@ -101,6 +124,12 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
     json.dump(dataclasses.asdict(cfg), f, indent=2)
   from diloco.train import data_parallel as train  # pylint: disable=import-outside-toplevel
   train.check_vocab(cfg)
+  return snapshot
+
+
+def _runtime(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer,
+             snapshot: run_checkpoint.Snapshot | None) -> Runtime:
+  """The runtime, restored from `snapshot` when there is one."""
   rt = Runtime(cfg, workdir, resume=snapshot is not None)
   if snapshot is not None:
     rt.restart = run_checkpoint.restore(rt, snapshot)
@@ -110,115 +139,155 @@ def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
                       if s.index in rt.restart), flush=True)
   logging.info("%d learner groups, %d fragments, %d parameters", len(rt.slots),
                rt.plan.num_fragments, rt.num_params)
-  slot0 = rt.slots[0].spec
-  eval_set = [jax.device_put(b, batch_sharding(slot0.mesh)) for b in data_lib.eval_batches(
-      cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
-  # A resumed run hides the TensorBoard events written after its checkpoint (they are redone).
-  resumed_at = max(s.resume.local_step for s in rt.slots) if snapshot is not None else 0
-  writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="decoupled",
-                                   log_config=True, purge_step=resumed_at or None)
-  # Learners' train/* go to WORKDIR/tensorboard/learner_<m> from their own threads: a tracker
-  # only enqueues (see diloco/observe/tracking.py).
-  learner_writers = {s.index: metrics_lib.open_writer(
-      cfg, workdir, role="learner", learner=s.index, process="decoupled",
-      purge_step=s.resume.local_step + 1 if s.resume.local_step else None) for s in rt.slots}
-  status = Status(rt, cfg.log.progress_every_s)
-  written: dict[int, int] = {}
-  points, merged = run_checkpoint.ResumePoints(), run_checkpoint.MergedSteps()
-  rt.recorder.follow(merged.add)
-  every = cfg.checkpoint.every_rounds
-  virtual = cfg.learners.virtual_clock
-  driver_cls = VirtualDriver if virtual else ThreadedDriver
+  return rt
 
-  def progress() -> int:
-    return max(s.learner.local_step if s.learner else s.resume.local_step for s in rt.slots)
 
-  def on_eval(now: float) -> float | None:
-    if cfg.train.eval_mode == "off":
+@dataclasses.dataclass
+class _LastEval:
+  """The last global eval recorded: at which step, after how many rounds, its loss."""
+  step: int | None = None
+  rounds: int = -1
+  loss: float | None = None
+
+
+class _Session:
+  """One run of the runtime: its writers, evals, checkpoints and the driver's callbacks."""
+
+  def __init__(self, cfg: Config, workdir: str, rt: Runtime,
+               ckpt: run_checkpoint.RunCheckpointer, snapshot: run_checkpoint.Snapshot | None):
+    self.cfg, self.workdir, self.rt, self.ckpt, self.snapshot = cfg, workdir, rt, ckpt, snapshot
+    slot0 = rt.slots[0].spec
+    self.eval_set = [jax.device_put(b, batch_sharding(slot0.mesh)) for b in data_lib.eval_batches(
+        cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
+    # A resumed run hides the TensorBoard events written after its checkpoint (they are redone).
+    resumed_at = max(s.resume.local_step for s in rt.slots) if snapshot is not None else 0
+    self.writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="decoupled",
+                                          log_config=True, purge_step=resumed_at or None)
+    # Learners' train/* go to WORKDIR/tensorboard/learner_<m> from their own threads: a
+    # tracker only enqueues (see diloco/observe/tracking.py).
+    self.learner_writers = {s.index: metrics_lib.open_writer(
+        cfg, workdir, role="learner", learner=s.index, process="decoupled",
+        purge_step=s.resume.local_step + 1 if s.resume.local_step else None) for s in rt.slots}
+    self.status = Status(rt, cfg.log.progress_every_s)
+    self.written: dict[int, int] = {}
+    self.points, self.merged = run_checkpoint.ResumePoints(), run_checkpoint.MergedSteps()
+    rt.recorder.follow(self.merged.add)
+    rt.on_done = self.on_done
+    self.virtual = cfg.learners.virtual_clock
+    self.last_saved = rt.syncer.rounds
+    self.last_eval = _LastEval()
+    if snapshot is not None:  # the evals kept by the rewind: a resumed run adds none at a step
+      evals = [r for r in metrics_lib.read_metrics(self.writer.path)
+               if r.get("role") == "syncer" and "eval/loss" in r]
+      if evals:
+        self.last_eval = _LastEval(evals[-1]["step"], int(evals[-1].get("outer/rounds", -1)),
+                                   evals[-1]["eval/loss"])
+    self.initial: float | None = None
+    self.started = time.monotonic()
+    self.driver = (VirtualDriver if self.virtual else ThreadedDriver)(rt, self.on_eval,
+                                                                      self.on_step)
+
+  def now(self) -> float:
+    return self.driver.now if self.virtual else self.driver.now()
+
+  def progress(self) -> int:
+    return max(s.learner.local_step if s.learner else s.resume.local_step for s in self.rt.slots)
+
+  def on_eval(self, now: float, final: bool = False) -> float | None:
+    """The global eval, one record per step: a periodic eval at the last step, or at a step
+    already evaluated, is left to the final one; the final eval of parameters evaluated
+    already at its step reuses that loss. Only the final eval is not printed here (the
+    report's table shows it)."""
+    if self.cfg.train.eval_mode == "off":
       return None
-    loss = rt.evaluate(eval_set)
+    step, rounds, last = self.progress(), self.rt.syncer.rounds, self.last_eval
+    if not final and (step >= self.cfg.train.steps or step == last.step):
+      return None
+    if final and step == last.step and rounds == last.rounds:
+      return last.loss
+    loss = self.rt.evaluate(self.eval_set)
     if not math.isfinite(loss):
       raise FloatingPointError(f"global eval/loss is {loss} at t={now:.1f}s")
-    writer.write(progress(), {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),
-                              "time": now, "outer/rounds": rt.syncer.rounds})
-    print(f"t={now:.1f}s step {progress()}: global eval/loss {loss:.4f}", flush=True)
+    self.writer.write(step, {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),
+                             "time": now, "outer/rounds": rounds})
+    self.last_eval = _LastEval(step, rounds, loss)
+    if not final:
+      print(f"t={now:.1f}s step {step}: global eval/loss {loss:.4f}", flush=True)
     return loss
 
-  def snapshot_now(finished: bool = False) -> run_checkpoint.Snapshot:
-    now = driver.now if virtual else driver.now()
-    return run_checkpoint.take_snapshot(rt, points, merged, now, initial_loss=initial,
-                                        finished=finished)
+  def snapshot_now(self, finished: bool = False) -> run_checkpoint.Snapshot:
+    return run_checkpoint.take_snapshot(self.rt, self.points, self.merged, self.now(),
+                                        initial_loss=self.initial, finished=finished)
 
-  last_saved = rt.syncer.rounds
-
-  def write_learner(slot: Slot) -> None:
+  def write_learner(self, slot: Slot) -> None:
     last = slot.learner.last_values
-    if last is not None and written.get(slot.index) != last[0]:
-      written[slot.index] = last[0]
-      learner_writers[slot.index].write(last[0], dict(last[1], incarnation=slot.incarnation))
+    if last is not None and self.written.get(slot.index) != last[0]:
+      self.written[slot.index] = last[0]
+      self.learner_writers[slot.index].write(last[0],
+                                             dict(last[1], incarnation=slot.incarnation))
 
-  def on_done(slot: Slot) -> None:
+  def on_done(self, slot: Slot) -> None:
     try:
       slot.learner.read_metrics()  # its last step's metrics, which no next step reads
     except FloatingPointError as e:
       logging.warning("learner %d: last step's metrics not written: %s", slot.index, e)
       return
-    write_learner(slot)
+    self.write_learner(slot)
 
-  rt.on_done = on_done
-
-  def on_step(slot: Slot) -> None:
-    nonlocal last_saved
-    write_learner(slot)
-    if virtual and every and rt.syncer.rounds >= last_saved + every:
+  def on_step(self, slot: Slot) -> None:
+    self.write_learner(slot)
+    every = self.cfg.checkpoint.every_rounds
+    if self.virtual and every and self.rt.syncer.rounds >= self.last_saved + every:
       # Before this step's note: its deliveries are not ticked yet, so it is replayed.
-      last_saved = rt.syncer.rounds
-      ckpt.save(snapshot_now())
-    points.note(slot)  # this learner's thread, between its steps
-    status.maybe_print()
+      self.last_saved = self.rt.syncer.rounds
+      self.ckpt.save(self.snapshot_now())
+    self.points.note(slot)  # this learner's thread, between its steps
+    self.status.maybe_print()
 
-  driver = driver_cls(rt, on_eval, on_step)
-  started = time.monotonic()
-  initial = on_eval(rt.clock_start)
-  if snapshot is not None:
-    initial = snapshot.meta["initial_loss"]
-  periodic = None
-  if every and not virtual:
-    periodic = run_checkpoint.Periodic(snapshot_now, ckpt, lambda: rt.syncer.rounds, every)
-    periodic.start()
-  try:
+  def train(self) -> float | None:
+    """Evaluates the initial parameters, runs the driver to the end (checkpointing every
+    `checkpoint.every_rounds` rounds), evaluates and checkpoints the end; the final loss."""
+    rt, every = self.rt, self.cfg.checkpoint.every_rounds
+    self.initial = self.on_eval(rt.clock_start)
+    if self.snapshot is not None:
+      self.initial = self.snapshot.meta["initial_loss"]
+    periodic = None
+    if every and not self.virtual:
+      periodic = run_checkpoint.Periodic(self.snapshot_now, self.ckpt,
+                                         lambda: rt.syncer.rounds, every)
+      periodic.start()
     try:
-      try:
-        driver.run()
-      finally:
-        if periodic is not None:
-          periodic.stop()
-      final = on_eval(driver.now if virtual else driver.now())
-      if every:
-        ckpt.save(snapshot_now(finished=True))
+      self.driver.run()
     finally:
-      rt.recorder.close()
-      for w in learner_writers.values():
-        w.close()
-    status.maybe_print(force=True)
-    tape = rt.recorder.tape()
-    print(accounting.fidelity_line(tape), flush=True)
-    summary = accounting.summary(workdir, num_fragments=rt.plan.num_fragments,
-                                 num_params=rt.num_params)
-    summary.update({"eval/loss": final, "eval/initial_loss": initial,
-                    "wall_s": time.monotonic() - started})
-    writer.track(progress(), {k: v for k, v in summary.items() if not k.startswith("eval/")})
-    export.save(workdir, rt.global_params(), cfg, step=progress(), runtime="decoupled",
-                extra={"outer/rounds": rt.syncer.rounds, "eval/loss": final})
-  finally:
-    writer.close()
-  with open(os.path.join(workdir, "accounting.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  records = metrics_lib.read_metrics(os.path.join(workdir, metrics_lib.METRICS_FILE))
-  metrics_lib.plot_loss(records, os.path.join(workdir, "loss.png"),
-                        title=f"Decoupled DiLoCo, M={cfg.learners.count}, {cfg.model.name}")
-  timeline.plot_timeline(tape, rt.recorder.activity(),
-                         os.path.join(workdir, "timeline.png"),
-                         title=f"M={cfg.learners.count}, K={cfg.sync.quorum or 'M'}, "
-                               f"P={rt.plan.num_fragments}, H={cfg.sync.period}")
-  return rt, summary
+      if periodic is not None:
+        periodic.stop()
+    final = self.on_eval(self.now(), final=True)
+    if every:
+      self.ckpt.save(self.snapshot_now(finished=True))
+    return final
+
+  def close_records(self) -> None:
+    self.rt.recorder.close()
+    for w in self.learner_writers.values():
+      w.close()
+
+  def export(self, final: float | None) -> None:
+    export.save(self.workdir, self.rt.global_params(), self.cfg, step=self.progress(),
+                runtime="decoupled", extra={"outer/rounds": self.rt.syncer.rounds,
+                                            "eval/loss": final})
+
+  def report(self, final: float | None) -> dict[str, float]:
+    rt, cfg = self.rt, self.cfg
+    figures = report_lib.RunFigures(
+        eval_loss=final, initial_loss=self.initial, eval_step=self.progress(),
+        wall_s=time.monotonic() - self.started,
+        restarts=sum(max(s.incarnation, 0) for s in rt.slots), syncer_restarts=0,
+        chaos_events=len(rt.faults),
+        chaos_applied=self.driver.faults_fired - self.driver.faults_ignored)
+    return report_lib.finish(
+        self.workdir, num_fragments=rt.plan.num_fragments, num_params=rt.num_params,
+        figures=figures, tape=rt.recorder.tape(), activity=rt.recorder.activity(),
+        writer=self.writer,
+        loss_title=f"Decoupled DiLoCo, M={cfg.learners.count}, {cfg.model.name}",
+        timeline_title=f"M={cfg.learners.count}, K={cfg.sync.quorum or 'M'}, "
+                       f"P={rt.plan.num_fragments}, H={cfg.sync.period}")

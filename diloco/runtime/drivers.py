@@ -36,6 +36,7 @@ class VirtualDriver:
     self._seq = itertools.count()
     self._waiting: dict[int, tuple[float, list[int]]] = {}
     self._tick_at: float | None = None
+    self.faults_fired = self.faults_ignored = 0  # of `learners.faults`, for the run's report
 
   def _push(self, at: float, kind: str, data: Any = None) -> None:
     heapq.heappush(self._heap, (at, next(self._seq), kind, data))
@@ -176,16 +177,19 @@ class VirtualDriver:
           self._schedule_step(slot, self.now)
 
   def _fault(self, fault: faults_lib.Fault, down_since: dict[int, float]) -> None:
+    self.faults_fired += 1
     if fault.kind == "add":
       idle = [s for s in self.rt.slots if s.status == "idle"]
       if not idle:
         logging.warning("fault add@%s: no spare device group left; ignored", fault.at)
+        self.faults_ignored += 1
         return
       self._join(idle[0])
       return
     slot = self.rt.slots[fault.learner]
     if slot.status != "up":
       logging.warning("fault %s: learner %d is %s; ignored", fault.kind, slot.index, slot.status)
+      self.faults_ignored += 1
       return
     if fault.kind != "nan":
       self._waiting.pop(slot.index, None)
@@ -253,6 +257,7 @@ class ThreadedDriver:
     self._eval: threading.Thread | None = None
     self.evals_skipped = 0
     self._ticks = 0  # the syncer thread's ticks, under the runtime's lock
+    self.faults_fired = self.faults_ignored = 0  # of `learners.faults`, for the run's report
 
   def now(self) -> float:
     return time.monotonic() - self._t0
@@ -417,16 +422,19 @@ class ThreadedDriver:
       self.rt.syncer.tick(self.now(), *messages)
 
   def _fault(self, fault: faults_lib.Fault, returns) -> None:
+    self.faults_fired += 1
     if fault.kind == "add":
       idle = [s for s in self.rt.slots if s.status == "idle"]
       if idle:
         self._start(idle[0])
       else:
         logging.warning("fault add@%s: no spare device group left; ignored", fault.at)
+        self.faults_ignored += 1
       return
     slot = self.rt.slots[fault.learner]
     if slot.status != "up":
       logging.warning("fault %s: learner %d is %s; ignored", fault.kind, slot.index, slot.status)
+      self.faults_ignored += 1
       return
     if fault.kind == "remove":
       self._stop(slot, "retired")

@@ -209,7 +209,9 @@ class _Window:
     decision = policy.decide_round(
         [d.arrival_time for d, _, _ in fresh], num_alive=self.n, opened_at=self.opened_at[p],
         now=now, config=self.cfg,
-        step_time=policy.slowest_step_time([e.value for e in self.step_ema]),
+        step_time=policy.grace_step_time([e.value for e in self.step_ema],
+                                         [self.step_ema[d.learner_id].value for d, _, _ in fresh],
+                                         self.cfg.tau),
         quorum_time=self.quorum_ema.get(0.0), sync_time=self.sync_ema.get(self.sync_s))
     if decision.close:
       self.close(p, decision, now)

@@ -125,7 +125,8 @@ def _array_record_source(cfg: DataConfig, split: str):
       lambda record: np.frombuffer(record, dtype=np.int32))
 
 
-def _windows(cfg: DataConfig, split: str) -> grain.MapDataset:
+def split_windows(cfg: DataConfig, split: str) -> grain.MapDataset:
+  """The `seq_len + 1`-token windows of one split ("train" or "eval"), in corpus order."""
   if cfg.source == "array_record":
     return _array_record_source(cfg, split)
   return grain.MapDataset.source(TokenWindows(split_tokens(cfg)[split], cfg.seq_len + 1))
@@ -153,7 +154,7 @@ def train_dataset(cfg: DataConfig, *, batch_size: int, learner_id: int = 0,
   """Endless batches `[batch_size, seq_len + 1]` int32 of learner `learner_id`'s shard."""
   if not 0 <= learner_id < num_learners:
     raise ConfigError(f"learner_id={learner_id} must be in [0, num_learners={num_learners})")
-  windows = _windows(cfg, "train")
+  windows = split_windows(cfg, "train")
   shard = windows[learner_id::num_learners]
   if len(shard) == 0:
     raise ConfigError(f"data: learner {learner_id} of {num_learners} gets no training window "
@@ -165,7 +166,7 @@ def train_dataset(cfg: DataConfig, *, batch_size: int, learner_id: int = 0,
 
 def eval_batches(cfg: DataConfig, *, batch_size: int, num_batches: int) -> list[np.ndarray]:
   """A fixed list of held-out batches (the first windows of the eval split, cycled if short)."""
-  windows = _windows(cfg, "eval")
+  windows = split_windows(cfg, "eval")
   n = len(windows)
   if n == 0:
     raise ConfigError("data: the eval split is empty; raise data.eval_fraction")

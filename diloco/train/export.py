@@ -1,14 +1,21 @@
 """Export of a run's final global parameters, and `train.init_from`.
 
 Every run ends by writing its final global parameters (the syncer's G, or the data-parallel
-parameters) to WORKDIR/export:
+parameters) to WORKDIR/export, a self-contained folder that can be moved or copied:
 
   export/
     export.json   {"format": "diloco-export/1", "step", "runtime", "model": {ModelConfig},
-                   "seed", "data": {"tokenizer", "seq_len"}, "eval/loss", "num_params"}
+                   "seed", "data": {"tokenizer", "tokenizer_source", "seq_len"}, "eval/loss",
+                   "num_params"}
     params/       an Orbax checkpoint (`orbax.checkpoint.v1.save`) of the parameters as a
                   nested dict, e.g. params["layers"]["0"]["attn"]["q_DNH"]; the same JSON is
                   its custom metadata
+    tokenizer.*   a copy of the run's tokenizer file ("byte" needs none); `data.tokenizer`
+                  names it relative to the export folder, `tokenizer_source` says where the
+                  run read it
+    model.safetensors, config.json   with `safetensors=True` (or `write_safetensors`): the
+                  same tensors under their "/"-joined names, and the model's fields, for
+                  readers outside JAX
 
 `load(path)` reads it back (NumPy arrays, or arrays with the shardings of an abstract target);
 `export.json` is written last, so a directory without it is an unfinished export.
@@ -22,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -30,17 +38,24 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.errors import ConfigError
+from diloco.train import storage, tokenizers
 
 PyTree = Any
 EXPORT_DIR = "export"
 META_FILE = "export.json"
 PARAMS_DIR = "params"
 FORMAT = "diloco-export/1"
+SAFETENSORS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+SAFETENSORS_FORMAT = "diloco-safetensors/1"
+# Read by a `tokenizer.json` for its special tokens (`diloco.train.tokenizers`): copied along.
+_TOKENIZER_COMPANIONS = ("tokenizer_config.json",)
 
 
 def save(workdir: str, params: PyTree, cfg, *, step: int, runtime: str,
-         extra: dict | None = None) -> str:
-  """Writes `params` (nested dict of NumPy or jax arrays) to WORKDIR/export; returns its path."""
+         extra: dict | None = None, safetensors: bool = False) -> str:
+  """Writes `params` (nested dict of NumPy or jax arrays) to WORKDIR/export; returns its path.
+  `safetensors`: also write model.safetensors and config.json (`write_safetensors`)."""
   from orbax.checkpoint import v1 as ocp_v1  # pylint: disable=import-outside-toplevel
   path = os.path.join(os.path.abspath(workdir), EXPORT_DIR)
   os.makedirs(path, exist_ok=True)
@@ -48,12 +63,20 @@ def save(workdir: str, params: PyTree, cfg, *, step: int, runtime: str,
   if os.path.exists(meta_path):
     os.remove(meta_path)  # an export being replaced is incomplete until the new JSON lands
   flat = fragments_lib.flatten_tree(params)
+  tokenizer, tokenizer_source = _copy_tokenizer(cfg.data, path)
   meta = {"format": FORMAT, "step": int(step), "runtime": runtime,
           "model": dataclasses.asdict(cfg.model), "seed": cfg.seed,
-          "data": {"tokenizer": cfg.data.tokenizer, "seq_len": cfg.data.seq_len},
+          "data": {"tokenizer": tokenizer, "tokenizer_source": tokenizer_source,
+                   "seq_len": cfg.data.seq_len},
           "num_params": int(sum(np.prod(v.shape) for v in flat.values()))}
   meta.update(extra or {})
   ocp_v1.save(os.path.join(path, PARAMS_DIR), params, overwrite=True, custom_metadata=meta)
+  if safetensors:
+    write_safetensors(path, params, meta)
+  else:  # a replaced export's copies would no longer match its parameters
+    for stale in (SAFETENSORS_FILE, CONFIG_FILE):
+      if os.path.exists(os.path.join(path, stale)):
+        os.remove(os.path.join(path, stale))
   tmp = meta_path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(meta, f, indent=2)
@@ -61,6 +84,79 @@ def save(workdir: str, params: PyTree, cfg, *, step: int, runtime: str,
   logging.info("exported %d parameters at step %d to %s", meta["num_params"], step, path)
   print(f"exported the final parameters to {path}", flush=True)
   return path
+
+
+def _run_tokenizer_file(data_cfg) -> str | None:
+  """The tokenizer file a run read (None for the byte tokenizer): `data.tokenizer`, or for
+  pre-tokenised shards the `tokenizer_model` their meta.json names."""
+  if data_cfg.source == "array_record":
+    shard_meta = storage.read_json(storage.join(data_cfg.path, "meta.json"))
+    name = shard_meta.get("tokenizer_model")
+    return storage.join(data_cfg.path, name) if name else None
+  if data_cfg.tokenizer == "byte":
+    return None
+  return tokenizers.resolve(data_cfg.tokenizer)
+
+
+def _copy_tokenizer(data_cfg, path: str) -> tuple[str, str]:
+  """(the name export.json gives the tokenizer, where the run read it): "byte", or the file's
+  name after copying it (and a `tokenizer_config.json` beside it) into the export folder.
+  A tokenizer that cannot be read any more keeps its original path, with a warning: the
+  parameters are worth more than a self-contained folder."""
+  try:
+    source = _run_tokenizer_file(data_cfg)
+    if source is None:
+      return "byte", "byte"
+    name = os.path.basename(source)
+    for src, dst in [(source, name)] + [
+        (storage.join(storage.dirname(source), c), c) for c in _TOKENIZER_COMPANIONS]:
+      if src != source and not storage.isfile(src):
+        continue
+      with storage.open_file(src, "rb") as fin, open(os.path.join(path, dst), "wb") as fout:
+        shutil.copyfileobj(fin, fout)
+    return name, source
+  except (OSError, ConfigError, KeyError) as e:
+    logging.warning("export: could not copy the tokenizer into %s (%s); export.json names "
+                    "it by its original path", path, e)
+    return data_cfg.tokenizer, data_cfg.tokenizer
+
+
+def tokenizer_spec(found: str, meta: dict) -> str:
+  """The `data.tokenizer` value that loads the tokenizer of the export at `found`: "byte", the
+  copy in the export folder, or (an export written before copies) the path the run used."""
+  name = meta.get("data", {}).get("tokenizer", "byte")
+  if name == "byte":
+    return name
+  for candidate in (os.path.join(found, name), name):
+    if os.path.exists(candidate):
+      return candidate
+  raise ConfigError(f"{found}/{META_FILE}: tokenizer {name!r} is neither in the export folder "
+                    "nor at that path; copy the run's tokenizer file into the export folder")
+
+
+def write_safetensors(path: str, params: PyTree, meta: dict) -> tuple[str, str]:
+  """Writes PATH/model.safetensors (every tensor under its "/"-joined name, e.g.
+  "layers/0/attn/q_DNH") and PATH/config.json (the model's fields, the vocabulary and the
+  tokenizer file's name), readable without JAX. Returns their paths."""
+  from safetensors import numpy as st_numpy  # pylint: disable=import-outside-toplevel
+  flat = {k: np.ascontiguousarray(np.asarray(v))
+          for k, v in fragments_lib.flatten_tree(params).items()}
+  config = {"format": SAFETENSORS_FORMAT, "model": meta["model"],
+            "vocab_size": meta["model"]["vocab_size"],
+            "tokenizer": meta.get("data", {}).get("tokenizer", "byte"),
+            "step": meta.get("step"), "num_params": meta.get("num_params"),
+            "tensors": {k: {"shape": list(flat[k].shape), "dtype": str(flat[k].dtype)}
+                        for k in sorted(flat, key=fragments_lib.path_sort_key)}}
+  tensors_path = os.path.join(path, SAFETENSORS_FILE)
+  config_path = os.path.join(path, CONFIG_FILE)
+  try:
+    st_numpy.save_file(flat, tensors_path, metadata={"format": SAFETENSORS_FORMAT})
+  except (TypeError, ValueError) as e:  # e.g. a dtype safetensors has no code for
+    raise ConfigError(f"{tensors_path}: cannot write the parameters as safetensors ({e})") from None
+  with open(config_path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(config, f, indent=2)
+  os.replace(config_path + ".tmp", config_path)
+  return tensors_path, config_path
 
 
 def export_dir(path: str) -> str | None:
@@ -78,7 +174,7 @@ def load(path: str, abstract: PyTree | None = None) -> tuple[PyTree, dict]:
   loaded onto those shardings; without, they are NumPy arrays.
   """
   from orbax.checkpoint import v1 as ocp_v1  # pylint: disable=import-outside-toplevel
-  found = export_dir(path)
+  found = export_dir(os.path.abspath(path))  # Orbax refuses a relative checkpoint path
   if found is None:
     raise ConfigError(f"{path!r} is not an export: no {META_FILE} there or in "
                       f"{os.path.join(path, EXPORT_DIR)}")
@@ -101,20 +197,21 @@ def load(path: str, abstract: PyTree | None = None) -> tuple[PyTree, dict]:
   return fragments_lib.unflatten_tree(flat), meta
 
 
-def check_shapes(loaded: PyTree, abstract: PyTree, source: str) -> None:
+def check_shapes(loaded: PyTree, abstract: PyTree, source: str,
+                 what: str = "train.init_from") -> None:
   """ConfigError naming the first tensor whose presence or shape differs from the model's."""
   got = {k: tuple(v.shape) for k, v in fragments_lib.flatten_tree(loaded).items()}
   want = {k: tuple(v.shape) for k, v in fragments_lib.flatten_tree(abstract).items()}
   missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
   if missing:
-    raise ConfigError(f"train.init_from: {source} has no tensor {missing[0]!r} that this model "
+    raise ConfigError(f"{what}: {source} has no tensor {missing[0]!r} that this model "
                       f"has ({len(missing)} missing); model.arch or model fields differ")
   if extra:
-    raise ConfigError(f"train.init_from: {source} has tensor {extra[0]!r} that this model lacks "
+    raise ConfigError(f"{what}: {source} has tensor {extra[0]!r} that this model lacks "
                       f"({len(extra)} extra); model.arch or model fields differ")
   for k in sorted(want, key=fragments_lib.path_sort_key):
     if got[k] != want[k]:
-      raise ConfigError(f"train.init_from: tensor {k!r} has shape {got[k]} in {source} but "
+      raise ConfigError(f"{what}: tensor {k!r} has shape {got[k]} in {source} but "
                         f"{want[k]} in this model; the model config differs")
 
 
@@ -148,31 +245,49 @@ def _resolve_checkpoint(path: str) -> tuple[str, str] | None:
   return None
 
 
-def load_init(path: str, abstract: PyTree) -> PyTree:
-  """NumPy parameters for `train.init_from=path`, checked against `abstract` and cast to its
-  dtypes: an export, or the parameters of a train-state or durable-run checkpoint."""
+def checkpoint_steps(workdir: str) -> dict[str, list[int]]:
+  """The committed steps of each checkpoint directory of a run, e.g. {"run_checkpoints": [1]}."""
+  found = {}
+  for sub in ("run_checkpoints", "checkpoints"):
+    directory = os.path.join(workdir, sub)
+    if os.path.isdir(directory):
+      steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()
+                     and _checkpoint_item(os.path.join(directory, d)) is not None)
+      if steps:
+        found[sub] = steps
+  return found
+
+
+def read_params(path: str, what: str = "train.init_from") -> tuple[PyTree, str]:
+  """(NumPy parameters, a description of their source) of an export, or of a train-state or
+  durable-run checkpoint (a step directory, or the newest step under WORKDIR/[run_]checkpoints).
+  Errors name the flag or field `what`."""
   if not path or not os.path.exists(path):
-    raise ConfigError(f"train.init_from: {path!r} does not exist")
+    raise ConfigError(f"{what}: {path!r} does not exist")
   path = os.path.abspath(path)  # Orbax reads a relative checkpoint path's metadata wrongly
   if export_dir(path) is not None:
     params, meta = load(path)
-    source = f"export {export_dir(path)} (step {meta.get('step')})"
-  else:
-    found = _resolve_checkpoint(path)
-    if found is None:
-      raise ConfigError(f"train.init_from: {path!r} holds no export ({META_FILE}) and no "
-                        "committed Orbax checkpoint (checkpoints/ or run_checkpoints/)")
-    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-    item, kind = found
-    # As NumPy on the host: the checkpoint's own device layout may not exist here.
-    checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(item)
-    metadata = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
-    tree = checkpointer.restore(item, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-    params = tree["params"] if kind == "train state" else tree
-    source = f"{kind} {item}"
-  params = jax.tree.map(np.asarray, params)
+    return params, f"export {export_dir(path)} (step {meta.get('step')})"
+  found = _resolve_checkpoint(path)
+  if found is None:
+    raise ConfigError(f"{what}: {path!r} holds no export ({META_FILE}) and no "
+                      "committed Orbax checkpoint (checkpoints/ or run_checkpoints/)")
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  item, kind = found
+  # As NumPy on the host: the checkpoint's own device layout may not exist here.
+  checkpointer = ocp.PyTreeCheckpointer()
+  metadata = checkpointer.metadata(item)
+  metadata = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
+  tree = checkpointer.restore(item, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+  params = tree["params"] if kind == "train state" else tree
+  return jax.tree.map(np.asarray, params), f"{kind} {item}"
+
+
+def load_init(path: str, abstract: PyTree) -> PyTree:
+  """NumPy parameters for `train.init_from=path`, checked against `abstract` and cast to its
+  dtypes: an export, or the parameters of a train-state or durable-run checkpoint."""
+  params, source = read_params(path)
   check_shapes(params, abstract, source)
   dtypes = {k: v.dtype for k, v in fragments_lib.flatten_tree(abstract).items()}
   flat = {k: np.asarray(v, dtypes[k]) for k, v in fragments_lib.flatten_tree(params).items()}

@@ -1,0 +1,70 @@
+"""The `diloco` command (and `python -m diloco`): training by default, the tools around a run.
+
+`diloco NAME ARGS` calls `diloco.NAME.main(["diloco NAME", *ARGS])`: each tool parses its own
+flags (on its own FlagValues) and `diloco NAME --help` shows them, as `python -m diloco.NAME`
+does; without a name, or with `train`, it is `python -m diloco.main`. `diloco --help` lists the subcommands and the
+training flags of this project only (absl's and JAX's own are behind `--helpfull`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+# name: (module, what it does). Training is the default subcommand.
+SUBCOMMANDS = {
+    "train": ("diloco.main", "train a model (the default): --config=NAME:PRESET --workdir=DIR"),
+    "compare": ("diloco.compare", "finished runs side by side: a table and eval-loss curves"),
+    "sample": ("diloco.sample", "generate text from a run's exported model"),
+    "evaluate": ("diloco.evaluate", "score a run's exported model on held-out data"),
+}
+_HELP = ("-h", "--help", "-help", "--helpshort", "help")
+
+
+def help_text() -> str:
+  """The subcommands, then the training flags (the `diloco.main` module's own)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+
+  from diloco import config_files  # pylint: disable=import-outside-toplevel
+  from diloco import main as train  # pylint: disable=import-outside-toplevel
+  width = max(map(len, SUBCOMMANDS))
+  lines = ["usage: diloco [SUBCOMMAND] [FLAGS]", "", "subcommands:"]
+  lines += [f"  {name:<{width}}  {about}" for name, (_, about) in SUBCOMMANDS.items()]
+  lines += ["", f"shipped configs (--config=NAME:PRESET): {', '.join(config_files.names())}",
+            "`diloco SUBCOMMAND --help` shows a subcommand's flags; --config_help lists the "
+            "config fields.", "", "training flags:",
+            flags.FLAGS.module_help(train).strip().split("\n", 1)[-1]]  # less its name line
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  """Dispatches `argv` (default `sys.argv`) to its subcommand."""
+  argv = list(sys.argv if argv is None else argv)
+  args = argv[1:]
+  if args[:1] and args[0] in _HELP:
+    print(help_text())
+    return
+  name = args.pop(0) if args[:1] and not args[0].startswith("-") else "train"
+  if name not in SUBCOMMANDS:
+    sys.exit(f"diloco: unknown subcommand {name!r}; subcommands: {', '.join(SUBCOMMANDS)} "
+             "(see diloco --help)")
+  module = SUBCOMMANDS[name][0]
+  if importlib.util.find_spec(module) is None:
+    sys.exit(f"diloco {name}: this install has no {module} module")
+  if name == "train":
+    if any(a in _HELP for a in args):  # absl's --help describes the __main__ module: not this
+      from absl import flags  # pylint: disable=import-outside-toplevel
+
+      from diloco import main as train  # pylint: disable=import-outside-toplevel
+      print(f"{train.__doc__.strip()}\n\n{flags.FLAGS.module_help(train)}")
+      return
+    sys.argv = [f"diloco {name}", *args]
+    from diloco import main as train  # pylint: disable=import-outside-toplevel
+    train.run_cli()
+    return
+  importlib.import_module(module).main([f"diloco {name}", *args])
+
+
+if __name__ == "__main__":
+  main()

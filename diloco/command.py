@@ -1,0 +1,54 @@
+"""Running a subcommand (`diloco.sample`, `diloco.evaluate`, `diloco.to_safetensors`).
+
+Each subcommand defines its flags on its own `absl.flags.FlagValues`, not on absl's global
+FLAGS, so that a dispatcher (`diloco.main`) can import all of them beside its own `--workdir`
+and hand each its argv: `module.main(["diloco sample", "--workdir=runs/x", ...])`. `run`
+parses them and turns every bad input (a flag that does not parse, a ConfigError) into one
+line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from absl import app, flags, logging
+
+from diloco.errors import ConfigError
+
+
+def run(flag_values: flags.FlagValues, argv: list[str], body: Callable[[], None]) -> None:
+  """Parses `argv` (argv[0] is the program name) into `flag_values`, then calls `body`."""
+  prog = argv[0] if argv else "diloco"
+  if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+    print(f"usage: {prog} [flags]\n{flag_values.get_help()}")
+    return
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every read at INFO
+  flag_values.unparse_flags()  # a second call in one process starts from the defaults
+  try:
+    extra = flag_values(list(argv) if argv else [prog])
+  except flags.Error as e:
+    sys.exit(f"{prog}: error: {e}")
+  if len(extra) > 1:
+    sys.exit(f"{prog}: error: unexpected arguments {extra[1:]}")
+  try:
+    body()
+  except ConfigError as e:
+    sys.exit(f"{prog}: error: {e}")
+
+
+def at_least(value, low, flag: str) -> None:
+  """ConfigError naming `flag` unless value >= low."""
+  if value < low:
+    raise ConfigError(f"--{flag}: must be >= {low}, got {value}")
+
+
+def _own_flags(argv: list[str]) -> list[str]:
+  flags.FLAGS(argv[:1])  # absl's global flags stay at their defaults; main parses the rest
+  return argv
+
+
+def app_run(main: Callable[[list[str]], None]) -> None:
+  """`python -m diloco.<subcommand>`: absl's `app.run`, with the whole argv left to `main`."""
+  app.run(main, flags_parser=_own_flags)

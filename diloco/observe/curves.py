@@ -1,0 +1,99 @@
+"""A finished run's global evaluations read back from its own files, and their plot.
+
+`eval_curve` is what `diloco compare` and the experiments' reports draw: each evaluation's
+step, tokens (all learners together) and loss on three clocks: `time` (the runtime's own run
+clock, virtual seconds on the virtual clock), `wall` (real seconds since the run's first
+record: a data-parallel run's first step compiles on it) and `train_s` (real seconds since the
+run's first training step ended, so compilation and start-up are left out alike for every
+runtime; None where the run's metrics hold no training step, e.g. a multi-process run whose
+learners log elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import matplotlib
+
+from diloco.observe.accounting import read_jsonl
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def init_tokens(cfg: dict, base: str = "") -> int:
+  """Tokens already trained by the checkpoint a run starts from (`train.init_from` naming a
+  run's `checkpoints/STEP`, relative to `base`, default the current directory), so that a warm
+  start counts them; 0 otherwise."""
+  source = os.path.normpath(os.path.join(base or os.getcwd(), cfg["train"].get("init_from")
+                                         or "."))
+  head, step = os.path.split(source)
+  run_dir, kind = os.path.split(head)
+  config_path = os.path.join(run_dir, "config.json")
+  if kind != "checkpoints" or not step.isdigit() or not os.path.exists(config_path):
+    return 0
+  with open(config_path, encoding="utf-8") as f:
+    source_cfg = json.load(f)
+  return int(step) * source_cfg["train"]["batch_size"] * source_cfg["data"]["seq_len"] * max(
+      source_cfg["learners"]["count"], 1)
+
+
+def _first_train_t(records: list[dict]) -> float | None:
+  """Wall time of the run's first training-step record (its step had ended by then)."""
+  times = [r["t"] for r in records if any(k.startswith("train/") for k in r)]
+  return min(times) if times else None
+
+
+def eval_curve(workdir: str, base: str = "") -> list[dict]:
+  """(step, tokens, time, wall, train_s, eval_loss) of every global evaluation, in order.
+
+  Tokens count all learners together: the steps that ended by then in `activity.jsonl` (so
+  learners added or removed midway count), or, for a data-parallel run, which has none, the
+  step times the tokens per step; plus those of the checkpoint it started from (`init_tokens`,
+  `base` resolving a relative `train.init_from`)."""
+  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+    cfg = json.load(f)
+  per_step = cfg["train"]["batch_size"] * cfg["data"]["seq_len"] * max(
+      cfg["learners"]["count"], 1)
+  steps = sorted((r["end"], r.get("tokens", 0))
+                 for r in read_jsonl(os.path.join(workdir, "activity.jsonl"))
+                 if r["kind"] == "step")
+  records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  t0 = records[0]["t"] if records else 0.0
+  trained_from = _first_train_t(records)
+  start = init_tokens(cfg, base)
+  points = []
+  for r in records:
+    if "eval/loss" in r and r.get("role") in ("syncer", "dp", "train", None):
+      time = r.get("time", r["t"] - t0)
+      tokens = start + (sum(n for end, n in steps if end <= time + 1e-9) if steps
+                        else r["step"] * per_step)
+      train_s = None if trained_from is None else max(r["t"] - trained_from, 0.0)
+      points.append({"step": r["step"], "tokens": tokens, "time": time, "wall": r["t"] - t0,
+                     "train_s": train_s, "eval_loss": r["eval/loss"]})
+  return points
+
+
+def plot_curves(curves: dict[str, list[dict]], path: str, title: str, *,
+                time_key: str = "wall", time_label: str = "wall clock since the run's start (s)"
+                ) -> None:
+  """Eval loss against tokens (left) and against `time_key` (right), one line per run."""
+  fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+  for label, points in sorted(curves.items()):
+    if not points:
+      continue
+    by_tokens.plot([p["tokens"] for p in points], [p["eval_loss"] for p in points], "o-",
+                   label=label, ms=3)
+    by_time.plot([p[time_key] for p in points], [p["eval_loss"] for p in points], "o-",
+                 label=label, ms=3)
+  by_tokens.set_xlabel("tokens (all learners)")
+  by_time.set_xlabel(time_label)
+  for ax in (by_tokens, by_time):
+    ax.set_ylabel("global eval loss")
+    ax.grid(alpha=0.3)
+  by_tokens.legend(fontsize=7)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,116 @@
+"""The end-of-run report, one for both runtimes (`diloco.runtime.decoupled` and the launcher).
+
+A run ends the same way whichever runtime carried it: the accounting summary of its tape and
+activity records, joined with the figures only the runtime knows (`RunFigures`), goes to
+WORKDIR/accounting.json and to the syncer's TensorBoard run; loss.png and timeline.png are
+drawn; the fidelity line and a short table (`table`) are printed. The table rounds a few
+headline figures for a person; accounting.json keeps every figure unrounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+from diloco.observe import accounting
+from diloco.observe import metrics as metrics_lib
+from diloco.observe import timeline
+from diloco.observe import tracking
+
+ACCOUNTING_FILE = "accounting.json"
+EXPORT_DIR = "export"  # where the final global parameters go (diloco/train/export.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFigures:
+  """What a runtime knows at the end that its records do not say.
+
+  `eval_loss` / `initial_loss` are None or NaN when the run did not evaluate
+  (`train.eval_mode=off`); `eval_step` is the step of the final eval, where the summary goes
+  in TensorBoard. `restarts` counts the restarts of the run's learners and, in a launched
+  run, of its syncer and evaluator processes (`syncer_restarts` of them the syncer's).
+  `chaos_events` counts the fault schedule's events (`launch.chaos` of a
+  launched run, `learners.faults` of a single-controller one), `chaos_applied` those that
+  found a target.
+  """
+  eval_loss: float | None
+  initial_loss: float | None
+  eval_step: int
+  wall_s: float
+  restarts: int
+  syncer_restarts: int
+  chaos_events: int
+  chaos_applied: int
+
+  def as_summary(self) -> dict[str, float | None]:
+    return {"eval/loss": self.eval_loss, "eval/initial_loss": self.initial_loss,
+            "wall_s": float(self.wall_s), "restarts": float(self.restarts),
+            "syncer_restarts": float(self.syncer_restarts),
+            "chaos/events": float(self.chaos_events), "chaos/applied": float(self.chaos_applied)}
+
+
+# The run-level keys of accounting.json, beside the `accounting/*` ones: the same in every runtime.
+RUN_KEYS = tuple(RunFigures(None, None, 0, 0.0, 0, 0, 0, 0).as_summary())
+
+
+def finish(workdir: str, *, num_fragments: int, num_params: int, figures: RunFigures,
+           tape: Sequence[Mapping], activity: Sequence[Mapping],
+           writer: metrics_lib.MetricWriter, loss_title: str, timeline_title: str
+           ) -> dict[str, float | None]:
+  """Writes and prints the report of a finished run in `workdir`; returns its summary.
+
+  `tape` and `activity` are the run's records (the same ones as WORKDIR/tape.jsonl and
+  activity.jsonl, which the accounting reads); `writer` is the syncer's metric writer, still
+  open: the summary goes to its trackers at `figures.eval_step`.
+  """
+  print(accounting.fidelity_line(tape), flush=True)
+  summary: dict[str, float | None] = dict(accounting.summary(
+      workdir, num_fragments=num_fragments, num_params=num_params))
+  summary.update(figures.as_summary())
+  writer.track(figures.eval_step, {k: v for k, v in summary.items()
+                                   if not k.startswith("eval/")})
+  with open(os.path.join(workdir, ACCOUNTING_FILE), "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=2)
+  records = metrics_lib.read_metrics(os.path.join(workdir, metrics_lib.METRICS_FILE))
+  metrics_lib.plot_loss(records, os.path.join(workdir, "loss.png"), title=loss_title)
+  timeline.plot_timeline(tape, activity, os.path.join(workdir, "timeline.png"),
+                         title=timeline_title)
+  print(table(summary, workdir, figures.eval_step), flush=True)
+  return summary
+
+
+def _loss(value: float | None) -> str:
+  return "off" if value is None or not math.isfinite(value) else f"{value:.4f}"
+
+
+def table(summary: Mapping[str, float | None], workdir: str, eval_step: int) -> str:
+  """A few headline figures of `summary` (an accounting.json), rounded, and where the run's
+  outputs are."""
+  a = lambda key: summary.get("accounting/" + key) or 0.0  # noqa: E731
+  tb = os.path.join(workdir, tracking.TENSORBOARD_DIR)
+  export_dir = os.path.join(workdir, EXPORT_DIR)
+  rows = [
+      ("eval loss", f"{_loss(summary.get('eval/loss'))} at step {eval_step} "
+                    f"(initial {_loss(summary.get('eval/initial_loss'))})"),
+      ("tokens/s", f"{a('merged_tokens_per_s'):,.0f} merged ({a('merged_tokens'):,.0f} tokens "
+                   f"in {a('horizon_s'):,.1f} s of run clock; {summary.get('wall_s', 0.0):,.1f} "
+                   "s wall)"),
+      ("goodput", f"{a('goodput'):.2f} (uptime {a('uptime'):.2f})"),
+      ("learners/round", f"{a('mean_learners_per_round'):.2f} of "
+                         f"{a('mean_alive_per_round'):.2f} alive, {a('rounds'):.0f} rounds, "
+                         f"{a('rejected'):.0f} deliveries rejected"),
+      ("staleness", f"mean {a('staleness_mean'):.2f}, max {a('staleness_max'):.0f}"),
+      ("restarts", f"{summary.get('restarts', 0):.0f} ({summary.get('syncer_restarts', 0):.0f} "
+                   f"of them the syncer's); faults {summary.get('chaos/applied', 0):.0f} of "
+                   f"{summary.get('chaos/events', 0):.0f} applied"),
+      ("plots", f"{os.path.join(workdir, 'loss.png')}, {os.path.join(workdir, 'timeline.png')}"),
+      ("tensorboard", f"tensorboard --logdir {tb}" if os.path.isdir(tb) else "off"),
+      ("export", export_dir if os.path.isdir(export_dir) else "none"),
+  ]
+  width = max(len(name) for name, _ in rows)
+  return "\n".join([f"run summary (every figure, unrounded: "
+                    f"{os.path.join(workdir, ACCOUNTING_FILE)})"]
+                   + [f"  {name:<{width}}  {value}" for name, value in rows])

@@ -1,0 +1,44 @@
+"""Add model.safetensors and config.json to a run's export:
+`python -m diloco.to_safetensors --workdir=RUN`.
+
+The same tensors as the Orbax export under their "/"-joined names (e.g.
+"layers/0/attn/q_DNH"), and a config.json with the model's fields, the vocabulary size and
+the tokenizer file's name (copied into the export folder), so that a reader without JAX
+(`safetensors.numpy.load_file`, PyTorch) can load the model. `export.save(...,
+safetensors=True)` writes the same two files at the end of a run.
+
+Flags: --workdir (a run or an export folder).
+"""
+
+from __future__ import annotations
+
+
+from absl import flags
+
+from diloco import command
+from diloco.errors import ConfigError
+from diloco.train import export
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("workdir", None, "The run's workdir, or an export folder.", flag_values=FLAGS)
+
+
+def _convert() -> None:
+  if not FLAGS.workdir:
+    raise ConfigError("--workdir is required: a run's workdir or an export folder")
+  found = export.export_dir(FLAGS.workdir)
+  if found is None:
+    raise ConfigError(f"--workdir: {FLAGS.workdir!r} holds no export "
+                      f"({export.EXPORT_DIR}/{export.META_FILE})")
+  params, meta = export.load(found)
+  for path in export.write_safetensors(found, params, meta):
+    print(f"wrote {path}")
+
+
+def main(argv: list[str]) -> None:
+  """`argv[0]` is the program name; the rest are this command's flags (module docstring)."""
+  command.run(FLAGS, argv, _convert)
+
+
+if __name__ == "__main__":
+  command.app_run(main)

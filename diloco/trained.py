@@ -1,0 +1,129 @@
+"""A run's trained model, ready to use: parameters, model config and tokenizer in one place.
+
+`load(workdir)` reads the run's final export (WORKDIR/export, or an export folder itself);
+`load(workdir, step=N)` reads checkpoint N of the run instead (WORKDIR/run_checkpoints/N of a
+Decoupled DiLoCo run, else WORKDIR/checkpoints/N of a data-parallel one), with the model and
+tokenizer of WORKDIR/config.json. Used by `diloco.sample`, `diloco.evaluate` and
+`diloco.to_safetensors`; every failure is a one-line ConfigError naming the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from flax import nnx
+
+from diloco import fragments as fragments_lib
+from diloco.errors import ConfigError
+from diloco.model.config import ModelConfig
+from diloco.train import export, tokenizers
+
+
+@dataclasses.dataclass
+class Trained:
+  """What `load` returns. `params`: nested dict of NumPy arrays (int keys for layers)."""
+  model: nnx.Module
+  cfg: ModelConfig
+  params: dict
+  tokenizer: Any
+  tokenizer_spec: str
+  source: str
+  meta: dict  # export.json, or the run's config.json for a checkpoint
+
+
+def model_config(fields: dict, where: str) -> ModelConfig:
+  """The ModelConfig of saved fields, for inference: no remat, and an attention that every
+  backend has (the parameters do not depend on either)."""
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ConfigError(f"{where}: model field {unknown[0]!r} is unknown to this version of "
+                      "diloco")
+  cfg = ModelConfig(**fields)
+  impl = "auto" if cfg.attention_impl == "cudnn" else cfg.attention_impl
+  return dataclasses.replace(cfg, remat="none", attention_impl=impl)
+
+
+def _read_json(path: str, what: str) -> dict:
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ConfigError(f"{what}: cannot read {path} ({e})") from None
+
+
+def _no_export_message(workdir: str) -> str:
+  steps = export.checkpoint_steps(workdir)
+  if not steps:
+    return (f"--workdir: {workdir!r} holds no export ({export.EXPORT_DIR}/{export.META_FILE}) "
+            "and no checkpoint; is it a run's workdir, and did the run finish?")
+  listed = "; ".join(f"{sub}/ steps {s}" for sub, s in steps.items())
+  return (f"--workdir: {workdir!r} holds no export ({export.EXPORT_DIR}/{export.META_FILE}: "
+          f"the run has not finished); pass --step=N to use a checkpoint ({listed})")
+
+
+def _checkpoint_dir(workdir: str, step: int) -> str:
+  steps = export.checkpoint_steps(workdir)
+  for sub, found in steps.items():
+    if step in found:
+      return os.path.join(workdir, sub, str(step))
+  listed = "; ".join(f"{sub}/ steps {s}" for sub, s in steps.items()) or "none"
+  raise ConfigError(f"--step: {workdir!r} has no checkpoint {step} (checkpoints: {listed})")
+
+
+def _tokenizer_from_run(workdir: str, config: dict) -> str:
+  data = config.get("data", {})
+  if data.get("source") == "array_record":
+    shards = os.path.join(data.get("path", ""), "meta.json")
+    name = _read_json(shards, "--step").get("tokenizer_model")
+    return os.path.join(data["path"], name) if name else "byte"
+  spec = data.get("tokenizer", "byte")
+  if spec == "byte" or os.path.exists(spec):
+    return spec
+  beside = os.path.join(workdir, spec)
+  if os.path.exists(beside):
+    return beside
+  raise ConfigError(f"--step: the run's tokenizer {spec!r} (config.json data.tokenizer) does "
+                    "not exist from here; run from the directory the run ran in")
+
+
+def load(workdir: str, step: int | None = None) -> Trained:
+  """The model of the export in `workdir` (or of its checkpoint `step`), built on the host."""
+  if not workdir:
+    raise ConfigError("--workdir is required: a run's workdir or an export folder")
+  if not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir: {workdir!r} is not a directory")
+  workdir = os.path.abspath(workdir)
+  if step is None:
+    found = export.export_dir(workdir)
+    if found is None:
+      raise ConfigError(_no_export_message(workdir))
+    params, meta = export.load(found)
+    cfg = model_config(meta["model"], f"{found}/{export.META_FILE}")
+    spec = export.tokenizer_spec(found, meta)
+    source = f"export {found} (step {meta.get('step')})"
+  else:
+    if step < 0:
+      raise ConfigError(f"--step: must be >= 0, got {step}")
+    config_path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(config_path):
+      raise ConfigError(f"--step: {workdir!r} has no config.json (a checkpoint needs the run's "
+                        "model config)")
+    meta = _read_json(config_path, "--step")
+    cfg = model_config(meta["model"], config_path)
+    params, source = export.read_params(_checkpoint_dir(workdir, step), "--step")
+    spec = _tokenizer_from_run(workdir, meta)
+  return Trained(build(cfg, params, source), cfg, params, tokenizers.make(spec), spec, source,
+                 meta)
+
+
+def build(cfg: ModelConfig, params: dict, source: str) -> nnx.Module:
+  """The model of `cfg` holding `params` (shape-checked against the model's own)."""
+  from diloco.train import state  # pylint: disable=import-outside-toplevel
+  graphdef, abstract = state.abstract_params(cfg)
+  export.check_shapes(params, nnx.to_pure_dict(abstract), source, what="--workdir")
+  flat = fragments_lib.flatten_tree(params)
+  return nnx.merge(graphdef, fragments_lib.unflatten_tree(flat))
