@@ -86,9 +86,10 @@ def train(learner: Learner, cfg: Config, hooks: LoopHooks) -> bool:
   while learner.local_step < cfg.train.steps and not stop and not hooks.stopped():
     end, step_time = _step(learner, cfg, hooks, previous, step_time)
     stop = hooks.agree().stop
+    blocked = learner.sync_point()  # applies what is due (not a wait: the next step's time)
     waited_from = hooks.now()
-    if not stop:
-      stop = _sync(learner, cfg, hooks, waited_from, step_time)
+    if blocked and not stop:
+      stop = _wait(learner, cfg, hooks, blocked, waited_from, step_time)
     waited = hooks.now() - waited_from > _MIN_WAIT_S
     if waited:
       hooks.span("wait", waited_from, hooks.now(), local_step=learner.local_step)
@@ -122,12 +123,11 @@ def _step(learner: Learner, cfg: Config, hooks: LoopHooks, previous: float,
   return end, step_time
 
 
-def _sync(learner: Learner, cfg: Config, hooks: LoopHooks, waited_from: float,
-          step_time: float) -> bool:
-  """Applies what is due; waits for late rounds (heartbeating, so the syncer keeps counting
-  this learner) until they are published, the runtime stops it, or it gives up after
-  `sync.heartbeat_timeout_s`. Returns whether it was stopped meanwhile."""
-  blocked = learner.sync_point()
+def _wait(learner: Learner, cfg: Config, hooks: LoopHooks, blocked: list[int],
+          waited_from: float, step_time: float) -> bool:
+  """Waits for the late rounds of the `blocked` fragments (heartbeating, so the syncer keeps
+  counting this learner) until they are published and applied, the runtime stops it, or it
+  gives up after `sync.heartbeat_timeout_s`. Returns whether it was stopped meanwhile."""
   transport = learner.transport
   while blocked and not hooks.stopped():
     transport.heartbeat(Heartbeat(learner.id, learner.incarnation, learner.local_step,
@@ -150,14 +150,15 @@ def finished(learner: Learner, cfg: Config) -> bool:
   return learner.local_step >= cfg.train.steps
 
 
-def leave(learner: Learner, cfg: Config, on_purpose: bool) -> None:
+def leave(learner: Learner, cfg: Config, on_purpose: bool) -> list[int]:
   """Ends the learner's training: a learner that finished or retires on purpose delivers
-  every fragment now (`sync.final_sync`), so its last local steps reach the global
-  parameters, then every delivery is flushed to its transport. A failed learner only flushes
-  (the syncer times it out, as it would a crashed island)."""
-  if on_purpose and cfg.sync.final_sync:
-    learner.deliver_final()
+  every fragment with progress not yet delivered (`sync.final_sync`), so its last local steps
+  reach the global parameters, then every delivery is flushed to its transport. A failed
+  learner only flushes (the syncer times it out, as it would a crashed island). Returns the
+  fragments of the final deliveries."""
+  final = learner.deliver_final() if on_purpose and cfg.sync.final_sync else []
   learner.flush()
+  return final
 
 
 def align_with_peers(learner: Learner, peers: list[int], cfg: Config,
@@ -183,9 +184,12 @@ def align_with_peers(learner: Learner, peers: list[int], cfg: Config,
 
 
 def start_together(learner_id: int, ready: Callable[[], int], size: int, timeout_s: float,
-                   poll_s: float, abandoned: Callable[[], bool] = lambda: False) -> bool:
+                   wait: Callable[[float], object],
+                   abandoned: Callable[[], bool] = lambda: False) -> bool:
   """The gang start: waits until `ready()` counts all `size` initial learners (up to
-  `timeout_s`, or until `abandoned()`); returns whether they all came.
+  `timeout_s`, or until `abandoned()`); returns whether they all came. `wait(s)` sleeps up
+  to s seconds between checks (a poll of the store, or a condition a ready learner notifies,
+  so that every thread starts at the same instant).
 
   The initial learners take their first step together. Each delivers fragment p at the same
   local steps; started seconds apart (load and compile times differ, threads contend for the
@@ -200,7 +204,7 @@ def start_together(learner_id: int, ready: Callable[[], int], size: int, timeout
       logging.warning("learner %d: not every initial learner was ready within %.0f s; "
                       "starting", learner_id, timeout_s)
       return False
-    time.sleep(poll_s)
+    wait(max(min(deadline - time.monotonic(), 1.0), 0.0))
   return True
 
 

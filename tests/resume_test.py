@@ -163,12 +163,10 @@ class _Killed(Exception):
 def test_virtual_clock_resume_reaches_the_same_versions(tmp_path, monkeypatch):
   # Without grace and with K = 1, every delivery is a round of its own, so the versions count
   # deliveries: M learners x steps / H per fragment, if the resume loses and repeats none.
-  # (The final sync's rounds would add one version to the fragments not due at the last step;
-  # the count stays a closed form without them: tests/final_sync_test.py covers those.)
   m, steps, h = 2, 24, 8
   cfg = _config(learners__count=m, learners__virtual_clock=True, sync__gamma=0.0,
                 train__steps=steps, train__eval_every=0, checkpoint__every_rounds=10,
-                sync__final_sync=False)
+                sync__receipt="overwrite")
   workdir = str(tmp_path)
   save = run_checkpoint.RunCheckpointer.save
 
@@ -186,9 +184,13 @@ def test_virtual_clock_resume_reaches_the_same_versions(tmp_path, monkeypatch):
   saved = run_checkpoint.RunCheckpointer(workdir, cfg).load().meta
   assert 0 < saved["rounds"] < m * steps
   rt, summary = decoupled.run_with_runtime(cfg, workdir)
-  assert rt.syncer.versions == [m * steps // h] * cfg.sync.num_fragments
+  # The final sync (`sync.final_sync`) adds one round per fragment with progress left at step
+  # 24, merging both learners' final deliveries: all but fragment 0 (due at 24) and fragment 6
+  # (due at 22, overwritten by its merge at 22 + tau = 24).
+  finals = [0 if p in (0, 6) else 1 for p in range(cfg.sync.num_fragments)]
+  assert rt.syncer.versions == [m * steps // h + f for f in finals]
   tape = _jsonl(os.path.join(workdir, "tape.jsonl"))
-  assert [r["round"] for r in tape] == list(range(m * steps))
+  assert [r["round"] for r in tape] == list(range(m * steps + sum(finals)))
   resumed = {a["learner"] for r in tape[saved["rounds"]:] for a in r["admitted"]
              if a["incarnation"] == 1}
   assert resumed == {0, 1}  # both learners came back as incarnation 1

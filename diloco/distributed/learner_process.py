@@ -130,7 +130,9 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
     preempted = retired and cfg.store.on_sigterm == "restart"
     # A preempted learner comes back (its next incarnation resumes): only a finished or
     # retired one makes its final deliveries.
-    learner_loop.leave(learner, cfg, on_purpose=not preempted)
+    final = learner_loop.leave(learner, cfg, on_purpose=not preempted)
+    if not preempted:
+      _write_alive(link, learner, clock, final)
   finally:
     writer.close()
     activity_file.close()
@@ -153,6 +155,32 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
           "bytes_down": link.bytes_down, "wan_wait_s": round(link.wan_wait_s, 3),
           "send_wait_s": round(learner.send_wait_s, 3),
           "host": hosts.index, "hosts": hosts.count, "agreements": link.agreements}
+
+
+def _write_alive(link: hosts_lib.AgreedLink, learner: Learner, clock, final: list[int]
+                 ) -> None:
+  """Writes the final deliveries (of fragments `final`) to the store, heartbeating
+  meanwhile, and says which fragments they were (the log). The syncer admits a
+  delivery only from a learner it heard within `sync.heartbeat_timeout_s`; no step heartbeats
+  any more, so on a loaded host the last of several final entries could otherwise land after
+  the learner's last heartbeat had timed out, and be rejected as from a dead learner."""
+  written = threading.Event()
+
+  def flush() -> None:
+    try:
+      link.flush()
+    finally:
+      written.set()
+
+  writer = threading.Thread(target=flush, name="final-deliveries", daemon=True)
+  writer.start()
+  while True:
+    link.heartbeat(Heartbeat(learner.id, learner.incarnation, learner.local_step, 0.0, clock()))
+    if written.wait(0.5):
+      break
+  writer.join()
+  print(f"learner {learner.id} incarnation {learner.incarnation}: final deliveries of "
+        f"fragments {final} at local step {learner.local_step}", flush=True)
 
 
 def _metric_writer(cfg: Config, records: str, hosts: hosts_lib.HostGroup, learner: Learner):
@@ -214,7 +242,7 @@ def _start_together(cfg: Config, store: Store, learner_id: int, wait: bool) -> b
   initial = set(range(cfg.learners.count))
   return learner_loop.start_together(
       learner_id, lambda: len(store.ready_learners() & initial), cfg.learners.count,
-      cfg.store.join_timeout_s, cfg.store.poll_s)
+      cfg.store.join_timeout_s, wait=lambda s: time.sleep(min(s, cfg.store.poll_s)))
 
 
 class _ProcessHooks:

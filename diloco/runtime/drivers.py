@@ -253,7 +253,7 @@ class ThreadedDriver:
     self._cohort: set[int] = set()  # initial learners that have not reached the gang start
     self._gang_size = 0
     self._ready = 0  # initial learners that reached the gang start
-    self._ready_lock = threading.Lock()
+    self._gang = threading.Condition()  # notified as each initial learner gets ready
     self._eval: threading.Thread | None = None
     self.evals_skipped = 0
     self._ticks = 0  # the syncer thread's ticks, under the runtime's lock
@@ -268,7 +268,9 @@ class ThreadedDriver:
     except BaseException as e:  # surfaced by the main thread
       logging.exception("runtime thread failed")
       self._errors.append(e)
-      self.done.set()  # no learner waits at the gang start for a peer that will not come
+      self.done.set()
+      with self._gang:  # no learner waits at the gang start for a peer that will not come
+        self._gang.notify_all()
 
   def _syncer_loop(self) -> None:
     deadline = None
@@ -330,12 +332,18 @@ class ThreadedDriver:
     as the learner processes do). A rejoining learner does not wait."""
     if slot.index not in self._cohort:
       return
-    with self._ready_lock:
+    with self._gang:
       self._cohort.discard(slot.index)
       self._ready += 1
+      self._gang.notify_all()
+
+    def wait(seconds: float) -> None:
+      with self._gang:
+        self._gang.wait_for(lambda: self._ready >= self._gang_size or self.done.is_set(),
+                            seconds)
+
     learner_loop.start_together(slot.index, lambda: self._ready, self._gang_size,
-                                self.cfg.store.join_timeout_s, poll_s=0.005,
-                                abandoned=self.done.is_set)
+                                self.cfg.store.join_timeout_s, wait, abandoned=self.done.is_set)
 
   def _start(self, slot: Slot) -> None:
     stop = threading.Event()
