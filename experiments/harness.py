@@ -33,7 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Written by `run_all` next to a finished run: its wall time as the harness measured it.
 HARNESS_FILE = "harness.json"
 # Accounting figures copied into every row (without the "accounting/" prefix).
-ACCOUNTING_KEYS = ("goodput", "uptime", "mean_learners_per_round", "median_grace_s",
+ACCOUNTING_KEYS = ("goodput", "compute_goodput", "step_device_s", "dropped_step_device_s",
+                   "rejected_step_device_s", "uptime", "mean_learners_per_round", "median_grace_s",
                    "staleness_mean", "wait_fraction", "bytes_up", "bytes_down", "rounds",
                    "horizon_s", "round_bytes_up_peak", "round_bytes_down_peak")
 

@@ -12,7 +12,12 @@ from experiments.scavenging import config as scav_config, run as scav_run
 
 def test_heterogeneous_runs_cover_every_policy_and_outer_setting_at_equal_tokens():
   runs = hetero_config.runs(seeds=(0, 1))
-  assert len(runs) == 2 * 3 * 2 and len({r.name for r in runs}) == len(runs)
+  # 3 policies x 2 outer settings with overwrite, x the design's outer with keep_local.
+  assert len(runs) == 2 * 3 * (2 + 1) and len({r.name for r in runs}) == len(runs)
+  receipts = [dict(r.overrides)["sync.receipt"] for r in runs]
+  assert receipts.count("keep_local") == 2 * 3 and receipts.count("overwrite") == 2 * 3 * 2
+  assert all(r.method.endswith("keep_local") == (dict(r.overrides)["sync.receipt"]
+                                                 == "keep_local") for r in runs)
   policies = {(dict(r.overrides)["sync.quorum"], dict(r.overrides)["sync.gamma"]) for r in runs}
   assert policies == {(0, 0.0), (1, 0.0), (1, 0.8)}
   for r in runs:
@@ -74,9 +79,11 @@ def test_heterogeneous_pipeline_writes_goodput_plot(tmp_path):
   results = harness.report("heterogeneous", runs, outdir, folder,
                            columns=hetero_config.COLUMNS, wall_s=wall,
                            sections=hetero_run.sections(folder), command="x")
-  assert len(results["rows"]) == 2
+  assert len(results["rows"]) == 4  # K = 1 with and without grace, overwrite and keep_local
   for row in results["rows"]:
-    assert 0 < row["goodput"] <= 1 and row["horizon_s"] > 16
+    assert 0 < row["goodput"] <= row["compute_goodput"] <= 1 and row["horizon_s"] > 16
+    # Overwrite drops the tau steps before each receipt; keep_local drops nothing.
+    assert (row["dropped_fraction"] > 1e-6) == (not row["method"].endswith("keep_local"))
   readme = open(os.path.join(folder, "README.md")).read()
   assert "## Goodput over seeds" in readme
   assert os.path.getsize(os.path.join(folder, "goodput_vs_loss.png")) > 10_000

@@ -14,6 +14,12 @@ averaging (lr 1, no momentum; see the parity experiment), two seeds:
 - K = 1 + grace: the design default (gamma = 0.8): after quorum a round keeps admitting
   deliveries while tau leaves slack.
 
+Each policy also runs with the keep_local receipt (the design's outer optimiser): the columns
+`compute_goodput` (the paper's goodput: time spent computing), `goodput` (ours: work that
+reached G), `dropped_fraction` (step time never delivered: overwritten on receipt) and
+`rejected_fraction` (delivered, but only in rejected, e.g. stale, deliveries) show where the
+trained work goes.
+
 Expected outcome (docs/design.md 5): K = M wastes the fast learners' time (lowest goodput,
 longest run); K = 1 keeps them busy but merges about one learner per round and loses
 quality; K = 1 with the grace window keeps both goodput and quality.
@@ -30,17 +36,24 @@ SETTING = (("learners.virtual_clock", True), ("learners.speeds", "1,1,1.18,1.18"
 POLICIES = (("K=M", 0, 0.0), ("K=1", 1, 0.0), ("K=1 + grace", 1, 0.8))
 # The design's outer optimiser and plain averaging (outer lr 1, no momentum).
 OUTERS = (("outer 0.7/0.9", (0.7, 0.9)), ("outer 1.0/0.0", (1.0, 0.0)))
-COLUMNS = ("method", "seed", "tokens", "eval_loss", "goodput", "horizon_s",
-           "mean_learners_per_round", "median_grace_s", "staleness_mean", "wait_fraction",
-           "bytes_down")
+# Receipt modes (docs/design.md 2.3): every policy and outer setting with the paper's
+# overwrite; keep_local (the preset's default since the parity sweep) with the design's outer
+# optimiser, to show where overwrite's unmerged work goes and what keeping it changes.
+RECEIPTS = ("overwrite", "keep_local")
+COLUMNS = ("method", "seed", "tokens", "eval_loss", "goodput", "compute_goodput",
+           "dropped_fraction", "rejected_fraction", "horizon_s", "mean_learners_per_round",
+           "median_grace_s", "staleness_mean", "wait_fraction", "bytes_down")
 
 
 def runs(seeds=SEEDS, steps: int = STEPS) -> list[Run]:
   out = []  # seed-major, so that an interrupted experiment still compares every method
   for seed in seeds:
-    for outer, (lr, momentum) in OUTERS:
-      for policy, quorum, gamma in POLICIES:
-        out.append(Run(f"{policy}, {outer}", CONFIG, seed, SETTING + (
-            ("sync.quorum", quorum), ("sync.gamma", gamma), ("outer.learning_rate", lr),
-            ("outer.momentum", momentum), ("train.steps", steps))))
+    for receipt in RECEIPTS:
+      for outer, (lr, momentum) in OUTERS[:1] if receipt != "overwrite" else OUTERS:
+        for policy, quorum, gamma in POLICIES:
+          label = f"{policy}, {outer}" + ("" if receipt == "overwrite" else f", {receipt}")
+          out.append(Run(label, CONFIG, seed, SETTING + (
+              ("sync.quorum", quorum), ("sync.gamma", gamma), ("outer.learning_rate", lr),
+              ("outer.momentum", momentum), ("sync.receipt", receipt),
+              ("train.steps", steps))))
   return out

@@ -11,9 +11,14 @@ import json
 import os
 from collections.abc import Sequence
 
+import matplotlib
+
 from experiments import harness
 from experiments.sweep import collect, config
 from experiments.sweep.grid import Point
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = dict(zip(config.METHODS, ("#555555", "#1f77b4", "#2ca02c", "#d62728")))
 RENDERED_COLUMNS = ("size", "method", "M", "K", "H", "P", "params", "tpu_type", "launch")
@@ -53,7 +58,7 @@ def summary_table(rows: Sequence[dict]) -> str:
 def plot_points(rows: Sequence[dict], path: str) -> None:
   """Final eval loss of every point run, one panel per size, bars coloured by method."""
   sizes = list(dict.fromkeys(r["size"] for r in rows))
-  fig, axes = harness.plt.subplots(1, max(len(sizes), 1), squeeze=False,
+  fig, axes = plt.subplots(1, max(len(sizes), 1), squeeze=False,
                                    figsize=(5.5 * max(len(sizes), 1), 1.2 + 0.32 * max(
                                        [sum(r["size"] == s for r in rows) for s in sizes] or [1])))
   for ax, size in zip(axes[0], sizes):
@@ -71,11 +76,11 @@ def plot_points(rows: Sequence[dict], path: str) -> None:
     ax.set_title(f"{size}: {group[0]['tokens']:,} tokens per run")
     ax.grid(axis="x", alpha=0.3)
   methods = list(dict.fromkeys(r["method"] for r in rows))
-  fig.legend([harness.plt.Rectangle((0, 0), 1, 1, color=COLORS[m]) for m in methods], methods,
+  fig.legend([plt.Rectangle((0, 0), 1, 1, color=COLORS[m]) for m in methods], methods,
              loc="upper center", ncol=len(methods), fontsize=7, frameon=False)
   fig.tight_layout(rect=(0, 0, 1, 0.92))
   fig.savefig(path, dpi=120)
-  harness.plt.close(fig)
+  plt.close(fig)
 
 
 def report(points: Sequence[Point], runs: Sequence[harness.Run], rendered: Sequence[dict],
