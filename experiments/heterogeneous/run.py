@@ -1,6 +1,6 @@
 """Runs the `heterogeneous` experiment and regenerates its results.json, plots and README.md.
 
-    python -m experiments.heterogeneous.run [--seeds=3] [--steps=128]
+    python -m experiments.heterogeneous.run [--seeds=3] [--steps=128] [--jobs=2]
 
 See `config.py` for the setting and the expected outcome.
 """
@@ -58,7 +58,7 @@ def main(argv):
   del argv
   FLAGS = flags.FLAGS
   runs = config.runs(range(FLAGS.seeds), FLAGS.steps)
-  wall = 0.0 if FLAGS.report_only else harness.run_all(runs, FLAGS.outdir)
+  wall = 0.0 if FLAGS.report_only else harness.run_all(runs, FLAGS.outdir, jobs=FLAGS.jobs)
   os.makedirs(FLAGS.results_dir, exist_ok=True)
   results = harness.report(config.NAME, runs, FLAGS.outdir, FLAGS.results_dir,
                            columns=config.COLUMNS, wall_s=wall,
@@ -72,7 +72,7 @@ def main(argv):
 def define_flags():
   """The command line (defined only when run as a script, so tests can import this)."""
   harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)),
-                       seeds=len(config.SEEDS), steps=config.STEPS)
+                       seeds=len(config.SEEDS), steps=config.STEPS, jobs=1)
 
 
 if __name__ == "__main__":
