@@ -137,10 +137,14 @@ def test_fault_schedules_parse_and_bad_events_name_the_field():
   from diloco.distributed import chaos
   from diloco.runtime import faults
   assert [(f.at, f.kind, f.learner, f.duration) for f in faults.parse(
-      " add@40; down:1@30+20;remove:2@60 ")] == [
-          (30.0, "down", 1, 20.0), (40.0, "add", -1, 0.0), (60.0, "remove", 2, 0.0)]
+      " add@40; down:1@30+20;retire:2@60 ")] == [
+          (30.0, "down", 1, 20.0), (40.0, "add", -1, 0.0), (60.0, "retire", 2, 0.0)]
   with pytest.raises(ConfigError, match=r"learners.faults: cannot parse 'down:1@30'; expected"):
     faults.parse("add@4;down:1@30")
+  # One verb for a planned retirement in both grammars: "retire".
+  with pytest.raises(ConfigError, match=r"cannot parse 'remove:2@60'; expected .*retire:M@T"):
+    faults.parse("remove:2@60")
+  assert [str(e) for e in chaos.parse("retire:1@5")] == ["retire:1@5"]
   assert [str(e) for e in chaos.parse("stop:*@3+2;kill:0@1")] == ["kill:0@1", "stop:*@3+2"]
   with pytest.raises(ConfigError, match=r"launch.chaos: cannot parse 'explode@3'; expected"):
     chaos.parse("kill:0@1;explode@3")

@@ -27,7 +27,7 @@ def test_heterogeneous_runs_cover_every_policy_and_outer_setting_at_equal_tokens
 
 
 def test_scavenging_schedule_adds_two_learners_and_retires_them():
-  assert scav_config.faults(24, 88) == "add@24;add@24;remove:2@88;remove:3@88"
+  assert scav_config.faults(24, 88) == "add@24;add@24;retire:2@88;retire:3@88"
   runs = scav_config.runs(seeds=(0,))
   assert [r.method for r in runs] == ["fixed M=2", "scavenging", "fixed M=4",
                                       "scavenging, cohort schedule"]

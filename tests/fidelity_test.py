@@ -106,7 +106,7 @@ def test_retired_learner_leaves_and_k_equals_m_rounds_do_not_stall(tmp_path):
   timeout): the rounds right after it go on with the others and nobody waits for it."""
   cfg = _config(learners__count=2, learners__virtual_clock=True, sync__quorum=2,
                 sync__gamma=0.0, sync__heartbeat_timeout_s=1000.0, train__steps=40,
-                learners__faults="remove:1@12")
+                learners__faults="retire:1@12")
   rt, summary = decoupled.run_with_runtime(cfg, str(tmp_path))
   tape = _tape(str(tmp_path))
   # (Rounds with nobody alive are the final sync's, after learner 0 finished too.)

@@ -72,7 +72,7 @@ def test_without_final_sync_the_steps_after_a_fragments_last_slot_are_lost(tmp_p
 def test_a_retired_learner_delivers_every_fragment_at_its_retirement_step(tmp_path):
   """(keep_local: it holds progress on every fragment when it retires.)"""
   rt, _, tape = _run(tmp_path, learners__virtual_clock=True, sync__receipt="keep_local",
-                     learners__faults="remove:1@10.5")
+                     learners__faults="retire:1@10.5")
   assert [s.status for s in rt.slots] == ["done", "retired"]
   retired_at = rt.slots[1].resume.local_step
   assert 0 < retired_at < STEPS
@@ -93,7 +93,7 @@ def test_threaded_run_merges_every_learners_final_deliveries(tmp_path):
   steps = 48
   rt, summary, tape = _run(tmp_path, learners__count=3, learners__devices="2,2,2",
                            train__steps=steps, learners__min_step_s=0.2,
-                           learners__faults="remove:2@6.0", sync__receipt="keep_local")
+                           learners__faults="retire:2@6.0", sync__receipt="keep_local")
   assert [s.status for s in rt.slots] == ["done", "done", "retired"]
   for p, r in _last_rounds(tape, rt.plan.num_fragments).items():
     assert {(0, steps), (1, steps)} <= _admitted(r), (p, r["admitted"])

@@ -193,7 +193,7 @@ class VirtualDriver:
       return
     if fault.kind != "nan":
       self._waiting.pop(slot.index, None)
-    if fault.kind == "remove":
+    if fault.kind == "retire":
       self._leave(slot, "retired")
       return
     if fault.kind == "nan":
@@ -436,7 +436,7 @@ class ThreadedDriver:
       logging.warning("fault %s: learner %d is %s; ignored", fault.kind, slot.index, slot.status)
       self.faults_ignored += 1
       return
-    if fault.kind == "remove":
+    if fault.kind == "retire":
       self._stop(slot, "retired")
       return
     if fault.kind == "nan":

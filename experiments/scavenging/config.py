@@ -7,7 +7,7 @@ Command (about 10 minutes on a 2-core CPU):
 Setting: `configs/decoupled.py:tiny` on the virtual clock (1 virtual second per step), 128
 inner steps per learner, evaluated every 8 virtual seconds. "fixed M=2": two learners for
 the whole run. "scavenging": the same two, plus two learners that join at t = 24 s on spare
-device groups and retire at t = 88 s (`learners.faults`: add@24;add@24;remove:2@88;remove:3@88),
+device groups and retire at t = 88 s (`learners.faults`: add@24;add@24;retire:2@88;retire:3@88),
 as idle capacity would come and go. "fixed M=4" is the run with that capacity throughout.
 "scavenging, cohort schedule" is the scavenging run with `learners.join_schedule=cohort`: the
 added learners start at their peers' step, so at their learning rate, instead of a warmup and
@@ -35,7 +35,7 @@ COLUMNS = ("method", "seed", "tokens", "eval_loss", "time_to_target_s", "speedup
 
 
 def faults(add_at: float = ADD_AT, remove_at: float = REMOVE_AT) -> str:
-  return f"add@{add_at:g};add@{add_at:g};remove:2@{remove_at:g};remove:3@{remove_at:g}"
+  return f"add@{add_at:g};add@{add_at:g};retire:2@{remove_at:g};retire:3@{remove_at:g}"
 
 
 def runs(seeds=SEEDS, steps: int = STEPS) -> list[Run]:
