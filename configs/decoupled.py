@@ -1,5 +1,4 @@
-"""Decoupled DiLoCo with the design defaults: P = H = 24, tau = 2, K = 1, grace gamma = 0.8,
-receipt keep_local.
+"""Decoupled DiLoCo with the design defaults: P = H = 24, tau = 2, K = 1, grace gamma = 0.8.
 
 Run (4 learners x 2 emulated CPU devices, small model, about 10 minutes on 2 cores):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
@@ -29,11 +28,8 @@ def get_config(preset: str = "cpu"):
   # (about every 8 steps of 4 learners at P = H), and resumes from them when rerun.
   cfg.checkpoint.every_steps = 0
   cfg.checkpoint.every_rounds = 32
-  # Receipt keep_local: the merged fragment plus the steps made since its delivery. In the
-  # compute-optimal parity sweep (experiments/scaling, docs/design.md 5.1) it throws no work
-  # away (goodput 1.00 against 0.93 for overwrite) at a quality the sweep cannot tell apart
-  # from overwrite's; the outer lr / momentum stay at 0.7 / 0.9.
-  cfg.sync.receipt = "keep_local"
+  # Receipt: the paper's overwrite (config default). keep_local throws no work away but, with
+  # learners of unequal speed under K = 1, trained far worse (docs/design.md 5.1).
   if preset == "tiny":
     cfg.data.seq_len = 64
     cfg.train.batch_size = 8

@@ -41,8 +41,8 @@ OUTERS = (("outer 0.7/0.9", (0.7, 0.9)), ("outer 1.0/0.0", (1.0, 0.0)))
 # optimiser, to show where overwrite's unmerged work goes and what keeping it changes.
 RECEIPTS = ("overwrite", "keep_local")
 COLUMNS = ("method", "seed", "tokens", "eval_loss", "goodput", "compute_goodput",
-           "dropped_fraction", "rejected_fraction", "horizon_s", "mean_learners_per_round",
-           "median_grace_s", "staleness_mean", "wait_fraction", "bytes_down")
+           "horizon_s", "mean_learners_per_round", "median_grace_s", "staleness_mean",
+           "wait_fraction", "bytes_down")
 
 
 def runs(seeds=SEEDS, steps: int = STEPS) -> list[Run]:

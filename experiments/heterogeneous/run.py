@@ -44,12 +44,17 @@ def sections(folder: str):
     means = harness.summarise(rows, "goodput")
     paper = {m["method"]: m for m in harness.summarise(rows, "compute_goodput")}
     dropped = {m["method"]: m for m in harness.summarise(rows, "dropped_fraction")}
+    rejected = {m["method"]: m for m in harness.summarise(rows, "rejected_fraction")}
     for m in means:
       m["compute_goodput_mean"] = paper[m["method"]]["compute_goodput_mean"]
       m["dropped_fraction_mean"] = dropped[m["method"]]["dropped_fraction_mean"]
+      m["rejected_fraction_mean"] = rejected[m["method"]]["rejected_fraction_mean"]
     return ["## Goodput over seeds (ours: work that reached G; the paper's: time computing)", "",
+            "`dropped`: the share of step time whose progress no delivery carried (overwritten "
+            "on receipt); `rejected`: carried only by rejected (e.g. stale) deliveries.", "",
             harness.table(means, ("method", "goodput_mean", "goodput_spread",
-                                  "compute_goodput_mean", "dropped_fraction_mean", "seeds")),
+                                  "compute_goodput_mean", "dropped_fraction_mean",
+                                  "rejected_fraction_mean", "seeds")),
             "", "![goodput against eval loss](goodput_vs_loss.png)", ""]
   return write
 
