@@ -46,3 +46,10 @@ def test_bad_inputs_name_the_field(field, bad):
   args[field] = bad
   with pytest.raises(ValueError, match=field):
     shards.plan(**args)
+
+
+def test_importing_the_planner_defines_no_flags():
+  # Its flags exist only when it runs as a command, so tests and tools can import it beside
+  # other commands (diloco.sim.bandwidth defines --params too).
+  from absl import flags
+  assert "merge_gbytes_s" not in flags.FLAGS

@@ -64,17 +64,19 @@ def plan(*, params: float, learners: int, fragments: int, H: int, step_time: flo
   return ShardPlan(up, down, shards, up / shards, down / shards, limited_by)
 
 
-flags.DEFINE_float("params", 9e9, "Model parameters N.")
-flags.DEFINE_integer("learners", 8, "M learners.")
-flags.DEFINE_integer("fragments", 24, "P fragments (at most this many shards can share them).")
-flags.DEFINE_integer("H", 24, "Inner steps between syncs of one fragment.")
-flags.DEFINE_float("step_time", 2.0, "Seconds per inner step.")
-flags.DEFINE_integer("bits", 32, "Bits per delivered value (32 fp32, 16 bf16, 8/4 quantised).")
-flags.DEFINE_integer("down_bits", 32, "Bits per value of a published merged fragment.")
-flags.DEFINE_integer("block", 32, "Values per quantisation block (one fp32 scale each).")
-flags.DEFINE_float("net_gbps", 100.0, "Network of one syncer host, Gbit/s per direction.")
-flags.DEFINE_float("merge_gbytes_s", 5.0, "Payload one syncer host merges, GB/s.")
-flags.DEFINE_bool("json", False, "Print one JSON line last.")
+def define_flags() -> None:
+  """The command line (defined only when run as a script: importing defines no flags)."""
+  flags.DEFINE_float("params", 9e9, "Model parameters N.")
+  flags.DEFINE_integer("learners", 8, "M learners.")
+  flags.DEFINE_integer("fragments", 24, "P fragments (at most this many shards can share them).")
+  flags.DEFINE_integer("H", 24, "Inner steps between syncs of one fragment.")
+  flags.DEFINE_float("step_time", 2.0, "Seconds per inner step.")
+  flags.DEFINE_integer("bits", 32, "Bits per delivered value (32 fp32, 16 bf16, 8/4 quantised).")
+  flags.DEFINE_integer("down_bits", 32, "Bits per value of a published merged fragment.")
+  flags.DEFINE_integer("block", 32, "Values per quantisation block (one fp32 scale each).")
+  flags.DEFINE_float("net_gbps", 100.0, "Network of one syncer host, Gbit/s per direction.")
+  flags.DEFINE_float("merge_gbytes_s", 5.0, "Payload one syncer host merges, GB/s.")
+  flags.DEFINE_bool("json", False, "Print one JSON line last.")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -93,4 +95,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
