@@ -68,11 +68,15 @@ def _flat(grads):
   return {k: np.asarray(v) for k, v in fragments_lib.flatten_tree(grads).items()}
 
 
-def _assert_same_grads(got, want, rtol, atol):
+def _assert_same_grads(got, want, rtol):
+  """Equal up to float32 reassociation: a rematerialised or scanned program sums in another
+  order, so an element's error scales with its tensor's largest value, not with its own (a
+  near-zero element of a large tensor may differ by 1e-3 of itself; seen on jax 0.12)."""
   got, want = _flat(got), _flat(want)
   assert got.keys() == want.keys()
   for k in want:
-    np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol, err_msg=k)
+    scale = float(np.max(np.abs(want[k])))
+    np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=rtol * scale, err_msg=k)
 
 
 @pytest.mark.parametrize("preset, scan, remat", [
@@ -85,7 +89,7 @@ def test_scan_and_remat_give_the_loop_loss_and_grads(preset, scan, remat):
   assert ("scan[" in jaxpr) == scan and "scan[" not in jaxpr0
   assert ("checkpoint[" in jaxpr or "remat" in jaxpr) == (remat != "none")
   np.testing.assert_allclose(loss, loss0, rtol=1e-6)
-  _assert_same_grads(grads, grads0, rtol=1e-5, atol=1e-7)
+  _assert_same_grads(grads, grads0, rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -97,7 +101,7 @@ def test_scan_handles_a_pattern_longer_than_two_and_a_remainder():
   loss, _, grads, jaxpr = _loss_and_grads(dataclasses.replace(cfg, scan_layers=True), tokens)
   assert "scan[" in jaxpr
   np.testing.assert_allclose(loss, loss0, rtol=1e-6)
-  _assert_same_grads(grads, grads0, rtol=1e-5, atol=1e-7)
+  _assert_same_grads(grads, grads0, rtol=1e-5)
 
 
 def _packed_positions(batch, length):
@@ -116,7 +120,7 @@ def test_fused_attention_matches_reference(kv_heads, packed):
   assert jaxpr != jaxpr0  # a different program computes the same function
   np.testing.assert_allclose(np.asarray(logits), np.asarray(logits0), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(loss, loss0, rtol=1e-6)
-  _assert_same_grads(grads, grads0, rtol=1e-4, atol=1e-6)
+  _assert_same_grads(grads, grads0, rtol=1e-4)
 
 
 def test_fused_local_window_is_the_reference_window():
