@@ -224,6 +224,13 @@ class SyncConfig:
   # before its next delivery waits for the oldest: bounds the host and device memory a slow
   # link can pin. The wait is recorded as "wait" activity (not useful time).
   send_queue: int = setting(8, AT_LEAST_ONE)
+  # S: the syncer is split into this many shards, each owning a byte-balanced subset of the
+  # fragments with its own G, momentum, rounds, lease, store folder and tape
+  # (docs/design.md 3.1, `diloco/syncer_shards.py`). 1 = one syncer.
+  shards: int = setting(1, AT_LEAST_ONE)
+  # Which shard a syncer process is (`--role=syncer --config.sync.shard=s`); learners and the
+  # single-controller runtime ignore it.
+  shard: int = setting(0, NON_NEGATIVE)
 
   def check(self) -> None:
     """The rules that relate the sync fields (a field's own rule is declared beside it)."""
@@ -233,6 +240,11 @@ class SyncConfig:
             f"must be greater than sync.tau={self.tau} (docs/design.md 2.3), got {self.period}")
     require(self.receipt == "mix" or self.mixing_alpha == 0, "sync.mixing_alpha",
             f"only applies with sync.receipt='mix', got receipt={self.receipt!r}")
+    # Each shard owns at least one fragment (the plan may hold fewer than P: `fragments.py`).
+    require(self.shards <= self.num_fragments, "sync.shards",
+            f"must be at most sync.num_fragments={self.num_fragments}, got {self.shards}")
+    require(self.shard < self.shards, "sync.shard",
+            f"must be below sync.shards={self.shards}, got {self.shard}")
 
 
 @_frozen

@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,14 +62,18 @@ class Syncer:
   def __init__(self, global_params: dict[str, np.ndarray], plan: fragments_lib.FragmentPlan,
                sync: SyncConfig, outer_cfg: OuterConfig, *, sync_delay_s: float | None = None,
                on_round: Callable[[dict], None] | None = None,
-               limits: intake.Limits | None = None):
+               limits: intake.Limits | None = None, owned: Sequence[int] | None = None):
     """`global_params` maps paths to arrays; `sync_delay_s` fixes the (virtual) sync time;
-    `limits` what an honest delivery can hold (`intake.check_earned`)."""
+    `limits` what an honest delivery can hold (`intake.check_earned`); `owned` the fragments
+    this syncer shard holds and merges (`syncer_shards.py`; None: all of them)."""
     self.plan = plan
+    self.owned = (tuple(range(plan.num_fragments)) if owned is None
+                  else tuple(sorted(set(owned))))
+    own_paths = [k for p in self.owned for k in plan.fragments[p]]
     self.limits = limits or intake.Limits()
     # Delivery identities G holds, and incarnations that left (exactly once, durably).
     self.ledger = ledger_lib.DeliveryLedger()
-    self.params = {k: np.array(v, np.float32, order="C") for k, v in global_params.items()}
+    self.params = {k: np.array(global_params[k], np.float32, order="C") for k in own_paths}
     self.momentum = {k: np.zeros_like(v) for k, v in self.params.items()}
     # Holds an RDA direction between merge passes; kept across rounds to spare page faults.
     self._merge_workspace = np.empty(max((v.size for v in self.params.values()), default=0),
@@ -94,11 +98,11 @@ class Syncer:
     # bounded, since the single-controller runtime never takes them).
     self._faults: collections.deque = collections.deque(maxlen=4096)
     # Per fragment, the norms of G and the momentum (the overflow bound of the next merge).
-    self._norms = [self._measure(p) for p in range(plan.num_fragments)]
+    self._norms = {p: self._measure(p) for p in self.owned}
     self._keep_history = (outer_cfg.anchor == "base" or outer_cfg.quantize_bits > 0
                           or outer_cfg.stale == "rebase")
     self._history: dict[int, dict[int, dict[str, np.ndarray]]] = {
-        p: {0: self.fragment_values(p)} for p in range(plan.num_fragments)
+        p: {0: self.fragment_values(p)} for p in self.owned
     } if self._keep_history else {}
     self._sync_delay = sync_delay_s
     self._shapes = {k: v.shape for k, v in self.params.items()}
@@ -124,10 +128,9 @@ class Syncer:
     return {path: self.params[path].copy() for path in self.plan.fragments[p]}
 
   def initial(self, now: float) -> list[Merged]:
-    """The current version of every fragment (0, or a restored one), to publish before any
-    learner starts."""
-    return [Merged(p, self.versions[p], self.fragment_values(p), now)
-            for p in range(self.plan.num_fragments)]
+    """The current version of every owned fragment (0, or a restored one), to publish before
+    any learner starts."""
+    return [Merged(p, self.versions[p], self.fragment_values(p), now) for p in self.owned]
 
   # Ingestion.
   def _heartbeat(self, beat: Heartbeat, now: float = math.inf) -> None:
@@ -216,8 +219,11 @@ class Syncer:
 
   def _admit(self, payload: Payload, now: float) -> None:
     p = payload.fragment
-    problem = (intake.check_payload(payload, self.plan.fragments, self._shapes)
-               or intake.check_earned(payload, self.limits))
+    if intake.is_count(p, 0) and p < self.plan.num_fragments and p not in self._norms:
+      problem = intake.REJECT_WRONG_SHARD
+    else:
+      problem = (intake.check_payload(payload, self.plan.fragments, self._shapes)
+                 or intake.check_earned(payload, self.limits))
     if problem:
       self._reject(payload, problem, now)
       self._faults.append((payload.fragment, payload.learner, payload.incarnation,
@@ -499,11 +505,15 @@ class Syncer:
     include rounds closed in the same tick that never became durable).
     """
     for p, (version, params, momentum) in fragments.items():
+      if p not in self._norms:
+        continue  # another shard's fragment
       self.versions[p] = version
       self.params.update({k: np.array(v, np.float32, order="C") for k, v in params.items()})
       self.momentum.update({k: np.array(v, np.float32, order="C") for k, v in momentum.items()})
     if self._keep_history:
       for p, versions in history.items():
+        if p not in self._norms:
+          continue
         self._history[p] = {v: {k: np.array(x, np.float32) for k, x in t.items()}
                             for v, t in versions.items()}
     self.rounds = rounds
@@ -517,7 +527,7 @@ class Syncer:
     self._sync_ema = policy.Ema(decay, state.get("sync_ema"))
     self._lead_ema = policy.Ema(decay, state.get("lead_ema"))
     self.rejections = collections.Counter(state.get("rejections", {}))
-    self._norms = [self._measure(p) for p in range(self.plan.num_fragments)]
+    self._norms = {p: self._measure(p) for p in self.owned}
     self.last_quorum = int(state.get("last_quorum", 0))
     self.last_grace = float(state.get("last_grace", 0.0))
 
