@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 
 # name: (module, what it does). Training is the default subcommand.
@@ -38,12 +39,21 @@ def help_text() -> str:
   return "\n".join(lines)
 
 
+def _show(text: str) -> None:
+  """Prints help text; a reader that stops early (`diloco --help | head`) is not an error."""
+  try:
+    print(text, flush=True)
+  except BrokenPipeError:
+    # Python would report the pipe again when it flushes stdout at exit: point it at devnull.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> None:
   """Dispatches `argv` (default `sys.argv`) to its subcommand."""
   argv = list(sys.argv if argv is None else argv)
   args = argv[1:]
   if args[:1] and args[0] in _HELP:
-    print(help_text())
+    _show(help_text())
     return
   name = args.pop(0) if args[:1] and not args[0].startswith("-") else "train"
   if name not in SUBCOMMANDS:
@@ -57,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
       from absl import flags  # pylint: disable=import-outside-toplevel
 
       from diloco import main as train  # pylint: disable=import-outside-toplevel
-      print(f"{train.__doc__.strip()}\n\n{flags.FLAGS.module_help(train)}")
+      _show(f"{train.__doc__.strip()}\n\n{flags.FLAGS.module_help(train)}")
       return
     sys.argv = [f"diloco {name}", *args]
     from diloco import main as train  # pylint: disable=import-outside-toplevel

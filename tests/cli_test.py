@@ -67,6 +67,19 @@ def test_help_lists_the_subcommands_and_only_the_projects_flags(tmp_path):
   assert "decoupled" in proc.stdout  # the shipped configs are named
 
 
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"]])
+def test_help_read_by_a_reader_that_stops_early_is_not_an_error(tmp_path, args):
+  # `diloco --help | head`: the reader is gone before the help is written (the pipe is closed
+  # at once, while the command still imports), so every write meets a broken pipe.
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.Popen([sys.executable, "-m", "diloco", *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, cwd=tmp_path, env=env)
+  proc.stdout.close()
+  _, err = proc.communicate(timeout=180)
+  assert proc.returncode == 0, err.decode()[-2000:]
+  assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()[-2000:]
+
+
 def test_train_help_is_the_training_flags(tmp_path):
   proc = _diloco("train", "--help", cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
