@@ -12,12 +12,17 @@ from experiments.scavenging import config as scav_config, run as scav_run
 
 def test_heterogeneous_runs_cover_every_policy_and_outer_setting_at_equal_tokens():
   runs = hetero_config.runs(seeds=(0, 1))
-  # 3 policies x 2 outer settings with overwrite, x the design's outer with keep_local.
-  assert len(runs) == 2 * 3 * (2 + 1) and len({r.name for r in runs}) == len(runs)
-  receipts = [dict(r.overrides)["sync.receipt"] for r in runs]
-  assert receipts.count("keep_local") == 2 * 3 and receipts.count("overwrite") == 2 * 3 * 2
-  assert all(r.method.endswith("keep_local") == (dict(r.overrides)["sync.receipt"]
-                                                 == "keep_local") for r in runs)
+  # 3 policies x (2 outer settings with overwrite, the design's outer with keep_local, and
+  # with keep_local and stale deliveries rebased).
+  assert len(runs) == 2 * 3 * (2 + 1 + 1) and len({r.name for r in runs}) == len(runs)
+  receipts = [(dict(r.overrides)["sync.receipt"], dict(r.overrides)["outer.stale"])
+              for r in runs]
+  assert receipts.count(("keep_local", "paper")) == 2 * 3
+  assert receipts.count(("keep_local", "rebase")) == 2 * 3
+  assert receipts.count(("overwrite", "paper")) == 2 * 3 * 2
+  assert all(("keep_local" in r.method) == (receipt == "keep_local")
+             and ("rebase" in r.method) == (stale == "rebase")
+             for r, (receipt, stale) in zip(runs, receipts))
   policies = {(dict(r.overrides)["sync.quorum"], dict(r.overrides)["sync.gamma"]) for r in runs}
   assert policies == {(0, 0.0), (1, 0.0), (1, 0.8)}
   for r in runs:
@@ -72,7 +77,7 @@ def test_scavenging_pipeline_writes_results_readme_and_plot(tmp_path):
 @pytest.mark.slow
 def test_heterogeneous_pipeline_writes_goodput_plot(tmp_path):
   runs = [r for r in hetero_config.runs(seeds=(0,), steps=16) if "0.7/0.9" in r.method
-          and r.method.startswith("K=1")]
+          and r.method.startswith("K=1") and "rebase" not in r.method]
   outdir, folder = str(tmp_path / "runs"), str(tmp_path / "results")
   os.makedirs(folder)
   wall = harness.run_all(runs, outdir)
@@ -83,7 +88,7 @@ def test_heterogeneous_pipeline_writes_goodput_plot(tmp_path):
   for row in results["rows"]:
     assert 0 < row["goodput"] <= row["compute_goodput"] <= 1 and row["horizon_s"] > 16
     # Overwrite drops the tau steps before each receipt; keep_local drops nothing.
-    assert (row["dropped_fraction"] > 1e-6) == (not row["method"].endswith("keep_local"))
+    assert (row["dropped_fraction"] > 1e-6) == ("keep_local" not in row["method"])
   readme = open(os.path.join(folder, "README.md")).read()
   assert "## Goodput over seeds" in readme
   assert os.path.getsize(os.path.join(folder, "goodput_vs_loss.png")) > 10_000

@@ -37,9 +37,12 @@ POLICIES = (("K=M", 0, 0.0), ("K=1", 1, 0.0), ("K=1 + grace", 1, 0.8))
 # The design's outer optimiser and plain averaging (outer lr 1, no momentum).
 OUTERS = (("outer 0.7/0.9", (0.7, 0.9)), ("outer 1.0/0.0", (1.0, 0.0)))
 # Receipt modes (docs/design.md 2.3): every policy and outer setting with the paper's
-# overwrite; keep_local (the preset's default since the parity sweep) with the design's outer
-# optimiser, to show where overwrite's unmerged work goes and what keeping it changes.
-RECEIPTS = ("overwrite", "keep_local")
+# overwrite (the default); keep_local with the design's outer optimiser, to show where
+# overwrite's unmerged work goes and what keeping it changes; and keep_local with stale
+# deliveries rebased (`outer.stale=rebase`: a late delivery counts as its own progress, scaled
+# by 1 / (1 + staleness)), to test whether keep_local's loss under K = 1 comes from stale
+# deliveries undoing the rounds they missed.
+RECEIPTS = (("overwrite", "paper"), ("keep_local", "paper"), ("keep_local", "rebase"))
 COLUMNS = ("method", "seed", "tokens", "eval_loss", "goodput", "compute_goodput",
            "horizon_s", "mean_learners_per_round", "median_grace_s", "staleness_mean",
            "wait_fraction", "bytes_down")
@@ -48,12 +51,13 @@ COLUMNS = ("method", "seed", "tokens", "eval_loss", "goodput", "compute_goodput"
 def runs(seeds=SEEDS, steps: int = STEPS) -> list[Run]:
   out = []  # seed-major, so that an interrupted experiment still compares every method
   for seed in seeds:
-    for receipt in RECEIPTS:
+    for receipt, stale in RECEIPTS:
       for outer, (lr, momentum) in OUTERS[:1] if receipt != "overwrite" else OUTERS:
         for policy, quorum, gamma in POLICIES:
           label = f"{policy}, {outer}" + ("" if receipt == "overwrite" else f", {receipt}")
+          label += "" if stale == "paper" else f", stale={stale}"
           out.append(Run(label, CONFIG, seed, SETTING + (
               ("sync.quorum", quorum), ("sync.gamma", gamma), ("outer.learning_rate", lr),
-              ("outer.momentum", momentum), ("sync.receipt", receipt),
+              ("outer.momentum", momentum), ("sync.receipt", receipt), ("outer.stale", stale),
               ("train.steps", steps))))
   return out
