@@ -26,11 +26,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from diloco import fragments as fragments_lib
 from diloco import outer
 from diloco.config_lib import Config
+from diloco.delivery import Delivery
 from diloco.model.sharding import batch_sharding
 from diloco.train import data as data_lib
 from diloco.train import optim
 from diloco.train import state as train_state
-from diloco.transport import Heartbeat, LearnerTransport, Merged, Payload
+from diloco.transport import Heartbeat, LearnerTransport, Merged
 
 
 class NonFiniteMetrics(FloatingPointError):
@@ -280,9 +281,11 @@ class Learner:
               delta, self._residual.get(k), bits, self.cfg.outer.quantize_block)
         else:
           tensors[k] = outer.quantize(delta, bits, self.cfg.outer.quantize_block)
-    self.transport.deliver(Payload(self.id, self.incarnation, p, local_step, steps, tokens, base,
-                                   kind, tensors, max(self._clock() - on_host, 0.0),
-                                   max(on_host - delivered_at, 0.0), final=final))
+    self.transport.deliver(Delivery(learner=self.id, incarnation=self.incarnation, fragment=p,
+                                    local_step=local_step, steps=steps, tokens=tokens,
+                                    base_version=base, kind=kind, tensors=tensors,
+                                    transit_s=max(self._clock() - on_host, 0.0),
+                                    lead_s=max(on_host - delivered_at, 0.0), final=final))
 
   def flush(self) -> None:
     """Waits for in-flight deliveries (end of run or before a planned stop)."""

@@ -27,7 +27,7 @@ A round of fragment `p`:
 
 Typical use by a syncer::
 
-  ok, reason = check_delivery(d, learner=registry.get(d.learner_id),
+  ok, reason = check_delivery(d, learner=registry.get(d.learner),
                               current_version=versions[p], now=now, config=cfg)
   ...
   decision = decide_round(arrival_times, num_alive=n, opened_at=t0, now=now, config=cfg,
@@ -43,6 +43,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 from diloco import config_rules
+from diloco.delivery import Delivery
 
 # Reasons returned by `check_delivery` for rejected deliveries (stable strings, used as counter
 # names by the syncer and the simulator).
@@ -148,18 +149,6 @@ class LearnerStatus:
 
 
 @_frozen
-class Delivery:
-  """Metadata of one learner's payload for one fragment (the tensors are not needed here)."""
-  learner_id: int
-  incarnation: int
-  fragment: int
-  base_version: int
-  steps: int
-  tokens: int = 0
-  arrival_time: float = 0.0
-
-
-@_frozen
 class RoundDecision:
   """What to do with the open round of one fragment.
 
@@ -210,7 +199,7 @@ def check_delivery(delivery: Delivery, *, learner: LearnerStatus | None, current
   """Decides whether a delivery may join a round of its fragment.
 
   Args:
-    delivery: the delivery's metadata.
+    delivery: the delivery (its counters are read, never its tensors).
     learner: the registry entry of its learner, or None if the syncer does not know it.
     current_version: the latest published version of the delivery's fragment.
     now: the current time.
@@ -219,7 +208,7 @@ def check_delivery(delivery: Delivery, *, learner: LearnerStatus | None, current
   Returns:
     `(True, "ok")`, or `(False, reason)` with one of the `REJECT_*` strings.
   """
-  if learner is None or learner.learner_id != delivery.learner_id:
+  if learner is None or learner.learner_id != delivery.learner:
     return False, REJECT_UNKNOWN_LEARNER
   if not is_alive(learner.last_heartbeat, now, config.heartbeat_timeout_s):
     return False, REJECT_DEAD

@@ -23,7 +23,8 @@ from diloco import fragments as fragments_lib
 from diloco import durable_state, intake, outer, policy
 from diloco import ledger as ledger_lib
 from diloco.config_lib import OuterConfig, SyncConfig
-from diloco.transport import Heartbeat, Merged, Payload
+from diloco.delivery import Delivery
+from diloco.transport import Heartbeat, Merged
 
 _is_duration = intake.is_duration
 _all_finite = intake.all_finite
@@ -31,7 +32,7 @@ _all_finite = intake.all_finite
 
 @dataclasses.dataclass
 class _Pending:
-  payload: Payload
+  payload: Delivery
   arrived_at: float
 
 
@@ -41,7 +42,7 @@ def _fragment_norm(tensors) -> float:
   return math.sqrt(sum(intake.sum_of_squares(t) for t in tensors))
 
 
-def _nbytes(payload: Payload) -> int:
+def _nbytes(payload: Delivery) -> int:
   try:
     return payload.nbytes
   except Exception:  # noqa: BLE001  (a malformed delivery's tensors)
@@ -160,7 +161,7 @@ class Syncer:
         learner_id=beat.learner, incarnation=beat.incarnation, last_heartbeat=stamp,
         step_time=self._step_ema[beat.learner].value)
 
-  def _reject(self, payload: Payload, reason: str, now: float) -> None:
+  def _reject(self, payload: Delivery, reason: str, now: float) -> None:
     self.reject(payload.fragment, payload.learner, payload.incarnation, reason, _nbytes(payload),
                 now, local_step=payload.local_step, steps=payload.steps)
 
@@ -204,20 +205,20 @@ class Syncer:
     return {(p, m, e.payload.incarnation, e.payload.local_step)
             for p, entries in self._pending.items() for m, e in entries.items()}
 
-  def _fault(self, payload: Payload, reason: str, error: Exception, now: float) -> None:
+  def _fault(self, payload: Delivery, reason: str, error: Exception, now: float) -> None:
     """A delivery whose handling raised: rejected, and listed for quarantine."""
     logging.exception("syncer: %s on a delivery of learner %r", reason, payload.learner)
     self._reject(payload, reason, now)
     self._faults.append((payload.fragment, payload.learner, payload.incarnation,
                          payload.local_step, reason, f"{type(error).__name__}: {error}"[:500]))
 
-  def _payload(self, payload: Payload, now: float) -> None:
+  def _payload(self, payload: Delivery, now: float) -> None:
     try:
       self._admit(payload, now)
     except Exception as e:  # noqa: BLE001  (one delivery never stops the syncer)
       self._fault(payload, intake.REJECT_INGEST_ERROR, e, now)
 
-  def _admit(self, payload: Payload, now: float) -> None:
+  def _admit(self, payload: Delivery, now: float) -> None:
     p = payload.fragment
     if intake.is_count(p, 0) and p < self.plan.num_fragments and p not in self._norms:
       problem = intake.REJECT_WRONG_SHARD
@@ -237,11 +238,7 @@ class Syncer:
     if self._keep_history and payload.base_version not in self._history[p]:
       self._reject(payload, policy.REJECT_STALE, now)
       return
-    delivery = policy.Delivery(
-        learner_id=payload.learner, incarnation=payload.incarnation, fragment=p,
-        base_version=payload.base_version, steps=payload.steps, tokens=payload.tokens,
-        arrival_time=now)
-    ok, reason = policy.check_delivery(delivery, learner=self.registry.get(payload.learner),
+    ok, reason = policy.check_delivery(payload, learner=self.registry.get(payload.learner),
                                        current_version=self.versions[p], now=now,
                                        config=self.policy)
     if not ok:
@@ -253,7 +250,7 @@ class Syncer:
       self._opened_at[p] = now
     self._pending[p][payload.learner] = _Pending(payload, now)  # a newer one replaces the older
 
-  def _replayed(self, payload: Payload, now: float) -> bool:
+  def _replayed(self, payload: Delivery, now: float) -> bool:
     """Rejects (True) a delivery that G (or the open round) already holds from the same
     incarnation, or a newer one of it (`diloco.ledger`)."""
     m, i, p, t = payload.learner, payload.incarnation, payload.fragment, payload.local_step
@@ -333,7 +330,7 @@ class Syncer:
       del self.registry[m]
       self._step_ema.pop(m, None)
 
-  def _outer_gradient(self, payload: Payload, anchor_now: dict[str, np.ndarray],
+  def _outer_gradient(self, payload: Delivery, anchor_now: dict[str, np.ndarray],
                       slot: int) -> dict:
     """The delivery's outer gradient `anchor - theta` (docs/design.md 2.4 step 3).
 

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from diloco.delivery import Delivery
+
 
 @dataclasses.dataclass(frozen=True)
 class Heartbeat:
@@ -25,40 +27,6 @@ class Heartbeat:
   local_step: int
   step_time: float
   time: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Payload:
-  """One delivery of fragment `fragment` by a learner (docs/design.md 2.3).
-
-  `tensors` maps parameter paths to float32 values (`kind="values"`) or to quantised
-  deltas `G_base - theta` (`kind="delta"`, `outer.QuantizedTensor`).
-  `transit_s` is how long the delivery has been on its way since its values were on the
-  learner's host (quantisation, queueing, upload, and the syncer's read): a sum of durations,
-  each measured on the clock of the machine that spent it, so it means the same when
-  learner and syncer clocks differ. It is the "pull" of the syncer's sync-time EMA.
-  `lead_s` is the time from the delivery point (local step `local_step` dispatched) to its
-  values being on the learner's host: the part of its tau steps of overlap the learner had
-  already spent (about one step when steps are dispatched asynchronously).
-  `final` marks a learner's final-sync delivery: its fragment's round waits for every live
-  learner (`policy.decide_final_round`).
-  """
-  learner: int
-  incarnation: int
-  fragment: int
-  local_step: int
-  steps: int
-  tokens: int
-  base_version: int
-  kind: str
-  tensors: dict[str, Any]
-  transit_s: float
-  lead_s: float = 0.0
-  final: bool = False  # the learner's last delivery of this fragment (docs/design.md 2.3)
-
-  @property
-  def nbytes(self) -> int:
-    return int(sum(t.nbytes for t in self.tensors.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +50,7 @@ class LearnerTransport(Protocol):
   def heartbeat(self, beat: Heartbeat) -> None:
     """Says this learner is alive, at what step and how fast."""
 
-  def deliver(self, payload: Payload) -> None:
+  def deliver(self, payload: Delivery) -> None:
     """Hands a fragment's delivery to the transport (queued; returns at once)."""
 
   def latest(self, fragment: int) -> Merged | None:
@@ -104,7 +72,7 @@ class InMemoryTransport:
   def __init__(self):
     self._lock = threading.Condition()
     self._heartbeats: list[Heartbeat] = []
-    self._payloads: list[Payload] = []
+    self._payloads: list[Delivery] = []
     self._left: list[tuple[int, int]] = []
     self._merged: dict[int, Merged] = {}
     self.bytes_up = 0
@@ -116,7 +84,7 @@ class InMemoryTransport:
       self._heartbeats.append(beat)
       self._lock.notify_all()
 
-  def deliver(self, payload: Payload) -> None:
+  def deliver(self, payload: Delivery) -> None:
     with self._lock:
       self._payloads.append(payload)
       self.bytes_up += payload.nbytes
@@ -148,7 +116,7 @@ class InMemoryTransport:
       self.bytes_down += nbytes
 
   # Syncer side.
-  def take(self) -> tuple[list[Heartbeat], list[Payload], list[tuple[int, int]]]:
+  def take(self) -> tuple[list[Heartbeat], list[Delivery], list[tuple[int, int]]]:
     """(heartbeats, payloads, (learner, incarnation) that left) since the last call."""
     with self._lock:
       taken = self._heartbeats, self._payloads, self._left

@@ -25,8 +25,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from diloco.delivery import Delivery  # noqa: E402
 from diloco.distributed.store import Store  # noqa: E402  (after the path)
-from diloco.transport import Payload  # noqa: E402
 
 
 def _attack(store_root: str, workdir: str, stop: threading.Event, counts: dict) -> None:
@@ -44,7 +44,9 @@ def _attack(store_root: str, workdir: str, stop: threading.Event, counts: dict) 
         far = {k: v + 10.0 * rng.standard_normal(v.shape).astype(np.float32)
                for k, v in values.items()}
         step += 1
-        store.put_payload(Payload(1, incarnation, p, step, 1, 2**53, version, "values", far, 0.0))
+        store.put_payload(Delivery(learner=1, incarnation=incarnation, fragment=p, local_step=step,
+                                   steps=1, tokens=2**53, base_version=version, kind="values",
+                                   tensors=far, transit_s=0.0))
         counts["lies"] += 1
       tape = os.path.join(workdir, "tape.jsonl")
       with open(tape, encoding="utf-8") as f:
@@ -58,9 +60,11 @@ def _attack(store_root: str, workdir: str, stop: threading.Event, counts: dict) 
           values = store.read_merged(r["fragment"], index[r["fragment"]])[0].tensors
           far = {k: v + 10.0 * rng.standard_normal(v.shape).astype(np.float32)
                  for k, v in values.items()}
-          store.put_payload(Payload(a["learner"], a["incarnation"], r["fragment"],
-                                    a["local_step"], a["steps"], a["tokens"],
-                                    index[r["fragment"]], "values", far, 0.0))
+          store.put_payload(Delivery(learner=a["learner"], incarnation=a["incarnation"],
+                                     fragment=r["fragment"], local_step=a["local_step"],
+                                     steps=a["steps"], tokens=a["tokens"],
+                                     base_version=index[r["fragment"]], kind="values", tensors=far,
+                                     transit_s=0.0))
           counts["replays"] += 1
     except (OSError, ValueError, KeyError, RuntimeError):
       continue

@@ -27,9 +27,10 @@ from absl import app, flags
 
 from diloco import fragments, outer
 from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.delivery import Delivery
 from diloco.outer import kernels
 from diloco.syncer import Syncer
-from diloco.transport import Heartbeat, Payload
+from diloco.transport import Heartbeat
 
 flags.DEFINE_integer("learners", 8, "Payloads per round (M).")
 flags.DEFINE_integer("fragment_mib", 64, "Fragment size in MiB.")
@@ -95,7 +96,9 @@ def main(argv: list[str]) -> None:
   def syncer_round():
     base = syncer.versions[0]
     merged, _ = syncer.tick(1.0, [], [
-        Payload(m, 0, 0, 8 * (base + 1), 8, int(tokens[m]), base, "values", thetas[m], 0.0)
+        Delivery(learner=m, incarnation=0, fragment=0, local_step=8 * (base + 1), steps=8,
+                 tokens=int(tokens[m]), base_version=base, kind="values", tensors=thetas[m],
+                 transit_s=0.0)
         for m in range(args.learners)])
     assert len(merged) == 1, "the syncer round did not close"
 

@@ -39,11 +39,12 @@ from absl import app, flags, logging
 
 from diloco import fragments
 from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.delivery import Delivery
 from diloco.distributed import store_transport
 from diloco.distributed import syncer_process
 from diloco.distributed.store import Store, payload_name
 from diloco.syncer import Syncer
-from diloco.transport import Heartbeat, Payload
+from diloco.transport import Heartbeat
 
 flags.DEFINE_integer("fragment_mib", 64, "Throughput fragment, MiB.")
 flags.DEFINE_integer("tensors", 4, "Equal tensors per fragment.")
@@ -69,7 +70,7 @@ class _TimedStore(Store):
     super().__init__(root)
     self._committed, self._published = committed, published
 
-  def put_payload(self, payload: Payload) -> int:
+  def put_payload(self, payload: Delivery) -> int:
     nbytes = super().put_payload(payload)
     self._committed[payload_name(payload.fragment, payload.learner, payload.incarnation,
                                  payload.local_step)] = time.time()
@@ -81,7 +82,7 @@ class _TimedStore(Store):
 
 
 # Throughput.
-def _store_trip(store: Store, payload: Payload, expected: dict) -> tuple[dict, list[float]]:
+def _store_trip(store: Store, payload: Delivery, expected: dict) -> tuple[dict, list[float]]:
   t0 = time.perf_counter()
   store.put_payload(payload)
   t1 = time.perf_counter()
@@ -119,7 +120,8 @@ def _throughput(top: str, args) -> dict:
   times = {"store": [], "numpy": []}
   parts = {"store": [], "numpy": []}
   for rep in range(args.reps + 1):
-    payload = Payload(0, 0, 0, rep + 1, 1, 1, 0, "values", tensors, 0.0)
+    payload = Delivery(learner=0, incarnation=0, fragment=0, local_step=rep + 1, steps=1, tokens=1,
+                       base_version=0, kind="values", tensors=tensors, transit_s=0.0)
     for kind in ("store", "numpy") if rep % 2 else ("numpy", "store"):
       t0 = time.perf_counter()
       got, split = (_store_trip(store, payload, expected) if kind == "store" else
@@ -189,8 +191,10 @@ def _learner_loop(m: int, store: Store, args, num_fragments: int, admitted: dict
       tensors = {k: v + rng.standard_normal(v.shape, dtype=np.float32) * 1e-3
                  for k, v in base.tensors.items()}
       link.heartbeat(Heartbeat(m, incarnation, step, 0.0, time.time()))
-      link.deliver(Payload(m, incarnation, p, step, 1, 1000, base.version, "values", tensors,
-                           0.0))  # transit_s is a duration (the syncer refuses a clock reading)
+      # transit_s is a duration (the syncer refuses a clock reading).
+      link.deliver(Delivery(learner=m, incarnation=incarnation, fragment=p, local_step=step,
+                            steps=1, tokens=1000, base_version=base.version, kind="values",
+                            tensors=tensors, transit_s=0.0))
       deadline = time.monotonic() + args.wait_s
       need, seen = base.version + 1, None
       while time.monotonic() < deadline:

@@ -19,10 +19,11 @@ import pytest
 from diloco import fragments, intake, outer
 from diloco import syncer as syncer_lib
 from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.store import Store
 from diloco.distributed.store_transport import SyncerStoreLink
-from diloco.transport import Heartbeat, Payload
+from diloco.transport import Heartbeat
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
 PLAN = fragments.plan_fragments(SHAPES, num_fragments=1)
@@ -46,7 +47,7 @@ def _good(learner=0, step=4, **fields):
   base = {"learner": learner, "incarnation": 0, "fragment": 0, "local_step": step, "steps": 4,
           "tokens": 400, "base_version": 0, "kind": "values", "tensors": _params(10 + step),
           "transit_s": 0.01, "lead_s": 0.0}
-  return Payload(**dict(base, **fields))
+  return Delivery(**dict(base, **fields))
 
 
 def _beats(now, *learners):

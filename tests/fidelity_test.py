@@ -14,9 +14,10 @@ import pytest
 
 from diloco import fragments, syncer as syncer_lib
 from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
+from diloco.delivery import Delivery
 from diloco.observe import accounting
 from diloco.runtime import decoupled
-from diloco.transport import Heartbeat, Payload
+from diloco.transport import Heartbeat
 
 import run_config
 
@@ -69,8 +70,10 @@ def test_sync_time_uses_transit_not_compute_and_ignores_bad_measurements():
 
   def deliver(now, learner, transit, lead=0.0):
     beats = [Heartbeat(m, 0, 1, 1.0, now) for m in (0, 1)]
-    payload = Payload(learner, 0, 0, next(local_steps), 1, 10, s.versions[0], "values",
-                      {"w": np.full(4, 0.1 * (learner + 1), np.float32)}, transit, lead)
+    payload = Delivery(learner=learner, incarnation=0, fragment=0, local_step=next(local_steps),
+                       steps=1, tokens=10, base_version=s.versions[0], kind="values",
+                       tensors={"w": np.full(4, 0.1 * (learner + 1), np.float32)},
+                       transit_s=transit, lead_s=lead)
     return s.tick(now, beats, [payload])
 
   _, deadline = deliver(1.0, 0, 1.0, lead=0.5)
@@ -182,10 +185,14 @@ def test_stale_delivery_counts_as_its_rule_says(rule):
   beats = [Heartbeat(m, 0, 1, 1.0, 0.0) for m in (0, 1)]
   theta_a = np.array([1.0, 0.0, 0.0], np.float32)
   theta_b = np.array([0.0, 2.0, 0.0], np.float32)
-  (m1,), _ = s.tick(0.0, beats, [Payload(0, 0, 0, 1, 1, 10, 0, "values", {"w": theta_a}, 0.0)])
+  (m1,), _ = s.tick(0.0, beats, [Delivery(learner=0, incarnation=0, fragment=0, local_step=1,
+                                          steps=1, tokens=10, base_version=0, kind="values",
+                                          tensors={"w": theta_a}, transit_s=0.0)])
   g1 = g0 - lr * (g0 - theta_a)
   np.testing.assert_allclose(m1.tensors["w"], g1)
-  (m2,), _ = s.tick(0.1, (), [Payload(1, 0, 0, 1, 1, 10, 0, "values", {"w": theta_b}, 0.0)])
+  (m2,), _ = s.tick(0.1, (), [Delivery(learner=1, incarnation=0, fragment=0, local_step=1, steps=1,
+                                       tokens=10, base_version=0, kind="values",
+                                       tensors={"w": theta_b}, transit_s=0.0)])
   d = g1 - theta_b if rule == "paper" else (g0 - theta_b) / 2
   np.testing.assert_allclose(m2.tensors["w"], g1 - lr * d, rtol=1e-6)
   assert [a["staleness"] for r in records for a in r["admitted"]] == [0, 1]

@@ -16,10 +16,11 @@ import pytest
 from diloco import fragments
 from diloco import syncer as syncer_lib
 from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.store import WRITE_FAILED, Store, StoreError
 from diloco.distributed.store_transport import LearnerStoreLink
-from diloco.transport import Heartbeat, Merged, Payload
+from diloco.transport import Heartbeat, Merged
 
 SHAPES = {"a": (16, 8), "b": (8,)}
 PLAN = fragments.plan_fragments(SHAPES, num_fragments=1)
@@ -90,7 +91,8 @@ def where(request, tmp_path, monkeypatch):
 def _payload(step):
   rng = np.random.default_rng(step)
   tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-  return Payload(0, 0, 0, step, step, 10 * step, 0, "values", tensors, 0.0)
+  return Delivery(learner=0, incarnation=0, fragment=0, local_step=step, steps=step,
+                  tokens=10 * step, base_version=0, kind="values", tensors=tensors, transit_s=0.0)
 
 
 def _budgets(total: int) -> list[int]:

@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 from diloco import fragments, intake
 from diloco import syncer as syncer_lib
 from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.store import Store
 from diloco.distributed.store_transport import SyncerStoreLink
-from diloco.transport import Heartbeat, Payload
+from diloco.transport import Heartbeat
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
 PLAN = fragments.plan_fragments(SHAPES, num_fragments=1)
@@ -62,7 +63,7 @@ def _valid(step, learner=0, **fields):
   base = {"learner": learner, "incarnation": 0, "fragment": 0, "local_step": step,
           "steps": 4, "tokens": 400, "base_version": 0, "kind": "values",
           "tensors": _params(step), "transit_s": 0.01, "lead_s": 0.0}
-  return Payload(**dict(base, **fields))
+  return Delivery(**dict(base, **fields))
 
 
 def _state(s):

@@ -100,11 +100,14 @@ def test_decisions_are_deleted_only_once_every_host_has_read_them(pair):
 
 
 def test_only_host_0_writes_to_the_store(pair, tmp_path):
-  from diloco.transport import Heartbeat, Payload
+  from diloco.delivery import Delivery
+  from diloco.transport import Heartbeat
   leader, follower = pair
   for link in pair:
     link.heartbeat(Heartbeat(0, 0, 1, 0.1, 0.0))
-    link.deliver(Payload(0, 0, 0, 1, 1, 10, -1, "values", {"w": np.zeros(2, np.float32)}, 0.0))
+    link.deliver(Delivery(learner=0, incarnation=0, fragment=0, local_step=1, steps=1, tokens=10,
+                          base_version=-1, kind="values", tensors={"w": np.zeros(2, np.float32)},
+                          transit_s=0.0))
   leader.inner.flush(timeout=30)
   follower.inner.flush(timeout=30)
   assert Store(tmp_path).committed_payloads() == ["f0_l0_i0_s1"]

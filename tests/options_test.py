@@ -308,8 +308,8 @@ def _dequantize_oracle(q):
 
 
 @dataclasses.dataclass
-class Delivery:
-  """A captured payload with the parameters its learner had when it made it."""
+class _Sent:
+  """A captured delivery with the parameters its learner had when it made it."""
   learner: int
   payload: object
   theta: dict  # the learner's parameters of the fragment when it delivered
@@ -339,7 +339,7 @@ def _quantised_run(s, cfg, iterations):
       new_beats, new_payloads, _ = transport.take()
       theta = learners[m].params_flat()
       for payload in new_payloads:
-        deliveries.append(Delivery(m, payload, {k: theta[k] for k in payload.tensors}))
+        deliveries.append(_Sent(m, payload, {k: theta[k] for k in payload.tensors}))
       beats += new_beats
       payloads += new_payloads
     if i % 3 == 0:

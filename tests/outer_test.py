@@ -635,9 +635,11 @@ def test_low_bit_codes_pack_four_and_eight_per_byte():
 
 
 def test_low_bit_payloads_are_counted_at_their_true_size():
-  from diloco.transport import Payload
+  from diloco.delivery import Delivery
   x = np.ones((64, 64), np.float32)
-  sizes = {b: Payload(0, 0, 0, 1, 1, 1, 0, "delta", {"w": outer.quantize(x, b, 128)}, 0.0).nbytes
+  sizes = {b: Delivery(learner=0, incarnation=0, fragment=0, local_step=1, steps=1, tokens=1,
+                       base_version=0, kind="delta", tensors={"w": outer.quantize(x, b, 128)},
+                       transit_s=0.0).nbytes
            for b in (8, 4, 2, 1)}
   assert sizes == {8: 4096 + 128, 4: 2048 + 128, 2: 1024 + 128, 1: 512 + 128}
 

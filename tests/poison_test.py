@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
+from diloco.delivery import Delivery
 from diloco.distributed.store import Store
-from diloco.transport import Payload
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
@@ -52,7 +52,9 @@ def _plant(store_root):
   def put(tensors, reason, edit=None, steps=4, tokens=400):
     nonlocal step
     step += 1
-    payload = Payload(0, incarnation, 0, step, steps, tokens, version, "values", tensors, 0.0)
+    payload = Delivery(learner=0, incarnation=incarnation, fragment=0, local_step=step, steps=steps,
+                       tokens=tokens, base_version=version, kind="values", tensors=tensors,
+                       transit_s=0.0)
     store.put_payload(payload)
     name = f"f0_l0_i{incarnation}_s{step}"
     if edit is not None:
@@ -100,8 +102,9 @@ def _replay(store_root, workdir):
   p = record["fragment"]
   version = store.merged_index()[p]
   values = store.read_merged(p, version)[0].tensors
-  store.put_payload(Payload(old["learner"], old["incarnation"], p, old["local_step"],
-                            old["steps"], old["tokens"], version, "values", values, 0.0))
+  store.put_payload(Delivery(learner=old["learner"], incarnation=old["incarnation"], fragment=p,
+                             local_step=old["local_step"], steps=old["steps"], tokens=old["tokens"],
+                             base_version=version, kind="values", tensors=values, transit_s=0.0))
   return (f"f{p}_l{old['learner']}_i{old['incarnation']}_s{old['local_step']}",
           (p, old["learner"], old["incarnation"], old["local_step"]))
 

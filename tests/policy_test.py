@@ -6,6 +6,7 @@ import pytest
 
 from diloco import policy
 from diloco.config_lib import SyncConfig
+from diloco.delivery import Delivery
 
 CFG = policy.PolicyConfig(quorum=1, tau=2, gamma=0.8, heartbeat_timeout_s=10.0, max_staleness=2)
 
@@ -15,8 +16,8 @@ def _learner(lid=0, inc=0, hb=100.0):
 
 
 def _delivery(lid=0, inc=0, base=3, steps=5):
-  return policy.Delivery(learner_id=lid, incarnation=inc, fragment=1, base_version=base,
-                         steps=steps, tokens=10 * steps, arrival_time=100.0)
+  return Delivery(learner=lid, incarnation=inc, fragment=1, local_step=steps, steps=steps,
+                  tokens=10 * steps, base_version=base, kind="values")
 
 
 def test_defaults_are_the_sync_groups():

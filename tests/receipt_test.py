@@ -12,6 +12,7 @@ from diloco import fragments, policy
 from diloco import syncer as syncer_lib
 from diloco import transport as transport_lib
 from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.delivery import Delivery
 
 import options_test as helpers
 from options_test import setup  # noqa: F401  (the module's compiled learner)
@@ -144,8 +145,9 @@ def test_deliver_final_sends_every_fragment_with_undelivered_steps_once(setup): 
 
 
 def _payload(learner, step, *, final=False, value=1.0):
-  return transport_lib.Payload(learner, 0, 0, step, step, 10 * step, 0, "values",
-                               {"w": np.full(3, value, np.float32)}, 0.0, final=final)
+  return Delivery(learner=learner, incarnation=0, fragment=0, local_step=step, steps=step,
+                  tokens=10 * step, base_version=0, kind="values",
+                  tensors={"w": np.full(3, value, np.float32)}, transit_s=0.0, final=final)
 
 
 def test_syncer_final_round_waits_for_every_live_learner_then_merges_them_together():

@@ -13,12 +13,13 @@ import pytest
 from diloco import fragments, outer
 from diloco import syncer as syncer_lib
 from diloco.config_lib import ConfigError, OuterConfig, StoreConfig, SyncConfig
+from diloco.delivery import Delivery
 from diloco.distributed import chaos
 from diloco.distributed import syncer_process
 from diloco.distributed import wan
 from diloco.distributed.store import Store, parse_payload_name, payload_name
 from diloco.distributed.store_transport import LearnerStoreLink, SyncerStoreLink
-from diloco.transport import Heartbeat, Merged, Payload
+from diloco.transport import Heartbeat, Merged
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
 PLAN = fragments.plan_fragments(SHAPES, num_fragments=2)
@@ -41,7 +42,8 @@ def _params(seed):
 
 def _payload(learner, p, values, *, step=4, base=0, incarnation=0, kind="values"):
   tensors = {k: values[k] for k in PLAN.fragments[p]}
-  return Payload(learner, incarnation, p, step, step, 100 * step, base, kind, tensors, 0.0)
+  return Delivery(learner=learner, incarnation=incarnation, fragment=p, local_step=step, steps=step,
+                  tokens=100 * step, base_version=base, kind=kind, tensors=tensors, transit_s=0.0)
 
 
 def _syncer(on_round=None, **sync):
@@ -71,7 +73,8 @@ def test_payload_round_trip_values_and_quantized(where):
   values = _params(1)
   store.put_payload(_payload(0, 0, values))
   q = {k: outer.quantize(values[k], 4, 8) for k in PLAN.fragments[1]}
-  store.put_payload(Payload(1, 0, 1, 5, 5, 500, 0, "delta", q, 0.0))
+  store.put_payload(Delivery(learner=1, incarnation=0, fragment=1, local_step=5, steps=5,
+                             tokens=500, base_version=0, kind="delta", tensors=q, transit_s=0.0))
   names = store.committed_payloads()
   assert names == ["f0_l0_i0_s4", "f1_l1_i0_s5"]
   got = store.read_payload(names[0], EXPECTED)
@@ -89,7 +92,9 @@ def test_quantized_payloads_of_every_precision_round_trip(where, bits):
   store = Store(root)
   values = _params(bits)
   q = {k: outer.quantize(values[k], bits, 8) for k in PLAN.fragments[1]}
-  written = store.put_payload(Payload(1, 0, 1, 5, 5, 500, 0, "delta", q, 0.0))
+  written = store.put_payload(Delivery(learner=1, incarnation=0, fragment=1, local_step=5, steps=5,
+                                       tokens=500, base_version=0, kind="delta", tensors=q,
+                                       transit_s=0.0))
   assert written == sum(t.nbytes for t in q.values())
   got = store.read_payload(store.committed_payloads()[0], EXPECTED)
   for k in PLAN.fragments[1]:

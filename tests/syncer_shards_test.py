@@ -8,8 +8,9 @@ from hypothesis import given, settings, strategies as st
 
 from diloco import fragments, intake, syncer as syncer_lib, syncer_shards
 from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.delivery import Delivery
 from diloco.errors import ConfigError
-from diloco.transport import Heartbeat, Payload
+from diloco.transport import Heartbeat
 
 
 @settings(max_examples=200, deadline=None)
@@ -80,8 +81,9 @@ def test_a_shard_holds_and_merges_only_its_fragments():
   beat = [Heartbeat(0, 0, 1, 1.0, 0.0)]
 
   def delivery(p):
-    return Payload(0, 0, p, 1, 1, 8, 0, "values",
-                   {k: g[k] + 1.0 for k in plan.fragments[p]}, 0.0)
+    return Delivery(learner=0, incarnation=0, fragment=p, local_step=1, steps=1, tokens=8,
+                    base_version=0, kind="values",
+                    tensors={k: g[k] + 1.0 for k in plan.fragments[p]}, transit_s=0.0)
 
   merged, _ = shard.tick(1.0, beat, [delivery(other)])
   assert merged == [] and shard.rejections[intake.REJECT_WRONG_SHARD] == 1

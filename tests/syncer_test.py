@@ -5,7 +5,8 @@ import pytest
 
 from diloco import fragments, syncer as syncer_lib
 from diloco.config_lib import OuterConfig, SyncConfig
-from diloco.transport import Heartbeat, Payload
+from diloco.delivery import Delivery
+from diloco.transport import Heartbeat
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
 
@@ -24,8 +25,9 @@ def _syncer(**sync):
 def _payload(learner, tensors, *, steps=4, tokens=400, base=0, incarnation=0, fragment=0,
              step=None):
   """A delivery at local step `step` (default `steps`: its learner's first delivery)."""
-  return Payload(learner, incarnation, fragment, steps if step is None else step, steps, tokens,
-                 base, "values", tensors, 0.0)
+  return Delivery(learner=learner, incarnation=incarnation, fragment=fragment,
+                  local_step=steps if step is None else step, steps=steps, tokens=tokens,
+                  base_version=base, kind="values", tensors=tensors, transit_s=0.0)
 
 
 def _beats(now, *learners):
@@ -112,7 +114,7 @@ def test_bad_payloads_are_rejected_and_never_enter_g(mutate, reason):
   g0 = s.global_params()
   fields = dict(learner=0, incarnation=0, fragment=0, local_step=4, steps=4, tokens=400,
                 base_version=0, kind="values", tensors=_params(1), transit_s=0.0)
-  merged, _ = s.tick(1.0, _beats(1.0, 0), [Payload(**mutate(fields))])
+  merged, _ = s.tick(1.0, _beats(1.0, 0), [Delivery(**mutate(fields))])
   assert merged == [] and s.rejections[reason] == 1
   for k in SHAPES:
     np.testing.assert_array_equal(s.params[k], g0[k])
@@ -160,7 +162,9 @@ def test_quantised_delta_payload_matches_values_payload(bits, tol):
   payloads = []
   for m, theta in enumerate(thetas):
     delta = {k: outer.quantize(g0[k] - theta[k], bits, 16) for k in theta}
-    payloads.append(Payload(m, 0, 0, 4, 4, 400, 0, "delta", delta, 0.0))
+    payloads.append(Delivery(learner=m, incarnation=0, fragment=0, local_step=4, steps=4,
+                             tokens=400, base_version=0, kind="delta", tensors=delta,
+                             transit_s=0.0))
   merged, _ = quant.tick(1.0, _beats(1.0, 0, 1), payloads)
   assert len(merged) == 1 and sum(p.nbytes for p in payloads) < 0.6 * sum(
       v.nbytes for t in thetas for v in t.values())

@@ -19,11 +19,12 @@ import pytest
 from diloco import fragments, intake, policy
 from diloco import syncer as syncer_lib
 from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.lease import Lease, LeaseHeld
 from diloco.distributed.store import NON_FINITE, Store, StoreError
 from diloco.distributed.store_transport import LearnerStoreLink, SyncerStoreLink
-from diloco.transport import Heartbeat, Merged, Payload
+from diloco.transport import Heartbeat, Merged
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
 PLAN = fragments.plan_fragments(SHAPES, num_fragments=1)
@@ -49,7 +50,7 @@ def _delivery(learner=0, step=4, incarnation=0, **fields):
   base = {"learner": learner, "incarnation": incarnation, "fragment": 0, "local_step": step,
           "steps": 4, "tokens": 4 * TOKENS_PER_STEP, "base_version": 0, "kind": "values",
           "tensors": _params(10 + step), "transit_s": 0.01, "lead_s": 0.0}
-  return Payload(**dict(base, **fields))
+  return Delivery(**dict(base, **fields))
 
 
 def _beat(now, learner=0, incarnation=0, step_time=1.0, time=None):

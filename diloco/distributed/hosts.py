@@ -24,9 +24,10 @@ from typing import Any, Callable
 
 import jax
 
+from diloco.delivery import Delivery
 from diloco.distributed.store import Store
 from diloco.distributed.store_transport import LearnerStoreLink
-from diloco.transport import Heartbeat, Merged, Payload
+from diloco.transport import Heartbeat, Merged
 
 
 def _coordination_client():
@@ -180,7 +181,7 @@ class AgreedLink:
     if self.hosts.leader:
       self.inner.heartbeat(beat)
 
-  def deliver(self, payload: Payload) -> None:
+  def deliver(self, payload: Delivery) -> None:
     if self.hosts.leader:
       self.inner.deliver(payload)
 

@@ -55,9 +55,10 @@ from absl import logging
 from etils import epath
 
 from diloco import intake, outer
+from diloco.delivery import Delivery
 from diloco.distributed import entry_check, npy_handler
 from diloco.distributed.entry_check import StoreError
-from diloco.transport import Merged, Payload
+from diloco.transport import Merged
 
 def _num(digits: int) -> str:
   """A canonical decimal of at most `digits` ASCII digits (no leading zeros, no other
@@ -360,7 +361,7 @@ class Store:
     return self._durable.restore(self.root / rel, args=ocp.args.PyTreeRestore())
 
   # Learner deliveries.
-  def put_payload(self, payload: Payload) -> int:
+  def put_payload(self, payload: Delivery) -> int:
     """Writes and commits one delivery; returns its payload bytes. StoreError(WRITE_FAILED)
     naming the entry if it cannot be written (a full disk): nothing is committed then."""
     name = payload_name(payload.fragment, payload.learner, payload.incarnation,
@@ -443,7 +444,7 @@ class Store:
       removed += 1
     return removed
 
-  def read_payload(self, name: str, expected: dict[int, dict[str, tuple]]) -> Payload:
+  def read_payload(self, name: str, expected: dict[int, dict[str, tuple]]) -> Delivery:
     """Reads a committed delivery; StoreError with a reason if it cannot be used.
 
     `expected[p]` maps fragment p's parameter paths to their shapes: the marker must
@@ -484,9 +485,10 @@ class Store:
         tensors[path] = _checked_array(item, shape, np.float32, f"payload {name} {path}")
       else:
         tensors[path] = _quantized(item, quant, shape, f"payload {name} {path}")
-    return Payload(fields["learner"], fields["incarnation"], fragment, fields["local_step"],
-                   fields["steps"], fields["tokens"], fields["base_version"], kind, tensors,
-                   transit_s, lead_s, final=fields["final"])
+    return Delivery(learner=fields["learner"], incarnation=fields["incarnation"], fragment=fragment,
+                    local_step=fields["local_step"], steps=fields["steps"], tokens=fields["tokens"],
+                    base_version=fields["base_version"], kind=kind, tensors=tensors,
+                    transit_s=transit_s, lead_s=lead_s, final=fields["final"])
 
   def payload_bytes(self, name: str) -> int:
     """Bytes a delivery claims to hold (0 if its marker is unreadable): for the ledger."""

@@ -21,9 +21,10 @@ from absl import logging
 
 from diloco.distributed import wan
 from diloco import intake
+from diloco.delivery import Delivery
 from diloco.distributed.store import (GONE, NON_FINITE, WRITE_FAILED, Store, StoreError,
                                       parse_payload_name)
-from diloco.transport import Heartbeat, Merged, Payload
+from diloco.transport import Heartbeat, Merged
 
 UP, RETIRED, DONE = "up", "retired", "done"
 # An entry whose read raised something other than a StoreError (a poison pill): quarantined.
@@ -90,7 +91,7 @@ class LearnerStoreLink:
     with self._cond:
       self._beat = beat
 
-  def deliver(self, payload: Payload) -> None:
+  def deliver(self, payload: Delivery) -> None:
     """Queues the delivery for upload; waits (backpressure) while the outbox is full."""
     self._check()
     queued_at = time.monotonic()
@@ -169,7 +170,7 @@ class LearnerStoreLink:
       finally:
         self._outbox.task_done()
 
-  def _put_until_written(self, payload: Payload, queued_at: float) -> None:
+  def _put_until_written(self, payload: Delivery, queued_at: float) -> None:
     """Writes the delivery, retrying a failed write (a full disk, an unreachable bucket) with
     backoff: the store removes what a failed write left, and the bounded outbox makes the
     learner wait (backpressure) instead of losing the delivery or dying."""
@@ -361,7 +362,7 @@ class SyncerStoreLink:
     self._quarantining: dict[str, tuple[str, str]] = {}  # name -> (reason, detail)
     self._deleter = _Deleter()
 
-  def poll(self, now: float) -> tuple[list[Heartbeat], list[Payload], list[Rejected],
+  def poll(self, now: float) -> tuple[list[Heartbeat], list[Delivery], list[Rejected],
                                       list[tuple[int, int]]]:
     """(heartbeats, payloads, rejected entries, learners that left) since the last poll.
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from diloco import policy
+from diloco.delivery import Delivery
 
 _STEP_END, _DEADLINE, _PUBLISH = 0, 1, 2
 
@@ -121,7 +122,7 @@ class _Window:
     self.lost = [0] * self.n  # counter steps of rejected deliveries
     # Syncer.
     self.version = [0] * fragments
-    self.fresh = [[] for _ in range(fragments)]  # (Delivery, key, before_cut)
+    self.fresh = [[] for _ in range(fragments)]  # (Delivery, key, before_cut, arrival time)
     self.opened_at = [0.0] * fragments
     self.token = [0] * fragments
     self.resolved = {}  # delivery key -> True once received (or rejected)
@@ -172,9 +173,8 @@ class _Window:
     for p in self.due.get(t % self.H, ()):
       steps = t - self.receipt_step[i][p]
       key = (i, t, p)
-      delivery = policy.Delivery(learner_id=i, incarnation=0, fragment=p,
-                                 base_version=self.base[i][p], steps=steps, tokens=steps,
-                                 arrival_time=now)
+      delivery = Delivery(learner=i, incarnation=0, fragment=p, local_step=t, steps=steps,
+                          tokens=steps, base_version=self.base[i][p], kind="values")
       self.pending[i].append((t + self.cfg.tau, p, key))
       self.receive(delivery, key, before_cut, now)
     self.try_continue(i, now)
@@ -189,17 +189,17 @@ class _Window:
 
   def receive(self, delivery, key, before_cut, now):
     p = delivery.fragment
-    status = dataclasses.replace(self.status[delivery.learner_id], last_heartbeat=now)
+    status = dataclasses.replace(self.status[delivery.learner], last_heartbeat=now)
     ok, reason = policy.check_delivery(delivery, learner=status, current_version=self.version[p],
                                        now=now, config=self.cfg)
     if not ok:
       self.rejected[reason] += 1
-      self.lost[delivery.learner_id] += delivery.steps
+      self.lost[delivery.learner] += delivery.steps
       self.resolved[key] = True
       return
     if not self.fresh[p]:
       self.opened_at[p] = now
-    self.fresh[p].append((delivery, key, before_cut))
+    self.fresh[p].append((delivery, key, before_cut, now))
     self.evaluate(p, now)
 
   def evaluate(self, p, now):
@@ -207,10 +207,10 @@ class _Window:
     if not fresh:
       return
     decision = policy.decide_round(
-        [d.arrival_time for d, _, _ in fresh], num_alive=self.n, opened_at=self.opened_at[p],
+        [arrived for _, _, _, arrived in fresh], num_alive=self.n, opened_at=self.opened_at[p],
         now=now, config=self.cfg,
         step_time=policy.grace_step_time([e.value for e in self.step_ema],
-                                         [self.step_ema[d.learner_id].value for d, _, _ in fresh],
+                                         [self.step_ema[d.learner].value for d, _, _, _ in fresh],
                                          self.cfg.tau),
         quorum_time=self.quorum_ema.get(0.0), sync_time=self.sync_ema.get(self.sync_s))
     if decision.close:
@@ -230,11 +230,11 @@ class _Window:
     self.rounds += 1
     self.admitted += len(admitted)
     self.grace_s += decision.grace
-    for delivery, _, before_cut in admitted:
+    for delivery, _, before_cut, _ in admitted:
       self.staleness[policy.staleness(current, delivery.base_version)] += 1
       if before_cut:
-        self.merged[delivery.learner_id] += delivery.steps
-    self.push(now + self.sync_s, _PUBLISH, p, (current + 1, [k for _, k, _ in admitted]))
+        self.merged[delivery.learner] += delivery.steps
+    self.push(now + self.sync_s, _PUBLISH, p, (current + 1, [k for _, k, _, _ in admitted]))
 
   def publish(self, p, payload, now):
     version, keys = payload
