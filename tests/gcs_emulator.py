@@ -3,8 +3,9 @@
 `tests/object_store.py` emulates object-store *semantics* in process; this module runs the real
 client stack instead: `etils.epath` -> fsspec -> `gcsfs` (aiohttp, the JSON API's uploads,
 listings with prefixes and delimiters, deletes) against `gcp-storage-emulator` started in a
-subprocess on a free local port. `STORAGE_EMULATOR_HOST` points gcsfs at it; the child
-processes a test starts inherit that and the anonymous token (`FSSPEC_GCS_TOKEN=anon`), so a
+subprocess on a free local port. `STORAGE_EMULATOR_HOST` points gcsfs at it, and
+`TENSORSTORE_GCS_HTTP_URL` TensorStore (which Orbax uses for the learners' checkpoints); the
+child processes a test starts inherit those and the placeholder tokens (`Emulator.env`), so a
 launched run uses the same emulator.
 
 What the emulator does not do (see `test_emulator_ignores_generation_preconditions`): it
@@ -85,9 +86,13 @@ class Emulator:
     self._log.close()
 
   def env(self) -> dict[str, str]:
-    """What a process needs to reach the emulator through gcsfs (inherited by children)."""
+    """What a process needs to reach the emulator (inherited by the processes it starts):
+    gcsfs (the store's entries and records) and TensorStore's own GCS driver (the arrays of
+    the learners' Orbax checkpoints under `learners/`), each with a token the emulator
+    ignores instead of Google credentials."""
     return {"STORAGE_EMULATOR_HOST": self.host, "FSSPEC_GCS_TOKEN": "anon",
-            "GOOGLE_CLOUD_PROJECT": "diloco-test", ZONAL: "false"}
+            "GOOGLE_CLOUD_PROJECT": "diloco-test", ZONAL: "false",
+            "TENSORSTORE_GCS_HTTP_URL": self.host, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "anon"}
 
   def root(self, name: str = "store") -> str:
     """A fresh `gs://` root: every test gets a prefix nobody has written."""
