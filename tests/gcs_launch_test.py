@@ -31,6 +31,9 @@ def test_a_launched_run_with_its_store_on_gcs_finishes_and_exports(
        # generation-conditioned writes the emulator cannot answer ("Malformed
        # StorageGeneration"; see docs/scale_out.md).
        "--config.checkpoint.every_steps=0",
+       # The emulator answers one request at a time (a syncer pass with a round takes 2-5 s
+       # there): fewer polls, and a learner is not declared dead while its heartbeat queues.
+       "--config.store.poll_s=0.2", "--config.sync.heartbeat_timeout_s=30",
        "--config.launch.chaos_faults=0", "--config.launch.timeout_s=600"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=700, check=False)
   logs = proc.stdout[-3000:] + proc.stderr[-3000:]
