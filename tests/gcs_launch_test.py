@@ -26,7 +26,8 @@ def test_a_launched_run_with_its_store_on_gcs_finishes_and_exports(
       [sys.executable, "-m", "diloco.main", "--config=configs/multiprocess.py:tiny",
        f"--workdir={workdir}", "--role=launch", "--config.learners.count=2",
        f"--config.store.root={root}", f"--config.sync.shards={shards}",
-       "--config.sync.num_fragments=2", f"--config.train.steps={STEPS}", f"--config.train.eval_every={STEPS}",
+       "--config.sync.num_fragments=2", f"--config.train.steps={STEPS}",
+       f"--config.train.eval_every={STEPS}",
        # No learner checkpoints: Orbax writes their arrays through TensorStore's OCDBT, whose
        # generation-conditioned writes the emulator cannot answer ("Malformed
        # StorageGeneration"; see docs/scale_out.md).
