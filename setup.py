@@ -45,10 +45,12 @@ setup(
         # (docs/data.md); `datasets` itself is only needed to write directories.
         "hf": ["pyarrow>=15", "tokenizers>=0.15,<1"],
         # Tests also read TensorBoard event files back, run wandb in offline mode, write
-        # `datasets` directories and draw values around the config's bounds (hypothesis).
+        # `datasets` directories, draw values around the config's bounds (hypothesis) and run
+        # the store on a local Cloud Storage emulator through gcsfs (tests/gcs_emulator.py;
+        # 2026.7 is the release those tests were written against).
         "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "pyarrow>=15", "tokenizers>=0.15,<1",
                  "datasets>=3,<6", "tensorboard>=2.14,<3", "wandb>=0.20,<1",
-                 "hypothesis>=6.100,<7"],
+                 "hypothesis>=6.100,<7", "gcsfs>=2024.12", "gcp-storage-emulator>=2026.7,<2027"],
         # viewing the event files every run writes (tensorboardX writes them)
         "tensorboard": ["tensorboard>=2.14,<3"],
         # log.wandb=True

@@ -1,5 +1,7 @@
 """One syncer per store: the lease, in process on virtual clocks and between real processes
-stopped and killed with real signals, on a local directory and on the emulated object store."""
+stopped and killed with real signals, on a local directory and on the emulated object store;
+the in-process tests also on a local GCS emulator (`tests/gcs_emulator.py`), except those
+that need the create-only write, which that emulator does not honour."""
 
 import os
 import re
@@ -11,6 +13,7 @@ import time
 import numpy as np
 import object_store
 import pytest
+from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 
 from diloco.distributed.lease import Lease, LeaseHeld, LeaseLost
 from diloco.distributed.store import CONFLICT, Store, StoreError
@@ -19,8 +22,19 @@ from diloco.transport import Merged
 HOLDER = os.path.join(os.path.dirname(__file__), "lease_holder.py")
 
 
-@pytest.fixture(params=["local", "object"])
+@pytest.fixture(params=["local", "object", "gcs"])
 def where(request, tmp_path, monkeypatch):
+  if request.param == "gcs":
+    return request.getfixturevalue("gcs_root"), None
+  root, files = object_store.location(request.param, tmp_path, monkeypatch)
+  return root, files
+
+
+@pytest.fixture(params=["local", "object"])
+def create_only_where(request, tmp_path, monkeypatch):
+  """Stores whose create-only write is atomic: a local disk and the in-memory emulation. Not
+  the GCS emulator, which ignores `ifGenerationMatch=0` and overwrites
+  (`gcs_store_test.test_emulator_ignores_generation_preconditions`)."""
   root, files = object_store.location(request.param, tmp_path, monkeypatch)
   return root, files
 
@@ -115,8 +129,9 @@ def test_a_released_lease_or_a_dead_holder_on_this_host_is_taken_at_once(where):
       "g1.json", "g2.json"]  # older generations are collected
 
 
-def test_only_one_contender_takes_a_generation(where):
-  root, _ = where
+def test_only_one_contender_takes_a_generation(create_only_where):
+  """On the in-memory emulation and a local disk only (see `create_only_where`)."""
+  root, _ = create_only_where
   store = Store(root)
   assert store.create_json("lease/g0.json", {"holder": "a"})
   assert not store.create_json("lease/g0.json", {"holder": "b"})
@@ -151,11 +166,13 @@ def _wait(predicate, what, timeout=120.0):
 
 @pytest.mark.slow
 @pytest.mark.processes
-def test_two_real_syncers_one_store_stop_kill_and_takeover(where, tmp_path):
+def test_two_real_syncers_one_store_stop_kill_and_takeover(create_only_where, tmp_path):
   """a writes; b waits. a is SIGSTOPped: b takes over after the expiry; a, resumed, stops
   without writing. b is SIGKILLed: c (which may not use same-host liveness) takes over after
-  b's expiry. The versions are written by a, then b, then c, never interleaved."""
-  root, _ = where
+  b's expiry. The versions are written by a, then b, then c, never interleaved. Not on the
+  GCS emulator: a stopped between its check and its marker write relies on the create-only
+  write to be refused (see `create_only_where`)."""
+  root, _ = create_only_where
   lease_s = 3.0
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [os.getcwd(), os.environ.get("PYTHONPATH", "")]))

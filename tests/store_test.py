@@ -9,6 +9,8 @@ import time
 import numpy as np
 import object_store
 import pytest
+from etils import epath
+from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 
 from diloco import fragments, outer
 from diloco import syncer as syncer_lib
@@ -26,11 +28,15 @@ PLAN = fragments.plan_fragments(SHAPES, num_fragments=2)
 EXPECTED = {p: {k: SHAPES[k] for k in paths} for p, paths in enumerate(PLAN.fragments)}
 
 
-@pytest.fixture(params=["local", "object"])
+@pytest.fixture(params=["local", "object", "gcs"])
 def where(request, tmp_path, monkeypatch):
-  """(root, files): a local-directory store, or the same tests on an emulated object store
-  (`tests/object_store.py`: no rename, no directories, no prefix times); `files` is the local
-  directory holding its files, where the tests damage entries."""
+  """(root, files): a local-directory store, the same tests on an emulated object store
+  (`tests/object_store.py`: no rename, no directories, no prefix times), and on a local GCS
+  emulator through gcsfs's HTTP client (`tests/gcs_emulator.py`); `files` is the path the
+  tests damage entries through (the local directory holding the files, or the `gs://` root)."""
+  if request.param == "gcs":
+    root = request.getfixturevalue("gcs_root")
+    return root, epath.Path(root)
   root, files = object_store.location(request.param, tmp_path, monkeypatch)
   return root, pathlib.Path(files)
 
@@ -107,8 +113,12 @@ def test_json_records_are_replaced_atomically(where):
   store.write_json("registry.json", {"a": 1})
   store.write_json("registry.json", {"a": 2})
   assert store.read_json("registry.json") == {"a": 2}
-  assert [p for p in os.listdir(files) if p.endswith(".tmp")] == []
+  assert [p.name for p in files.iterdir() if p.name.endswith(".tmp")] == []
   assert store.read_json("missing.json") is None
+
+
+def _names(folder):
+  return [p.name for p in folder.iterdir()]
 
 
 def _plant(store, files):
@@ -118,14 +128,12 @@ def _plant(store, files):
   store.put_payload(_payload(0, p_of, good, step=1))  # the good one
   # Half-written: data but no commit marker -> never read.
   store.put_payload(_payload(0, 1, good, step=2))
-  os.remove(files / "payloads" / "f1_l0_i0_s2.json")
-  # Truncated: every data file of the entry cut to a few bytes.
+  (files / "payloads" / "f1_l0_i0_s2.json").unlink()
+  # Truncated: every data file of the entry cut to a few bytes (an entry is flat).
   store.put_payload(_payload(0, 0, good, step=3))
-  for folder, _, names in os.walk(files / "payloads" / "f0_l0_i0_s3"):
-    for f in names:
-      if not f.startswith((".", "_", "zarr")):
-        with open(os.path.join(folder, f), "r+b") as fh:
-          fh.truncate(3)
+  for f in (files / "payloads" / "f0_l0_i0_s3").iterdir():
+    if not f.name.startswith((".", "_", "zarr")):
+      f.write_bytes(f.read_bytes()[:3])
   # Garbage: a commit marker that is not JSON.
   store.put_payload(_payload(0, 1, good, step=4))
   (files / "payloads" / "f1_l0_i0_s4.json").write_bytes(b"\x00\xffnot json")
@@ -214,7 +222,7 @@ def test_every_bad_entry_kind_is_rejected_with_its_reason(where):
   # What the store could not use was moved aside with its reason, never deleted.
   assert sorted(r["reason"] for r in store.quarantined().values()) == sorted(
       r.reason for r in rejected)
-  assert len(rejected) == 5 and os.path.isdir(files / "quarantine" / rejected[0].name)
+  assert len(rejected) == 5 and (files / "quarantine" / rejected[0].name).is_dir()
   assert store.uncommitted_payloads() == ["f1_l0_i0_s2"]  # never trusted, never read
   assert store.collect_uncommitted(max_age_s=3600) == 0
   assert store.collect_uncommitted(max_age_s=-1) == 1 and store.uncommitted_payloads() == []
@@ -230,9 +238,10 @@ def test_uncommitted_entries_are_collected_by_the_age_this_process_saw_them(wher
   store = Store(root)
   for step in (1, 2):
     store.put_payload(_payload(0, 0, _params(1), step=step))
-    os.remove(files / "payloads" / f"f0_l0_i0_s{step}.json")  # the writer died before it
+    (files / "payloads" / f"f0_l0_i0_s{step}.json").unlink()  # the writer died before it
   old = files / "payloads" / "f0_l0_i0_s1"
-  os.utime(old, (0, 0))  # a prefix time of 1970 means nothing
+  if isinstance(old, pathlib.Path):  # a local folder's time of 1970 means nothing
+    os.utime(old, (0, 0))
   assert store.collect_uncommitted(max_age_s=0.3) == 0  # first seen now
   store.write_json("payloads/f0_l0_i0_s2.json", {"late": True})  # a slow writer committed
   time.sleep(0.4)
@@ -342,7 +351,7 @@ def test_collect_merged_spares_a_version_being_written(where):
   (writing / "t0000.npy").write_bytes(b"half")
   store.collect_merged(0, keep=2)
   assert store.merged_versions(0) == [2, 3]
-  names = sorted(re.sub(r"\.[0-9a-f]{12}$", ".w", n) for n in os.listdir(files / "merged"))
+  names = sorted(re.sub(r"\.[0-9a-f]{12}$", ".w", n) for n in _names(files / "merged"))
   assert names == ["f0_v2.json", "f0_v2.w", "f0_v3.json", "f0_v3.w", "f0_v4.w", "index.json"]
   assert store.collect_uncommitted_merged() == 1  # what a restarted syncer does first
   assert not (files / "merged" / "f0_v4.0123456789ab").exists()

@@ -48,6 +48,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import fsspec
+import fsspec.dircache
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
@@ -154,12 +156,32 @@ def _fsync_file(path: epath.Path) -> None:
     os.close(fd)
 
 
+def _no_listings_cache(root: epath.Path) -> None:
+  """Turns off the listings cache of the fsspec filesystem `root` is reached through.
+
+  gcsfs keeps every listing it made (for ever, by default) and answers listings, `exists`
+  and `info` of the names below it from that copy, so objects another process wrote or
+  deleted afterwards stay invisible: a syncer would never see a new delivery, nor a lease
+  holder the generation that took its lease. The store lists to learn what others wrote,
+  so it must ask the server each time. (TensorFlow's gfile, which etils prefers when
+  TensorFlow is installed, keeps no listings.)
+  """
+  from etils.epath import backend  # pylint: disable=import-outside-toplevel
+  if getattr(root, "_backend", None) is not backend.fsspec_backend:
+    return
+  fs = backend.fsspec_backend.fs(os.fspath(root))
+  if getattr(fs.dircache, "use_listings_cache", False):
+    fs.dircache = fsspec.dircache.DirCache(use_listings_cache=False)
+
+
 class Store:
   """Atomic JSON records and committed Orbax entries under one root."""
 
   def __init__(self, root: str | os.PathLike):
     self.root = epath.Path(root)
     self.local = "://" not in str(root)
+    if not self.local:
+      _no_listings_cache(self.root)
     # An object store has no directories: these calls do nothing there (prefixes exist
     # through their objects), and listings of empty prefixes are treated as empty.
     for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners", "ready", "lease"):
@@ -266,7 +288,6 @@ class Store:
     path = self.root / rel
     data = json.dumps(record).encode()
     if not self.local:
-      import fsspec  # pylint: disable=import-outside-toplevel
       fs, key = fsspec.core.url_to_fs(str(path))
       try:
         fs.pipe_file(key, data, mode="create")
