@@ -21,11 +21,15 @@ def test_assignment_covers_every_fragment_once_and_is_balanced(sizes, data):
   parts = [syncer_shards.owned(owner, s) for s in range(shards)]
   assert sorted(itertools.chain(*parts)) == list(range(len(sizes)))
   loads = [sum(sizes[p] for p in part) for part in parts]
-  # Greedy largest-first: no shard exceeds the lightest by more than one fragment's size, and
-  # the heaviest is within 4/3 of the best possible maximum (Graham's bound) or one fragment.
+  # Greedy largest-first: no shard exceeds the lightest by more than one fragment's size; the
+  # heaviest is within Graham's list bound (mean + (1 - 1/S) x the largest) and, where brute
+  # force can find the best possible maximum, within 4/3 of it (LPT's bound).
   assert max(loads) - min(loads) <= max(sizes)
-  best = max(max(sizes), -(-sum(sizes) // shards))
-  assert max(loads) <= max(4 * best / 3, max(sizes)) + 1
+  assert max(loads) <= sum(sizes) / shards + (1 - 1 / shards) * max(sizes) + 1e-6 * sum(sizes)
+  if shards ** len(sizes) <= 6561:
+    best = min(max(sum(x for x, o in zip(sizes, owners) if o == s) for s in range(shards))
+               for owners in itertools.product(range(shards), repeat=len(sizes)))
+    assert 3 * max(loads) <= 4 * best
   assert syncer_shards.assign(list(sizes), shards) == owner  # deterministic
 
 
