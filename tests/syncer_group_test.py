@@ -16,6 +16,7 @@ import pytest
 
 from diloco import fragments, intake, policy, syncer as syncer_lib, syncer_group, syncer_shards
 from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.errors import ConfigError
 from diloco.transport import Heartbeat, Payload
 
 SHAPES = {"embedder/embedding": (12, 4), "layers/0/w": (4, 8), "layers/0/b": (8,),
@@ -165,7 +166,9 @@ def test_routing_state_and_checkpoint_state_round_trip():
   assert group.assignment == owner
   for p in range(P):
     assert set(group.fragment_values(p)) == set(_plan().fragments[p])
-    assert all(p in group.shards[owner[p]]._rejected_at for p in range(P))  # noqa: SLF001
+    assert set(group.shards[owner[p]].params) >= set(_plan().fragments[p])
+    assert group.owner(p) == owner[p]
+  assert group.owner(P) == group.owner(-1) == group.owner("0") == 0  # shard 0 rejects those
   _run([group], script_steps=10)
   states = group.export_states()
   assert len(states) == 2 and sum(s["rounds"] for s in states) == group.rounds
@@ -177,7 +180,7 @@ def test_routing_state_and_checkpoint_state_round_trip():
   fresh.restore_states(states, frags, {})
   assert fresh.versions == group.versions and fresh.rounds == group.rounds
   assert all(np.array_equal(fresh.global_params()[k], group.global_params()[k]) for k in SHAPES)
-  with pytest.raises(Exception, match="sync.shards"):
+  with pytest.raises(ConfigError, match="sync.shards"):
     _build(3, sync).restore_states(states, frags, {})
 
 
