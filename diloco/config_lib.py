@@ -226,7 +226,8 @@ class SyncConfig:
   send_queue: int = setting(8, AT_LEAST_ONE)
   # S: the syncer is split into this many shards, each owning a byte-balanced subset of the
   # fragments with its own G, momentum, rounds, lease, store folder and tape
-  # (docs/design.md 3.1, `diloco/syncer_shards.py`). 1 = one syncer.
+  # (docs/design.md 3.1, `diloco/syncer_shards.py`). 1 = one syncer. The single-controller
+  # runtime runs the S shards in its process (`diloco/syncer_group.py`).
   shards: int = setting(1, AT_LEAST_ONE)
   # Which shard a syncer process is (`--role=syncer --config.sync.shard=s`); learners and the
   # single-controller runtime ignore it.

@@ -90,6 +90,7 @@ class Syncer:
     self._pending: dict[int, dict[int, _Pending]] = collections.defaultdict(dict)
     self._opened_at: dict[int, float] = {}
     self._rejected: dict[int, list[dict]] = collections.defaultdict(list)
+    self._rejected_at = frozenset(self.owned)
     self._departed: dict[int, int] = {}  # learner -> incarnation that left with deliveries
     self._delta_pool: dict[tuple, np.ndarray] = {}
     self.rejections: collections.Counter = collections.Counter()
@@ -109,9 +110,12 @@ class Syncer:
     self._shapes = {k: v.shape for k, v in self.params.items()}
     self._on_round = on_round
     self.rounds = 0
-    self._closed_here = self._admitted_here = 0  # since this process started (status lines)
+    self.closed_here = self.admitted_here = 0  # since this process started (status lines)
     self.last_quorum = 0
     self.last_grace = 0.0
+    # Whether this instance counts (and tapes) the heartbeats it rejects or ignores: of S
+    # shards that all see every heartbeat in one process, one does (`syncer_group.py`).
+    self.counts_heartbeats = True
 
   def _measure(self, p: int) -> tuple[float, float]:
     paths = self.plan.fragments[p]
@@ -137,14 +141,15 @@ class Syncer:
   def _heartbeat(self, beat: Heartbeat, now: float = math.inf) -> None:
     stamp = intake.heartbeat_time(beat, now)
     if stamp is None or not intake.check_heartbeat(beat, self.limits):
-      self.reject(0, beat.learner, beat.incarnation, intake.REJECT_BAD_HEARTBEAT, 0, now)
+      self._bad_heartbeat(beat, now)
       return
     if self.ledger.departed(beat.learner, beat.incarnation):
-      self.ignored[intake.REJECT_DEPARTED] += 1  # it left, or a newer incarnation merged
+      if self.counts_heartbeats:
+        self.ignored[intake.REJECT_DEPARTED] += 1  # it left, or a newer incarnation merged
       return
     known = self.registry.get(beat.learner)
     if known is not None and beat.incarnation > known.incarnation + intake.MAX_INCARNATION_JUMP:
-      self.reject(0, beat.learner, beat.incarnation, intake.REJECT_BAD_HEARTBEAT, 0, now)
+      self._bad_heartbeat(beat, now)
       return
     if (known is not None and beat.incarnation < known.incarnation
         and policy.is_alive(known.last_heartbeat, stamp, self.policy.heartbeat_timeout_s)):
@@ -155,11 +160,15 @@ class Syncer:
       self._step_ema[beat.learner] = policy.Ema(self.policy.ema_decay)
     if _is_duration(beat.step_time) and beat.step_time > 0:
       self._step_ema[beat.learner] = self._step_ema[beat.learner].update(beat.step_time)
-    elif not _is_duration(beat.step_time):
+    elif not _is_duration(beat.step_time) and self.counts_heartbeats:
       self.ignored[intake.IGNORED_TIME] += 1
     self.registry[beat.learner] = policy.LearnerStatus(
         learner_id=beat.learner, incarnation=beat.incarnation, last_heartbeat=stamp,
         step_time=self._step_ema[beat.learner].value)
+
+  def _bad_heartbeat(self, beat: Heartbeat, now: float) -> None:
+    if self.counts_heartbeats:
+      self.reject(0, beat.learner, beat.incarnation, intake.REJECT_BAD_HEARTBEAT, 0, now)
 
   def _reject(self, payload: Delivery, reason: str, now: float) -> None:
     self.reject(payload.fragment, payload.learner, payload.incarnation, reason, _nbytes(payload),
@@ -176,7 +185,9 @@ class Syncer:
     fragment, learner, incarnation = (x if intake.is_count(x, 0) else -1
                                       for x in (fragment, learner, incarnation))
     self.rejections[reason] += 1
-    p = fragment if 0 <= fragment < self.plan.num_fragments else 0
+    # Listed with the fragment's next round; one this shard does not merge (or no fragment)
+    # with its first own fragment's, so that it reaches the tape.
+    p = fragment if fragment in self._rejected_at else self.owned[0]
     record = {"learner": int(learner), "incarnation": int(incarnation), "reason": reason,
               "payload_bytes": int(nbytes), "arrived_at": now}
     if intake.is_count(local_step, 0) and intake.is_count(steps, 1):
@@ -474,8 +485,8 @@ class Syncer:
         "published_bytes": merged.nbytes, "receivers": alive,
     }
     self.rounds += 1
-    self._closed_here += 1
-    self._admitted_here += len(entries)
+    self.closed_here += 1
+    self.admitted_here += len(entries)
     self.last_quorum = len(entries)
     self.last_grace = decision.grace
     if self._on_round is not None:
@@ -533,6 +544,6 @@ class Syncer:
 
   def state_summary(self) -> dict[str, Any]:
     return {"rounds": self.rounds, "last_quorum": self.last_quorum,
-            "learners_per_round": self._admitted_here / max(self._closed_here, 1),
+            "learners_per_round": self.admitted_here / max(self.closed_here, 1),
             "last_grace_s": self.last_grace, "rejected": dict(self.rejections),
             "ignored": dict(self.ignored)}

@@ -271,3 +271,34 @@ def test_where_steps_went_splits_step_time_into_merged_rejected_and_dropped():
   assert went == {"merged": pytest.approx(2.0), "rejected": pytest.approx(4.0),
                   "dropped": pytest.approx(2.0)}
   assert sum(went.values()) == pytest.approx(8.0)
+
+
+def test_a_sharded_syncers_tape_gives_figures_per_shard_and_overall(tmp_path):
+  """Rounds tagged with their syncer shard (docs/design.md 3.1): per-shard keys beside the
+  overall ones, the shards' rounds summing to the run's."""
+  shard0 = [dict(round_(0, 1.0, [delivery(0, 2, 2), delivery(1, 2, 2, staleness=1)],
+                        grace_s=0.5), shard=0),
+            dict(round_(0, 3.0, [delivery(0, 4, 2, staleness=2)], number=2), shard=0)]
+  shard1 = [dict(round_(1, 2.0, [delivery(1, 4, 4)], number=1, grace_s=0.25), shard=1)]
+  tape = shard0 + shard1
+  write_jsonl(tmp_path / "tape.jsonl", tape)
+  write_jsonl(tmp_path / "activity.jsonl", two_learners_stepping_and_waiting())
+  out = accounting.summary(str(tmp_path), num_fragments=2, num_params=100)
+  assert out["accounting/shards"] == 2.0 and out["accounting/rounds"] == 3.0
+  assert out["accounting/shard0/rounds"] + out["accounting/shard1/rounds"] == 3.0
+  assert out["accounting/shard0/mean_learners_per_round"] == pytest.approx(1.5)
+  assert out["accounting/shard1/mean_learners_per_round"] == 1.0
+  assert out["accounting/shard0/staleness_mean"] == pytest.approx(1.0)
+  assert out["accounting/shard0/staleness_max"] == 2.0
+  assert out["accounting/shard1/staleness_max"] == 0.0
+  assert out["accounting/shard0/mean_grace_s"] == pytest.approx(0.25)
+  assert out["accounting/shard1/median_grace_s"] == 0.25
+  assert out["accounting/mean_learners_per_round"] == pytest.approx(4 / 3)  # overall meaning
+  line = accounting.fidelity_line(tape)
+  assert line.startswith("fidelity: 3 rounds") and "per shard: s0 2 rounds" in line
+  assert "s1 1 rounds, 1.00 learners/round" in line
+  # One shard (or records written before shards): no per-shard keys, the line as before.
+  assert "per shard" not in accounting.fidelity_line(shard0)
+  write_jsonl(tmp_path / "tape.jsonl", shard0)
+  assert not any("shard" in k for k in accounting.summary(str(tmp_path), num_fragments=2,
+                                                          num_params=100))

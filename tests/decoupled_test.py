@@ -140,6 +140,31 @@ def test_heterogeneous_quorum_and_grace(tmp_path, quorum, gamma):
     assert wait < 0.05 and per_round > 1.2 and slow_admitted > 0
 
 
+def test_a_sharded_syncer_trains_like_one_syncer_without_grace(tmp_path):
+  """`sync.shards = 2` (docs/design.md 3.1): two policy instances, each merging its fragments.
+  With gamma = 0 a round's close depends on its deliveries and the liveness of learners only,
+  never on a shard's EMAs, so the run is the one-syncer run bit for bit: the same G, eval
+  loss and goodput, and the same rounds on the tape, each tagged with its owning shard."""
+  common = dict(learners__count=3, learners__devices="2,2,2", learners__speeds="1,1.4,1",
+                learners__step_jitter=0.2, sync__gamma=0.0, train__steps=24)
+  one, s1 = decoupled.run_with_runtime(_config(**common), str(tmp_path / "s1"))
+  two, s2 = decoupled.run_with_runtime(_config(sync__shards=2, **common), str(tmp_path / "s2"))
+  tape1, tape2 = _tape(str(tmp_path / "s1")), _tape(str(tmp_path / "s2"))
+  assert {r["shard"] for r in tape1} == {0} and {r["shard"] for r in tape2} == {0, 1}
+  assert [r["round"] for r in tape2] == list(range(len(tape2)))
+  assert all(r["shard"] == two.syncer.assignment[r["fragment"]] for r in tape2)
+  drop = ("merge_wall_s", "shard", "shard_round")
+  assert [{k: v for k, v in r.items() if k not in drop} for r in tape1] == [
+      {k: v for k, v in r.items() if k not in drop} for r in tape2]
+  assert s2["eval/loss"] == s1["eval/loss"] < s1["eval/initial_loss"]
+  assert s2["accounting/goodput"] == s1["accounting/goodput"] > 0.5
+  assert s2["accounting/shard0/rounds"] + s2["accounting/shard1/rounds"] == s2[
+      "accounting/rounds"] == s1["accounting/rounds"]
+  assert "accounting/shards" not in s1 and s2["accounting/shards"] == 2
+  for k in one.syncer.params:
+    np.testing.assert_array_equal(one.syncer.params[k], two.syncer.params[k])
+
+
 def test_same_seed_same_tape_and_parameters(tmp_path):
   cfg = _config(learners__count=2, learners__step_jitter=0.2, learners__speeds="1,1.3,1,1",
                 train__steps=20)

@@ -16,7 +16,7 @@ from gcs_emulator import BUCKET, gcs_emulator, gcs_root  # noqa: F401  (fixtures
 
 from diloco.distributed.lease import Lease, LeaseLost
 from diloco.distributed.store import Store
-from diloco.transport import Payload
+from diloco.delivery import Delivery
 
 
 def _other_client():
@@ -29,9 +29,10 @@ def _key(root: str, rel: str) -> str:
   return f"{root.removeprefix('gs://')}/{rel}"
 
 
-def _payload(learner: int, step: int) -> Payload:
+def _payload(learner: int, step: int) -> Delivery:
   tensors = {"w": np.arange(6, dtype=np.float32).reshape(2, 3) + step}
-  return Payload(learner, 0, 0, step, step, 10 * step, 0, "values", tensors, 0.0)
+  return Delivery(learner=learner, incarnation=0, fragment=0, local_step=step, steps=step,
+                  tokens=10 * step, base_version=0, kind="values", tensors=tensors)
 
 
 def test_emulator_ignores_generation_preconditions(gcs_emulator):

@@ -146,3 +146,16 @@ def test_table_says_off_for_a_run_without_evals(tmp_path):
   assert "eval loss       off at step 5 (initial off)" in text
   assert "2 (1 of them the syncer's); faults 2 of 3 applied" in text
   assert "tensorboard     off" in text and "export          none" in text
+
+
+def test_table_has_a_row_per_sharded_syncer_and_none_for_one(tmp_path):
+  base = dict(report.RunFigures(2.0, 3.0, 5, 1.0, 0, 0, 0, 0).as_summary(),
+              **{"accounting/rounds": 5.0})
+  assert "syncer shards" not in report.table(base, str(tmp_path), eval_step=5)
+  sharded = dict(base, **{"accounting/shards": 2.0, "accounting/shard0/rounds": 3.0,
+                          "accounting/shard0/mean_learners_per_round": 1.5,
+                          "accounting/shard1/rounds": 2.0,
+                          "accounting/shard1/mean_learners_per_round": 2.0})
+  text = report.table(sharded, str(tmp_path), eval_step=5)
+  assert ("syncer shards   s0 3 rounds 1.50 learners/round, s1 2 rounds 2.00 learners/round"
+          in text)

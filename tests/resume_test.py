@@ -20,7 +20,7 @@ from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
 from diloco.learner import Resume
 from diloco.runtime import checkpoint as run_checkpoint
 from diloco.runtime import decoupled
-from diloco.syncer import Syncer
+from diloco.syncer_group import SyncerGroup
 
 import run_config
 
@@ -57,8 +57,16 @@ def _slot(index, **fields):
 
 
 def _syncer(plan, shapes, sync=SyncConfig(num_fragments=2)):
+  """The runtime's syncer (`sync.shards` shards); `_set` moves its fragments' state."""
   params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-  return Syncer(params, plan, sync, OuterConfig())
+  return SyncerGroup(params, plan, sync, OuterConfig())
+
+
+def _set(syncer, versions, rounds=None):
+  for p, v in enumerate(versions):
+    syncer.shards[syncer.assignment[p]].versions[p] = v
+  for s, shard in enumerate(syncer.shards):
+    shard.rounds = 0 if rounds is None else rounds[s]
 
 
 SHAPES = {"a/w": (3, 4), "b/w": (5,), "c/0/w": (2, 2)}
@@ -74,8 +82,7 @@ def test_snapshot_restore_round_trip(tmp_path):
   for k in SHAPES:
     syncer.params[k][...] = g[k]
     syncer.momentum[k][...] = b[k]
-  syncer.versions = [5, 3]
-  syncer.rounds = 8
+  _set(syncer, [5, 3], [8])
   slots = [_slot(0, status="up", incarnation=2, resume=Resume(11, {"next_index": 11})),
            _slot(1, status="done", incarnation=0, resume=Resume(64, {"next_index": 64})),
            _slot(2)]
@@ -85,7 +92,7 @@ def test_snapshot_restore_round_trip(tmp_path):
   for k in SHAPES:  # the syncer moves on after the snapshot; the checkpoint must not
     syncer.params[k] += 1.0
     syncer.momentum[k] -= 1.0
-  syncer.versions[0] += 1
+  _set(syncer, [6, 3], [9])
   ckpt = run_checkpoint.RunCheckpointer(str(tmp_path), cfg)
   assert ckpt.save(snap) == 1
   ckpt.close()
@@ -107,10 +114,51 @@ def test_snapshot_restore_round_trip(tmp_path):
   assert fresh_slots[2].status == "idle"
 
 
+def test_a_sharded_syncer_round_trips_and_another_shard_count_is_refused(tmp_path):
+  cfg = _config(sync__shards=2)
+  plan = fragments.plan_fragments(SHAPES, 3, "tensor")
+  sync = SyncConfig(num_fragments=3, shards=2)
+  syncer = _syncer(plan, SHAPES, sync)
+  assert sorted(set(syncer.assignment)) == [0, 1]
+  rng = np.random.default_rng(1)
+  for k in SHAPES:
+    syncer.params[k][...] = rng.standard_normal(SHAPES[k])
+    syncer.momentum[k][...] = rng.standard_normal(SHAPES[k])
+  expected = syncer.global_params()
+  rounds = [2 * syncer.assignment.count(s) for s in range(2)]
+  _set(syncer, [2, 2, 2], rounds)
+  snap = run_checkpoint.take_snapshot(_fake_runtime(tmp_path, cfg, syncer, plan, []),
+                                      run_checkpoint.ResumePoints(),
+                                      run_checkpoint.MergedSteps(), 3.0, initial_loss=6.0)
+  assert len(snap.meta["syncer_shards"]) == 2 and snap.meta["rounds"] == 6
+  run_checkpoint.check_resumable(snap, cfg, "w")
+  for other in (1, 3):
+    with pytest.raises(ConfigError, match=r"^sync.shards: .* 2 syncer shard\(s\), this run asks "
+                                          f"for {other}"):
+      run_checkpoint.check_resumable(snap, _config(sync__shards=other), "w")
+  fresh = _syncer(plan, SHAPES, sync)
+  run_checkpoint.restore(_fake_runtime(tmp_path, cfg, fresh, plan, []), snap)
+  assert fresh.versions == [2, 2, 2] and fresh.rounds == 6
+  assert [s.rounds for s in fresh.shards] == rounds
+  for k in SHAPES:
+    np.testing.assert_array_equal(fresh.params[k], expected[k])
+    np.testing.assert_array_equal(fresh.momentum[k], syncer.momentum[k])
+  one = _syncer(plan, SHAPES, dataclasses.replace(sync, shards=1))
+  with pytest.raises(ConfigError, match="sync.shards"):
+    run_checkpoint.restore(_fake_runtime(tmp_path, cfg, one, plan, []), snap)
+  # A single syncer's checkpoint (and one written before shards existed) asks for S = 1.
+  single = _saved_run(tmp_path, _config(), [1, 1])
+  with pytest.raises(ConfigError, match="sync.shards: .* 1 syncer shard"):
+    run_checkpoint.check_resumable(single, _config(sync__shards=2), "w")
+  old = {k: v for k, v in single.meta["identity"]["sync"].items() if k not in ("shards", "shard")}
+  single.meta["identity"] = dict(single.meta["identity"], sync=old)
+  run_checkpoint.check_resumable(single, _config(), "w")
+
+
 def _saved_run(tmp_path, cfg, versions):
   plan = fragments.plan_fragments(SHAPES, 2, "balanced")
   syncer = _syncer(plan, SHAPES)
-  syncer.versions = list(versions)
+  _set(syncer, versions)
   rt = _fake_runtime(tmp_path, cfg, syncer, plan, [])
   return run_checkpoint.take_snapshot(rt, run_checkpoint.ResumePoints(),
                                       run_checkpoint.MergedSteps(), 1.0, initial_loss=6.0)
@@ -160,13 +208,15 @@ class _Killed(Exception):
 
 
 @pytest.mark.slow
-def test_virtual_clock_resume_reaches_the_same_versions(tmp_path, monkeypatch):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_virtual_clock_resume_reaches_the_same_versions(tmp_path, monkeypatch, shards):
   # Without grace and with K = 1, every delivery is a round of its own, so the versions count
   # deliveries: M learners x steps / H per fragment, if the resume loses and repeats none.
+  # With two syncer shards (each checkpointed and restored) the count is the same.
   m, steps, h = 2, 24, 8
   cfg = _config(learners__count=m, learners__virtual_clock=True, sync__gamma=0.0,
                 train__steps=steps, train__eval_every=0, checkpoint__every_rounds=10,
-                sync__receipt="overwrite")
+                sync__receipt="overwrite", sync__shards=shards)
   workdir = str(tmp_path)
   save = run_checkpoint.RunCheckpointer.save
 
@@ -194,6 +244,8 @@ def test_virtual_clock_resume_reaches_the_same_versions(tmp_path, monkeypatch):
   resumed = {a["learner"] for r in tape[saved["rounds"]:] for a in r["admitted"]
              if a["incarnation"] == 1}
   assert resumed == {0, 1}  # both learners came back as incarnation 1
+  assert {r["shard"] for r in tape} == set(range(shards))
+  assert len(saved.get("syncer_shards") or [saved["syncer"]]) == shards
   assert np.isfinite(summary["eval/loss"])
 
 

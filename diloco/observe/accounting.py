@@ -31,6 +31,9 @@ Definitions (times in seconds on the run's clock):
 - **Merged tokens** = sum of the admitted deliveries' `tokens` / P (each delivery carries the
   tokens behind 1/P of the model); merged tokens/s divides by the horizon.
 - **Staleness** is the `staleness` the syncer recorded for each admitted delivery.
+- **Per shard**: with a sharded syncer (`sync.shards` > 1, docs/design.md 3.1) each round record
+  names its `shard`; rounds, learners per round, grace and staleness are also given per shard
+  (`shard_stats`), and the overall figures are over every shard's rounds.
 - **Bandwidth**: learner->syncer bytes are the `payload_bytes` of every delivery that reached
   the syncer (admitted and rejected); syncer->learner bytes are `published_bytes` times the
   number of receivers. The compression ratio is float32 bytes of the same fragments over the
@@ -274,6 +277,42 @@ def round_stats(tape: Sequence[Mapping]) -> dict:
 
 
 
+def by_shard(tape: Sequence[Mapping]) -> dict[int, list[Mapping]]:
+  """Round records per syncer shard (`shard`, 0 where a record names none), keys ascending."""
+  out = collections.defaultdict(list)
+  for r in tape:
+    out[int(r.get("shard", 0))].append(r)
+  return dict(sorted(out.items()))
+
+
+def shard_stats(tape: Sequence[Mapping]) -> dict[int, dict[str, float]]:
+  """Per syncer shard: `rounds`, `mean_learners_per_round`, `mean_alive_per_round`,
+  `median_grace_s`, `mean_grace_s`, `mean_grace_used_s`, `staleness_mean`, `staleness_max`."""
+  out = {}
+  for s, records in by_shard(tape).items():
+    stats, hist = round_stats(records), staleness_histogram(records)
+    admitted = sum(hist.values())
+    out[s] = {"rounds": stats["rounds"], "mean_learners_per_round": stats["mean_learners"],
+              "mean_alive_per_round": stats["mean_alive"],
+              "median_grace_s": stats["median_grace_s"], "mean_grace_s": stats["mean_grace_s"],
+              "mean_grace_used_s": stats["mean_grace_used_s"],
+              "staleness_mean": (sum(k * v for k, v in hist.items()) / admitted
+                                 if admitted else 0.0),
+              "staleness_max": max(hist, default=0)}
+  return out
+
+
+def _shards_part(tape: Sequence[Mapping]) -> str:
+  """The fidelity line's per-shard part ("" for one shard)."""
+  stats = shard_stats(tape)
+  if len(stats) < 2:
+    return ""
+  return "; per shard: " + " | ".join(
+      f"s{s} {x['rounds']} rounds, {x['mean_learners_per_round']:.2f} learners/round, grace "
+      f"median {x['median_grace_s']:.3f}s, staleness mean {x['staleness_mean']:.2f}"
+      for s, x in stats.items())
+
+
 def fidelity_line(tape: Sequence[Mapping]) -> str:
   """One line saying whether rounds merge like the paper's algorithm: learners per round
   (mean and histogram), grace window and time used, staleness of admitted deliveries, and
@@ -293,7 +332,7 @@ def fidelity_line(tape: Sequence[Mapping]) -> str:
           f"grace median {stats['median_grace_s']:.3f}s used "
           f"{stats['mean_grace_used_s']:.3f}s ({stats['admitted_in_grace']} admitted in grace), "
           f"staleness mean {sum(k * v for k, v in hist.items()) / admitted:.2f} [{stale}], "
-          f"closed by {closed}")
+          f"closed by {closed}{_shards_part(tape)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -484,6 +523,11 @@ def summary(workdir: str, num_fragments: int, num_params: int, *,
     out[f"learners_per_round/{learners}"] = count
   for age, count in hist.items():
     out[f"staleness/{age}"] = count
+  per_shard = shard_stats(tape)
+  if len(per_shard) > 1:  # a sharded syncer: its shards' figures beside the overall ones
+    out["shards"] = len(per_shard)
+    for s, figures in per_shard.items():
+      out.update({f"shard{s}/{k}": v for k, v in figures.items()})
   if ledger.compression_ratio is not None:
     out["compression_ratio"] = ledger.compression_ratio
   if ledger.dp_ratio is not None:

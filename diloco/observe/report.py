@@ -86,6 +86,17 @@ def _loss(value: float | None) -> str:
   return "off" if value is None or not math.isfinite(value) else f"{value:.4f}"
 
 
+def _shard_rows(summary: Mapping[str, float | None]) -> list[tuple[str, str]]:
+  """A sharded syncer's row (docs/design.md 3.1): rounds and learners/round per shard."""
+  shards = int(summary.get("accounting/shards") or 0)
+  if shards < 2:
+    return []
+  a = lambda s, key: summary.get(f"accounting/shard{s}/{key}") or 0.0  # noqa: E731
+  return [("syncer shards", ", ".join(
+      f"s{s} {a(s, 'rounds'):.0f} rounds {a(s, 'mean_learners_per_round'):.2f} learners/round"
+      for s in range(shards)))]
+
+
 def table(summary: Mapping[str, float | None], workdir: str, eval_step: int) -> str:
   """A few headline figures of `summary` (an accounting.json), rounded, and where the run's
   outputs are."""
@@ -103,6 +114,7 @@ def table(summary: Mapping[str, float | None], workdir: str, eval_step: int) -> 
                          f"{a('mean_alive_per_round'):.2f} alive, {a('rounds'):.0f} rounds, "
                          f"{a('rejected'):.0f} deliveries rejected"),
       ("staleness", f"mean {a('staleness_mean'):.2f}, max {a('staleness_max'):.0f}"),
+      *_shard_rows(summary),
       ("restarts", f"{summary.get('restarts', 0):.0f} ({summary.get('syncer_restarts', 0):.0f} "
                    f"of them the syncer's); faults {summary.get('chaos/applied', 0):.0f} of "
                    f"{summary.get('chaos/events', 0):.0f} applied"),

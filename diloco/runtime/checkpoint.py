@@ -2,7 +2,8 @@
 
 A checkpoint holds what a killed process cannot rebuild: the global parameters G, the
 Nesterov momentum, the fragment versions, the round counter, the syncer's registry and EMAs
-(`Syncer.export_state`), each slot's resume point (local step, Grain iterator state,
+(`Syncer.export_state`, one per syncer shard: `syncer` the first, `syncer_shards` all of them
+when `sync.shards` > 1), each slot's resume point (local step, Grain iterator state,
 incarnation, status), the run's clock, and how much of tape.jsonl, activity.jsonl and
 metrics.jsonl it covers. It is taken under `Runtime.lock` (host copies only, so the syncer
 waits for a memcpy, never for disk) and written by Orbax in the background.
@@ -55,7 +56,10 @@ def identity(cfg: Config) -> dict[str, Any]:
 
 
 def _without_switches(fields: dict[str, Any]) -> dict[str, Any]:
-  # Also applied to a saved identity: snapshots written before the switches were left out.
+  # Also applied to a saved identity: snapshots written before the switches were left out,
+  # and before the syncer had shards (one shard, the defaults).
+  if isinstance(fields.get("sync"), dict):
+    fields = dict(fields, sync={"shards": 1, "shard": 0, **fields["sync"]})
   return dict(fields, model=model_config.layout(fields["model"])) if "model" in fields else fields
 
 
@@ -119,14 +123,17 @@ def take_snapshot(rt, points: ResumePoints, merged: MergedSteps, now: float, *,
     params = syncer.global_params()
     momentum = {k: v.copy() for k, v in syncer.momentum.items()}
     tape_len, activity_len = rt.recorder.mark()
+    states = syncer.export_states()
     meta = {
-        "syncer": syncer.export_state(), "versions": list(syncer.versions),
+        "syncer": states[0], "versions": list(syncer.versions),
         "rounds": syncer.rounds, "clock": now, "initial_loss": initial_loss,
         "finished": finished, "identity": identity(rt.cfg),
         "lengths": {"tape.jsonl": tape_len, "activity.jsonl": activity_len,
                     METRICS_FILE: os.path.getsize(metrics) if os.path.exists(metrics) else 0},
         "slots": [],
     }
+    if len(states) > 1:
+      meta["syncer_shards"] = states
     for slot in rt.slots:
       resume = points.of(slot)
       meta["slots"].append({
@@ -194,6 +201,12 @@ class RunCheckpointer:
 
 def check_resumable(snapshot: Snapshot, cfg: Config, workdir: str) -> None:
   """One-line ConfigErrors instead of silently mixing two runs in one workdir."""
+  saved_shards = len(snapshot.meta.get("syncer_shards") or [None])
+  if saved_shards != cfg.sync.shards:
+    raise ConfigError(f"sync.shards: --workdir={workdir} holds a checkpoint of {saved_shards} "
+                      f"syncer shard(s), this run asks for {cfg.sync.shards} (fragments would "
+                      f"change owner); resume with --config.sync.shards={saved_shards} or use a "
+                      "fresh --workdir")
   if snapshot.meta.get("finished"):
     raise ConfigError(f"--workdir={workdir} holds a finished run (its final checkpoint is in "
                       f"{DIRECTORY}/); use a fresh --workdir")
@@ -272,7 +285,10 @@ def restore(rt, snapshot: Snapshot) -> list[int]:
                     {k: snapshot.momentum[k] for k in paths})
     # Restarted learners load the current versions, so only those are ever a delivery's base.
     history[p] = {versions[p]: {k: snapshot.params[k].copy() for k in paths}}
-  syncer.restore_state(meta["syncer"], fragments, history, meta["rounds"])
+  syncer.restore_states(meta.get("syncer_shards") or [meta["syncer"]], fragments, history)
+  if syncer.rounds != meta["rounds"]:
+    raise RuntimeError(f"checkpoint: its syncer shards hold {syncer.rounds} rounds, its "
+                       f"record {meta['rounds']}; it was changed outside the run")
   restart = []
   for saved in meta["slots"]:
     slot = rt.slots[saved["index"]]

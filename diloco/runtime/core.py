@@ -1,5 +1,7 @@
 """Single-controller (Pathways-style) runtime: M learner meshes, one syncer, one process.
 
+The syncer is `sync.shards` independent shards in that process (`diloco.syncer_group`).
+
 `jax.devices()` is split into disjoint learner groups (by slice when devices have a
 `slice_index`). Two drivers (`diloco.runtime.drivers`) move time over the learners and the syncer:
   * `VirtualDriver`: one thread and an event heap on a virtual clock; step times come
@@ -28,7 +30,7 @@ from diloco import intake, learner_loop
 from diloco.config_lib import Config, ConfigError
 from diloco.learner import Learner, Resume
 from diloco.runtime import faults as faults_lib
-from diloco.syncer import Syncer
+from diloco.syncer_group import SyncerGroup
 from diloco.train import island
 from diloco.train import mesh as mesh_lib
 from diloco.train import state as train_state
@@ -186,10 +188,11 @@ class Runtime:
                                           self.slots[0].spec.abstract["params"])
     self.recorder = Recorder(workdir, append=resume)
     delay = cfg.learners.virtual_sync_s if cfg.learners.virtual_clock else None
-    self.syncer = Syncer(global_params, self.plan, cfg.sync, cfg.outer, sync_delay_s=delay,
-                         on_round=self.recorder.round,
-                         limits=intake.Limits(cfg.train.batch_size * cfg.data.seq_len,
-                                              len(self.slots) or None))
+    # `sync.shards` policy instances, each merging its own fragments (docs/design.md 3.1).
+    self.syncer = SyncerGroup(global_params, self.plan, cfg.sync, cfg.outer, sync_delay_s=delay,
+                              on_round=self.recorder.round,
+                              limits=intake.Limits(cfg.train.batch_size * cfg.data.seq_len,
+                                                   len(self.slots) or None))
     self.transport = InMemoryTransport()
     self.lock = threading.Lock()  # guards the syncer against concurrent readers
     self._poison_lock = threading.Lock()
