@@ -39,7 +39,7 @@ from absl import logging
 
 from diloco.config_lib import Config, ConfigError
 from diloco.distributed import accelerators, chaos
-from diloco.distributed.store import Store, shard_stores
+from diloco.distributed.store import Store, shard_stores, shared_store
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import report
@@ -92,7 +92,7 @@ class Launcher:
   def __init__(self, cfg: Config, workdir: str, config_json: str):
     self.cfg, self.workdir, self.config_json = cfg, os.path.abspath(workdir), config_json
     self.store_root = cfg.store.root or os.path.join(self.workdir, "store")
-    self.store = Store(self.store_root)
+    self.store = shared_store(self.store_root, cfg.sync.shards)
     self.max_learners = chaos.max_learners(cfg)
     self.events = chaos.schedule(
         cfg.launch.chaos, cfg.launch.chaos_faults, seed=cfg.seed,

@@ -97,11 +97,11 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   plan = island.fragment_plan(cfg, spec)
   up, down = wan.learner_links(cfg.store, learner_id)
   # Each fragment's deliveries and versions live in the folder of the shard that owns it.
-  shards = shard_stores(store_root, cfg.sync.shards)
+  folders = shard_stores(store_root, cfg.sync.shards)
   owner = syncer_shards.assign(plan.num_elements, cfg.sync.shards)
   link = hosts_lib.AgreedLink(store, learner_id, incarnation, hosts, poll_s=cfg.store.poll_s,
                               up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s,
-                              send_queue=cfg.sync.send_queue, shards=shards, owner=owner)
+                              send_queue=cfg.sync.send_queue, shards=folders, owner=owner)
   link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s)
   origin = store.run_start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
@@ -109,7 +109,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   # It starts from every version published before it joined, or a newer one: the index read
   # now names them (its poller may not have fetched the newest yet).
   published = hosts.share("published", lambda: {str(p): v for p, v in
-                                                global_index(shards, owner).items()})
+                                                global_index(folders, owner).items()})
   link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s,
                      {int(p): v for p, v in published.items()})
 

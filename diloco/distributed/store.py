@@ -907,6 +907,12 @@ def _quantized(item: Any, quant: dict, shape: tuple, what: str) -> outer.Quantiz
   return outer.QuantizedTensor(values, scales, shape, "float32", bits, block)
 
 
+def shared_store(root: str | os.PathLike, shards: int) -> Store:
+  """The run's root as the launcher sees it: with several shards, only the shared records
+  (no syncer folders are made at the root)."""
+  return Store(root) if shards == 1 else Store(root, _folders=_SHARED_FOLDERS)
+
+
 def shard_stores(root: str | os.PathLike, shards: int) -> list[Store]:
   """The store of each syncer shard, indexed by shard: `[Store(root)]` with one syncer
   (today's layout), else `Store(root, shard=s)` for s < `shards`."""
