@@ -38,7 +38,7 @@ from diloco.config_lib import Config, ConfigError
 from diloco.distributed import chaos
 from diloco.distributed import hosts as hosts_lib
 from diloco.distributed import wan
-from diloco.distributed.store import Store, global_index, shard_stores
+from diloco.distributed.store import Store, global_index, shard_stores, shared_store
 from diloco.distributed.store_transport import DONE, RETIRED
 from diloco.learner import Learner, Resume
 from diloco.observe import accounting
@@ -89,7 +89,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   retiring = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: retiring.set())
 
-  store = Store(store_root)
+  store = shared_store(store_root, cfg.sync.shards)  # the run's records; shards: below
   hosts = hosts_lib.HostGroup()
   incarnation = hosts.share("incarnation", lambda: store.next_incarnation(learner_id))
   devices = jax.devices()
