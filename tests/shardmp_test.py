@@ -39,6 +39,10 @@ def _jsonl(path):
     return [json.loads(line) for line in f if line.strip()]
 
 
+def registry_owned(workdir, shard):
+  return _json(workdir, "store", "shards", f"s{shard}", "registry.json")["owned"]
+
+
 def _json(*parts):
   with open(os.path.join(*parts)) as f:
     return json.load(f)
@@ -122,10 +126,22 @@ def test_a_killed_shard_pauses_only_its_rounds_and_loses_nothing(shard_killed):
     assert {int(p): v for p, v in index.items()} == last
     registry = _json(workdir, "store", "shards", f"s{s}", "registry.json")
     assert registry["rounds"] == len(tape)
-  # The run finished with every fragment's final round (final sync), on both shards.
-  finals = {r["fragment"] for tape in tapes.values() for r in tape
-            if r["reason"].startswith("final")}
-  assert finals == set(range(len(finals))) and len(finals) >= 2
+  # The run finished with every fragment's final round, on both shards: each learner's last
+  # delivery of every fragment (its final-sync one, or the one a fragment due at the very end
+  # already carried) is merged, so every fragment holds steps from the last sync period.
+  cfg = _json(workdir, "config.json")
+  steps, period = cfg["train"]["steps"], cfg["sync"]["period"]
+  newest = {}
+  for tape in tapes.values():
+    for r in tape:
+      for a in r["admitted"]:
+        key = (r["fragment"], a["learner"])
+        newest[key] = max(newest.get(key, 0), a["local_step"])
+  fragments = {p for s in (0, 1) for p in registry_owned(workdir, s)}
+  assert fragments == set(range(cfg["sync"]["num_fragments"]))
+  assert {key: step >= steps - period for key, step in newest.items()} == {
+      (p, m): True for p in fragments for m in (0, 1)}
+  assert any(r["reason"].startswith("final") for tape in tapes.values() for r in tape)
   acc = _json(workdir, "accounting.json")
   assert acc["syncer_restarts"] >= 1
   assert acc["eval/loss"] < acc["eval/initial_loss"] - 2.0

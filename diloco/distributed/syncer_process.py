@@ -238,9 +238,9 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
       if now - last_registry >= 1.0:
         last_registry = now
         store.collect_uncommitted(max_age_s=max(60.0, 2 * cfg.sync.heartbeat_timeout_s))
-        store.write_json("registry.json", dict(syncer.state_summary(), time=now,
-                                               versions=syncer.versions, shard=cfg.sync.shard, owned=list(syncer.owned),
-                                               alive=syncer.alive(now)))
+        store.write_json("registry.json", dict(
+            syncer.state_summary(), time=now, versions=syncer.versions, shard=cfg.sync.shard,
+            owned=list(syncer.owned), alive=syncer.alive(now)))
       if store.stop_requested() or _all_left(store):
         _settle(cfg, store, syncer, link, pending_records, tape, keep, clock, lease.check)
         break
