@@ -1,6 +1,7 @@
 """Corpus, tokenizers, per-learner shards, eval split, iterator state and prepared shards."""
 
 import dataclasses
+import importlib
 import os
 import subprocess
 import sys
@@ -569,8 +570,8 @@ def test_array_record_shards_behind_urls(corpus, tmp_path, monkeypatch):
     data.shard_paths(cfg, "train")
   # gs:// on an install without gcsfs (no `gcs` extra; the tests have it, so it is hidden
   # here): a clear error naming the extra, not a crash.
-  import fsspec  # pylint: disable=import-outside-toplevel,unused-import
-  loaded = sys.modules["fsspec.registry"]._registry  # noqa: SLF001  (`fsspec.registry` is a view)
+  # The module (the package's `fsspec.registry` attribute is a read-only view of it).
+  loaded = importlib.import_module("fsspec.registry")._registry  # noqa: SLF001
   monkeypatch.setitem(sys.modules, "gcsfs", None)  # `import gcsfs` raises ImportError
   for protocol in ("gs", "gcs"):  # forget a class fsspec already loaded
     monkeypatch.delitem(loaded, protocol, raising=False)

@@ -293,3 +293,25 @@ def test_dockerfile_copies_what_exists_and_installs_declared_extras():
   workdir = re.findall(r"^WORKDIR (\S+)$", dockerfile, re.MULTILINE)[-1]
   assert re.search(rf"^COPY configs {re.escape('./configs')}$", dockerfile, re.MULTILINE)
   assert workdir != make_jobset.WORKDIR  # the run's files never land in the code's directory
+
+
+def test_a_sharded_syncer_renders_one_job_per_shard_and_an_evaluator():
+  manifest = _render(override="sync.shards=3")
+  jobs = _jobs(manifest)
+  assert list(jobs) == ["syncer-0", "syncer-1", "syncer-2", "evaluator", "learner-0",
+                        "learner-1", "learner-2"]
+  for s in range(3):
+    command = _container(jobs[f"syncer-{s}"])["command"]
+    assert "--role=syncer" in command and f"--config.sync.shard={s}" in command
+    assert "--config.sync.shards=3" in command
+    assert [c for c in command if c.startswith("--config.sync.shard=")] == [
+        f"--config.sync.shard={s}"]
+    assert _backoff(jobs[f"syncer-{s}"]) == 0  # each shard's job restarts on its own
+  evaluator = _container(jobs["evaluator"])["command"]
+  assert "--role=evaluator" in evaluator and "--config.train.eval_mode=process" in evaluator
+  # Learners get the shard count too (they route deliveries by it), never a shard index.
+  learner = _container(jobs["learner-0"])["command"]
+  assert "--config.sync.shards=3" in learner
+  assert not [c for c in learner if c.startswith("--config.sync.shard=")]
+  # One shard: the single syncer job, as before.
+  assert list(_jobs(_render()))[0] == "syncer"

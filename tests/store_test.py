@@ -12,11 +12,12 @@ import pytest
 from etils import epath
 from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 
-from diloco import fragments, outer
+from diloco import fragments, outer, syncer_shards
 from diloco import syncer as syncer_lib
 from diloco.config_lib import ConfigError, OuterConfig, StoreConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import chaos
+from diloco.distributed import store as store_lib
 from diloco.distributed import syncer_process
 from diloco.distributed import wan
 from diloco.distributed.store import Store, parse_payload_name, payload_name
@@ -424,3 +425,141 @@ def test_chaos_grammar_and_seeded_generation():
   assert sum(e.kind == "retire" for e in a) <= sum(e.kind == "add" for e in a)
   with pytest.raises(ConfigError, match="launch.max_learners"):
     chaos.schedule("add@1;add@2", 0, seed=0, start=0, end=1, count=3, max_learners=4)
+
+
+def test_chaos_targets_a_syncer_shard_and_refuses_a_bad_one():
+  events = chaos.parse("kill_syncer@4;kill_syncer:1@5")
+  assert [(e.kind, e.shard) for e in events] == [("kill_syncer", 0), ("kill_syncer", 1)]
+  assert [str(e) for e in events] == ["kill_syncer@4", "kill_syncer:1@5"]
+  with pytest.raises(ConfigError, match=r"^launch.chaos: kill_syncer:2@5 names syncer shard 2, "
+                     r"but sync.shards=2"):
+    chaos.schedule("kill_syncer:2@5", 0, seed=0, start=0, end=1, count=1, max_learners=1,
+                   shards=2)
+  with pytest.raises(ConfigError, match="launch.chaos"):
+    chaos.parse("kill_syncer:-1@5")
+  # Drawn syncer kills spread over the shards; one shard draws as before.
+  drawn = chaos.generate(60, seed=3, start=0, end=60, spare=0, shards=3)
+  assert {e.shard for e in drawn if e.kind == "kill_syncer"} == {0, 1, 2}
+  assert chaos.generate(12, seed=3, start=10, end=60, spare=1, shards=1) == chaos.generate(
+      12, seed=3, start=10, end=60, spare=1)
+
+
+# The sharded syncer's layout (`sync.shards` > 1, docs/design.md 3.1).
+OWNER = syncer_shards.assign(PLAN.num_elements, 2)
+
+
+def _merged(p, version, seed=0):
+  return Merged(fragment=p, version=version, published_at=1.0,
+                tensors={k: _params(seed)[k] for k in PLAN.fragments[p]})
+
+
+def _delivery(learner, p, step):
+  return Delivery(learner=learner, incarnation=0, fragment=p, local_step=step, steps=step,
+                  tokens=100 * step, base_version=0, kind="values", transit_s=0.0,
+                  tensors={k: _params(1)[k] for k in PLAN.fragments[p]})
+
+
+def test_one_shard_keeps_the_unsharded_layout(where):
+  root, files = where
+  (store,) = store_lib.shard_stores(root, 1)
+  assert store.shard is None and store.shared is store and store.root == store.base
+  store.put_merged(_merged(0, 0), {k: np.zeros(SHAPES[k], np.float32)
+                                   for k in PLAN.fragments[0]}, {"round": None})
+  assert (files / "merged" / "index.json").exists() and not (files / "shards").exists()
+  assert store_lib.global_index([store]) == {0: 0}
+
+
+def test_each_shard_owns_its_folder_and_shares_the_run_records(where):
+  root, files = where
+  shards = store_lib.shard_stores(root, 2)
+  assert sorted(set(OWNER)) == [0, 1]
+  for p, s in enumerate(OWNER):
+    shards[s].put_merged(_merged(p, 3), {k: np.zeros(SHAPES[k], np.float32)
+                                         for k in PLAN.fragments[p]}, {"round": None})
+    shards[s].write_json("registry.json", {"shard": s})
+  for s in (0, 1):
+    own = [p for p in range(PLAN.num_fragments) if OWNER[p] == s]
+    assert json.loads((files / "shards" / f"s{s}" / "merged" / "index.json").read_text()) == {
+        str(p): 3 for p in own}
+    assert json.loads((files / "shards" / f"s{s}" / "registry.json").read_text()) == {"shard": s}
+  assert not (files / "merged" / "index.json").exists()  # nothing merged at the root
+  # Heartbeats, incarnations, the run start, learner checkpoints and stop.json are the run's.
+  _beat(shards[1], 4)
+  assert set(shards[0].heartbeats()) == {4} and (files / "heartbeats" / "l4.json").exists()
+  assert shards[1].next_incarnation(4) == 0 and shards[0].next_incarnation(4) == 1
+  assert shards[0].run_start(create=True) == shards[1].run_start()
+  assert shards[1].learner_dir(4) == shards[0].learner_dir(4) == store_lib.Store(
+      root).learner_dir(4)
+  assert not shards[0].stop_requested()
+  store_lib.shared_store(root, 2).request_stop({"at": 1.0})
+  assert shards[0].stop_requested() and shards[1].stop_requested()
+  assert store_lib.global_index(shards, OWNER) == {p: 3 for p in range(PLAN.num_fragments)}
+
+
+def test_learner_link_routes_each_delivery_to_its_shard_and_polls_every_index(where):
+  root, _ = where
+  shards = store_lib.shard_stores(root, 2)
+  zeros = lambda p: {k: np.zeros(SHAPES[k], np.float32) for k in PLAN.fragments[p]}  # noqa
+  for p, s in enumerate(OWNER):
+    shards[s].put_merged(_merged(p, 1 + p), zeros(p), {"round": None})
+  # A version planted in the wrong shard's folder is never read (nor counted in the index).
+  wrong = 1 - OWNER[0]
+  shards[wrong].put_merged(_merged(0, 9, seed=5), zeros(0), {"round": None})
+  assert store_lib.global_index(shards, OWNER)[0] == 1
+  link = LearnerStoreLink(shards[0].shared, 0, 0, poll_s=0.01, shards=shards, owner=OWNER)
+  try:
+    link.wait_initial(PLAN.num_fragments, timeout=30)
+    assert {p: link.latest_version(p) for p in range(PLAN.num_fragments)} == {
+        p: 1 + p for p in range(PLAN.num_fragments)}
+    for p in range(PLAN.num_fragments):
+      link.heartbeat(Heartbeat(0, 0, 4, 0.1, 0.0))
+      link.deliver(_delivery(0, p, 4))
+    link.flush()
+    for s in (0, 1):
+      assert [parse_payload_name(n)[0] for n in shards[s].committed_payloads()] == [
+          p for p in range(PLAN.num_fragments) if OWNER[p] == s]
+    # A newer version in the owner's folder is fetched; the planted one never.
+    shards[OWNER[0]].put_merged(_merged(0, 2, seed=2), zeros(0), {"round": None})
+    got = link.wait_for(0, 2, timeout=30)
+    assert got.version == 2
+    for k in PLAN.fragments[0]:
+      np.testing.assert_array_equal(got.tensors[k], _params(2)[k])
+  finally:
+    link.close()
+
+
+def test_a_learner_link_waits_for_every_shard(where):
+  root, _ = where
+  shards = store_lib.shard_stores(root, 2)
+  p = OWNER.index(0)
+  shards[0].put_merged(_merged(p, 0), {k: np.zeros(SHAPES[k], np.float32)
+                                       for k in PLAN.fragments[p]}, {"round": None})
+  link = LearnerStoreLink(shards[0].shared, 0, 0, poll_s=0.01, shards=shards, owner=OWNER)
+  try:
+    with pytest.raises(TimeoutError, match=r"shards/s1/merged"):
+      link.wait_initial(PLAN.num_fragments, timeout=0.5)
+  finally:
+    link.close()
+
+
+def test_a_shard_recovers_only_its_own_fragments(tmp_path):
+  """Shard 1 restarted over its folder resumes its fragments' versions and ledger; shard 0's
+  folder and fragments are untouched by it."""
+  shards = store_lib.shard_stores(str(tmp_path / "store"), 2)
+  own = syncer_shards.owned(OWNER, 1)
+  records = []
+  s1 = syncer_lib.Syncer(_params(0), PLAN, SyncConfig(quorum=1, gamma=0.0), OuterConfig(),
+                         sync_delay_s=0.0, on_round=records.append, owned=own)
+  for merged in s1.initial(0.0):
+    shards[1].put_merged(merged, s1.momentum, {"round": None, "state": s1.export_state()})
+  p = own[0]
+  merged, _ = s1.tick(1.0, [Heartbeat(0, 0, 1, 0.1, 0.0)], [_delivery(0, p, 4)])
+  syncer_process._commit(shards[1], s1, merged, records, open(os.devnull, "w"))
+  assert s1.versions[p] == 1
+  again = syncer_lib.Syncer(_params(7), PLAN, SyncConfig(quorum=1), OuterConfig(),
+                            sync_delay_s=0.0, owned=own)
+  ok, merged_keys, committed = syncer_process.recover(shards[1], again, PLAN.num_fragments, 8)
+  assert ok and merged_keys == {(p, 0, 0, 4)} and [r["round"] for r in committed] == [0]
+  assert [again.versions[q] for q in own] == [s1.versions[q] for q in own]
+  assert shards[1].merged_index() == {q: s1.versions[q] for q in own}
+  assert shards[0].merged_index() == {} and shards[0].merged_versions(p) == []

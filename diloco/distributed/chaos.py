@@ -4,6 +4,8 @@ Grammar: events separated by ';', each one of
   kill:M@T       SIGKILL learner M at T seconds (the launcher restarts it after a backoff);
   stop:M@T+D     SIGSTOP learner M at T, SIGCONT D seconds later (a hang, then a straggler);
   kill_syncer@T  SIGKILL the syncer (restarted; it resumes from its last durable round);
+  kill_syncer:S@T  SIGKILL syncer shard S (`sync.shards` > 1; kill_syncer@T is shard 0): only
+                 its fragments' rounds pause, the other shards go on;
   add@T          start a new learner (scavenged capacity);
   retire:M@T     SIGTERM learner M: it flushes, checkpoints and leaves for good.
 Times count from the moment every initial learner has taken a step (start-up and compilation
@@ -25,7 +27,7 @@ _TARGET = r"(\d+|\*)"
 _PATTERNS = {
     "kill": re.compile(rf"^kill:{_TARGET}@([0-9.]+)$"),
     "stop": re.compile(rf"^stop:{_TARGET}@([0-9.]+)\+([0-9.]+)$"),
-    "kill_syncer": re.compile(r"^kill_syncer@([0-9.]+)$"),
+    "kill_syncer": re.compile(r"^kill_syncer(?::(\d+))?@([0-9.]+)$"),
     "add": re.compile(r"^add@([0-9.]+)$"),
     "retire": re.compile(rf"^retire:{_TARGET}@([0-9.]+)$"),
 }
@@ -37,9 +39,12 @@ class Event:
   kind: str
   learner: int = ANY  # ANY: a live learner drawn when the event fires
   duration: float = 0.0
+  shard: int = 0  # kill_syncer: the syncer shard it kills
 
   def __str__(self) -> str:
     who = "*" if self.learner == ANY else str(self.learner)
+    if self.kind == "kill_syncer" and self.shard:
+      return f"kill_syncer:{self.shard}@{self.at:g}"
     if self.kind in ("kill_syncer", "add"):
       return f"{self.kind}@{self.at:g}"
     if self.kind == "stop":
@@ -55,12 +60,15 @@ def parse(text: str) -> list[Event]:
   """Events sorted by time; ConfigError naming `launch.chaos` on a malformed one."""
   events = []
   for kind, m in parse_events(text, _PATTERNS, "launch.chaos",
-                              "kill:M@T, stop:M@T+D, kill_syncer@T, add@T or retire:M@T "
-                              "(M a learner id or '*'), separated by ';'"):
+                              "kill:M@T, stop:M@T+D, kill_syncer[:S]@T, add@T or "
+                              "retire:M@T (M a learner id or '*', S a syncer shard), "
+                              "separated by ';'"):
     if kind in ("kill", "retire"):
       events.append(Event(float(m[2]), kind, _target(m[1])))
     elif kind == "stop":
       events.append(Event(float(m[2]), kind, _target(m[1]), float(m[3])))
+    elif kind == "kill_syncer":
+      events.append(Event(float(m[2]), kind, shard=int(m[1] or 0)))
     else:
       events.append(Event(float(m[1]), kind))
   return sorted(events)
@@ -72,8 +80,9 @@ _WEIGHTS = {"kill": 4, "stop": 3, "kill_syncer": 1, "add": 1, "retire": 1}
 
 
 def generate(num: int, *, seed: int, start: float, end: float, spare: int,
-             max_stop_s: float = 8.0) -> list[Event]:
-  """`num` events at seeded uniform times in [start, end] on random ('*') learners.
+             max_stop_s: float = 8.0, shards: int = 1) -> list[Event]:
+  """`num` events at seeded uniform times in [start, end] on random ('*') learners (a syncer
+  kill on a shard drawn from the `shards` syncer shards).
 
   At most `spare` adds are drawn (capacity for new learners), and at most as many
   retirements as adds, so the run never shrinks below its initial size.
@@ -91,6 +100,8 @@ def generate(num: int, *, seed: int, start: float, end: float, spare: int,
       events.append(Event(at, kind, ANY, round(float(rng.uniform(1.0, max_stop_s)), 2)))
     elif kind in ("kill", "retire"):
       events.append(Event(at, kind, ANY))
+    elif kind == "kill_syncer" and shards > 1:  # one draw more only when there is a choice
+      events.append(Event(at, kind, shard=int(rng.integers(shards))))
     else:
       events.append(Event(at, kind))
     adds += kind == "add"
@@ -99,8 +110,9 @@ def generate(num: int, *, seed: int, start: float, end: float, spare: int,
 
 
 def schedule(text: str, num_random: int, *, seed: int, start: float, end: float,
-             count: int, max_learners: int) -> list[Event]:
-  """The launcher's whole schedule; checks that adds fit in `max_learners`."""
+             count: int, max_learners: int, shards: int = 1) -> list[Event]:
+  """The launcher's whole schedule; checks that adds fit in `max_learners` and that syncer
+  kills name one of the `shards` syncer shards."""
   events = parse(text)
   adds = sum(e.kind == "add" for e in events)
   if count + adds > max_learners:
@@ -110,8 +122,11 @@ def schedule(text: str, num_random: int, *, seed: int, start: float, end: float,
     if e.learner != ANY and e.learner >= max_learners:
       raise ConfigError(f"launch.chaos: {e} names learner {e.learner}, but learners are "
                         f"0..{max_learners - 1}")
+    if e.kind == "kill_syncer" and e.shard >= shards:
+      raise ConfigError(f"launch.chaos: {e} names syncer shard {e.shard}, but "
+                        f"sync.shards={shards} has shards 0..{shards - 1}")
   events += generate(num_random, seed=seed, start=start, end=end,
-                     spare=max_learners - count - adds)
+                     spare=max_learners - count - adds, shards=shards)
   return sorted(events)
 
 

@@ -14,11 +14,18 @@ Where it runs is `train.eval_mode`:
 Evaluations follow the learners' progress (their heartbeats' local steps): one at the start,
 one every `train.eval_every` steps (skipped while the previous one is still running), and
 one on the final versions. Records go to `WORKDIR/metrics.jsonl` with role "syncer" (the
-global model's metrics, whoever computes them).
+global model's metrics, whoever computes them); which version of each fragment an evaluation
+used goes to `WORKDIR/eval_versions.jsonl` ({"step", "time", "versions": {fragment: version}}).
+
+With a sharded syncer (`sync.shards` > 1, docs/design.md 3.1) no syncer holds the whole model:
+the evaluator process assembles G from every shard's newest committed versions
+(`read_global` over `store.shard_stores`), and a run asking for "background" evaluates in the
+evaluator process instead (the launcher starts it).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -30,7 +37,7 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config_lib import Config
-from diloco.distributed.store import Store
+from diloco.distributed.store import Store, global_index, shard_stores
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.train import data as data_lib
@@ -44,6 +51,7 @@ from diloco.train.island import initial_global
 _POLL_S = 0.5
 # A version named by the index can be collected before it is read: read a fresh index.
 _READ_ATTEMPTS = 20
+VERSIONS_FILE = "eval_versions.jsonl"
 
 
 def model_on_first_device(cfg: Config):
@@ -58,8 +66,11 @@ class Evaluator:
   """Evaluates flat global parameters on the held-out batches, in place or on a thread (one
   at a time: a request while one runs is skipped, so evaluations never queue up)."""
 
-  def __init__(self, cfg: Config, spec, eval_fn, writer: metrics_lib.MetricWriter):
+  def __init__(self, cfg: Config, spec, eval_fn, writer: metrics_lib.MetricWriter,
+               versions_path: str | None = None):
+    """`versions_path`: where each evaluation's fragment versions are appended (None: not)."""
     self.spec, self.eval_fn, self.writer = spec, eval_fn, writer
+    self.versions_path = versions_path
     self.batches = [jax.device_put(b, batch_sharding(spec.mesh)) for b in data_lib.eval_batches(
         cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
     self._thread: threading.Thread | None = None
@@ -67,7 +78,8 @@ class Evaluator:
     self._last_at: tuple[int, int] | None = None  # (step, rounds) of `last`
     self.skipped = 0
 
-  def evaluate(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
+  def evaluate(self, flat_params: dict, step: int, now: float, rounds: int,
+               versions: dict[int, int] | None = None) -> float:
     params = jax.device_put(fragments_lib.unflatten_tree(flat_params),
                             self.spec.shardings["params"])
     with jax.set_mesh(self.spec.mesh):
@@ -76,6 +88,10 @@ class Evaluator:
       raise FloatingPointError(f"global eval/loss is {loss} at t={now:.1f}s")
     self.writer.write(step, {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),
                              "time": now, "outer/rounds": rounds})
+    if versions is not None and self.versions_path is not None:
+      with open(self.versions_path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": int(step), "time": now, "eval/loss": loss, "versions": {
+            str(p): int(v) for p, v in sorted(versions.items())}}) + "\n")
     print(f"t={now:.1f}s step {step}: global eval/loss {loss:.4f} after {rounds} rounds",
           flush=True)
     self.last, self._last_at = loss, (step, rounds)
@@ -92,12 +108,13 @@ class Evaluator:
       self._last_at = (evals[-1]["step"], int(evals[-1].get("outer/rounds", -1)))
     return bool(evals)
 
-  def final(self, flat_params: dict, step: int, now: float, rounds: int) -> float:
+  def final(self, flat_params: dict, step: int, now: float, rounds: int,
+            versions: dict[int, int] | None = None) -> float:
     """The end-of-run eval; the last eval's loss when that one saw the same step and rounds
     (the same parameters), so that metrics.jsonl keeps one eval record per step."""
     if self._last_at == (step, rounds) and self.last is not None:
       return self.last
-    return self.evaluate(flat_params, step, now, rounds)
+    return self.evaluate(flat_params, step, now, rounds, versions)
 
   def due(self, step: int, next_eval: int, total_steps: int) -> bool:
     """Whether a periodic eval is due at `step`: not at the last step (the final eval is
@@ -120,22 +137,46 @@ class Evaluator:
       self._thread.join()
 
 
-def read_global(store: Store) -> tuple[dict[str, np.ndarray], dict[int, int]]:
-  """The newest published version of every fragment, joined into flat global parameters."""
+def read_global(stores: Store | list[Store], *, with_rounds: bool = False, paths=None):
+  """The newest published version of every fragment, over every shard's store (a list from
+  `store.shard_stores`, or one store), joined into flat global parameters: (params,
+  {fragment: version}), and with `with_rounds` the rounds every shard has closed, summed
+  (from its registry). `paths`: the parameters G must hold (a fragment not yet published by
+  its shard is waited for)."""
+  stores = [stores] if isinstance(stores, Store) else list(stores)
   error: Exception | None = None
   for _ in range(_READ_ATTEMPTS):
-    index = store.merged_index()
+    rounds = sum(_registry(s).get("rounds", 0) for s in stores) if with_rounds else 0
     flat: dict[str, np.ndarray] = {}
     try:
-      for p, version in sorted(index.items()):
-        merged, _ = store.read_merged(p, version)
-        flat.update(merged.tensors)
-      return flat, index
+      index = {}
+      for store in stores:
+        own = store.merged_index()
+        for p, version in sorted(own.items()):
+          merged, _ = store.read_merged(p, version)
+          flat.update(merged.tensors)
+        index.update(own)
+      if paths is not None and set(paths) - set(flat):
+        raise RuntimeError(f"{len(set(paths) - set(flat))} parameters not published yet")
+      return (flat, index, rounds) if with_rounds else (flat, index)
     except Exception as e:  # pylint: disable=broad-except  # collected under us: re-read
       error = e
       time.sleep(_POLL_S)
-  raise RuntimeError(f"evaluator: could not read the published versions in {store.root} "
-                     f"({error!r})") from error
+  raise RuntimeError(f"evaluator: could not read the published versions in "
+                     f"{stores[0].base} ({error!r})") from error
+
+
+def _registry(store: Store) -> dict:
+  try:
+    record = store.read_json("registry.json") or {}
+  except Exception:  # pylint: disable=broad-except  # a torn record: read it next poll
+    return {}
+  return record if isinstance(record, dict) else {}
+
+
+def stopped(store: Store) -> bool:
+  """Whether the syncer (or shard) of `store` has stopped with its final versions published."""
+  return bool(_registry(store).get("stopped"))
 
 
 def _progress(store: Store) -> int:
@@ -150,36 +191,37 @@ def _progress(store: Store) -> int:
 
 
 def run(cfg: Config, workdir: str, store_root: str) -> dict:
-  """`--role=evaluator`: evaluates published versions until the syncer has stopped."""
-  store = Store(store_root)
+  """`--role=evaluator`: evaluates published versions until every syncer shard has stopped."""
+  stores = shard_stores(store_root, cfg.sync.shards)
+  store = stores[0].shared
   spec, init_fn, eval_fn = model_on_first_device(cfg)
   writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="evaluator")
-  evaluator = Evaluator(cfg, spec, eval_fn, writer)
+  evaluator = Evaluator(cfg, spec, eval_fn, writer, os.path.join(workdir, VERSIONS_FILE))
   restarted = evaluator.recall(workdir)
   origin = store.run_start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
+  paths = fragments_lib.flatten_tree(spec.abstract["params"]).keys()
   try:
     if not restarted:  # version 0, as the syncer seeds it (merges may be published already)
       with jax.set_mesh(spec.mesh):
         start = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"])
       evaluator.evaluate(start, 0, clock(), 0)
-    while not store.merged_index():  # the syncer publishes version 0 of every fragment
+    while not all(s.merged_index() for s in stores):  # each shard publishes its version 0s
       time.sleep(_POLL_S)
-    index = store.merged_index()
+    index = global_index(stores)
     progress = _progress(store)
     every = cfg.train.eval_every
     next_eval = (progress // every + 1) * every if every else 0
     print(f"evaluator: on {jax.devices()[0].device_kind}, from step {progress}", flush=True)
     while True:
-      registry = store.read_json("registry.json") or {}
-      if registry.get("stopped"):
-        flat, index = read_global(store)
-        final = evaluator.final(flat, _progress(store), clock(), int(registry["rounds"]))
+      if all(stopped(s) for s in stores):
+        flat, index, rounds = read_global(stores, with_rounds=True, paths=paths)
+        final = evaluator.final(flat, _progress(store), clock(), rounds, index)
         break
       progress = _progress(store)
       if evaluator.due(progress, next_eval, cfg.train.steps):
-        flat, index = read_global(store)
-        evaluator.evaluate(flat, progress, clock(), int(registry.get("rounds", 0)))
+        flat, index, rounds = read_global(stores, with_rounds=True, paths=paths)
+        evaluator.evaluate(flat, progress, clock(), rounds, index)
         next_eval = (progress // every + 1) * every
       time.sleep(_POLL_S)
   finally:

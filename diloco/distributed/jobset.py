@@ -26,7 +26,10 @@ Without --output (or with --dry_run) the YAML goes to stdout and nothing else is
   to `backoffLimit` per job and the JobSet never restarts as a whole (`maxRestarts: 0`: a job
   that exhausts its budget fails the JobSet).
 - The syncer holds no accelerator; after a restart it resumes from what it committed to the
-  store.
+  store. With `sync.shards = S > 1` (the preset's, or `--override sync.shards=S`) it is S jobs,
+  `syncer-0` ... `syncer-{S-1}`, each one shard (`--config.sync.shard=s`, docs/design.md 3.1)
+  restarted on its own, plus an `evaluator` job on the same machine type for the global eval
+  (unless `train.eval_mode=off`): no shard holds the whole model.
 - GPU learners (`--gpu_type`, a GKE accelerator label such as nvidia-h100-80gb) request
   `nvidia.com/gpu` on nodes of that type and tolerate the GPU node taint; a learner over
   several GPU hosts (`--gpu_hosts`) joins one `jax.distributed` world whose coordinator is
@@ -222,6 +225,11 @@ def check_store(store: str) -> str:
 
 def check_config(config: str, devices: TpuSlice | GpuHosts, overrides: dict[str, str]) -> str:
   """The config argument as the container will see it; builds the config to catch typos."""
+  return _check_config(config, devices, overrides)[0]
+
+
+def _check_config(config: str, devices: TpuSlice | GpuHosts, overrides: dict[str, str]):
+  """(`check_config`'s answer, the built config with the overrides)."""
   path, _, preset = (config or "").partition(":")
   file = None
   for base in (pathlib.Path.cwd(), ROOT):  # as typed, or relative to the repository
@@ -250,7 +258,7 @@ def check_config(config: str, devices: TpuSlice | GpuHosts, overrides: dict[str,
     raise FlagError(f"--config: mesh data x fsdp x tensor = {sizes} of {config} (after any "
                     f"--override) does not fit the {devices.chips} chips of one learner "
                     f"({devices.flag})")
-  return f"{rel.as_posix()}:{preset}" if preset else rel.as_posix()
+  return (f"{rel.as_posix()}:{preset}" if preset else rel.as_posix()), cfg
 
 
 def parse_overrides(items: Sequence[str] | None) -> dict[str, str]:
@@ -330,7 +338,7 @@ def build_jobset(args: flags.FlagValues) -> dict:
     raise FlagError(f"--learners: need at least one learner, got {args.learners}")
   devices = accelerator(args)
   overrides = parse_overrides(args.override)
-  config = check_config(args.config, devices, overrides)
+  config, cfg = _check_config(args.config, devices, overrides)
   if not re.fullmatch(r"[a-z][a-z0-9]*-[a-z0-9-]+", args.syncer_machine or "") or (
       args.syncer_machine.startswith(("ct", "tpu"))):
     raise FlagError(f"--syncer_machine: {args.syncer_machine!r} is not a CPU machine type "
@@ -347,13 +355,7 @@ def build_jobset(args: flags.FlagValues) -> dict:
   backoff = 0 if per_job else args.max_restarts
   account = {"serviceAccountName": args.service_account} if args.service_account else {}
 
-  syncer_pod = {
-      "restartPolicy": "Never", **account,
-      "nodeSelector": {"node.kubernetes.io/instance-type": args.syncer_machine},
-      "containers": [{"name": "syncer", "image": image(args),
-                      "command": _command(config, store, args.learners, overrides, "syncer"),
-                      "env": [_store_env(store)]}]}
-  jobs = [_job("syncer", 1, backoff, syncer_pod)]
+  jobs = _syncer_jobs(args, cfg, config, store, overrides, backoff, account)
   for i in range(args.learners):
     extra = [f"--learner_id={i}"] + (["--jax_distributed"] if devices.hosts > 1 else [])
     if devices.hosts > 1 and devices.platform == "cuda":
@@ -389,6 +391,33 @@ def build_jobset(args: flags.FlagValues) -> dict:
           "metadata": {"name": args.name, "labels": {"app.kubernetes.io/name": "diloco"}},
           "spec": {"failurePolicy": failure, "network": {"enableDNSHostnames": True},
                    "replicatedJobs": jobs}}
+
+
+def _cpu_pod(args, account: dict, name: str, command: list[str], store: str) -> dict:
+  return {"restartPolicy": "Never", **account,
+          "nodeSelector": {"node.kubernetes.io/instance-type": args.syncer_machine},
+          "containers": [{"name": name, "image": image(args), "command": command,
+                          "env": [_store_env(store)]}]}
+
+
+def _syncer_jobs(args, cfg, config: str, store: str, overrides: dict[str, str], backoff: int,
+                 account: dict) -> list[dict]:
+  """The syncer job, or with `sync.shards = S > 1` one job per shard and an evaluator job."""
+  shards = cfg.sync.shards
+  if shards == 1:
+    return [_job("syncer", 1, backoff, _cpu_pod(
+        args, account, "syncer", _command(config, store, args.learners, overrides, "syncer"),
+        store))]
+  jobs = [_job(f"syncer-{s}", 1, backoff, _cpu_pod(
+      args, account, "syncer", _command(config, store, args.learners, overrides, "syncer",
+                                        [f"--config.sync.shard={s}"]), store))
+          for s in range(shards)]
+  if cfg.train.eval_mode != "off":  # no shard holds the whole model: evaluated apart
+    command = _command(config, store, args.learners,
+                       dict(overrides, **{"train.eval_mode": "process"}), "evaluator")
+    jobs.append(_job("evaluator", 1, backoff, _cpu_pod(args, account, "evaluator", command,
+                                                       store)))
+  return jobs
 
 
 def render(args: flags.FlagValues) -> str:

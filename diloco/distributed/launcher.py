@@ -15,6 +15,13 @@ On a GPU host or TPU VM (`launch.platform`, `diloco.distributed.accelerators`) e
 gets its own group of the host's devices and the syncer stays on the CPU. SIGTERM or SIGINT to
 the launcher goes on to every process group it started; whatever has not exited after
 `launch.stop_timeout_s` is SIGKILLed, and the launcher exits 128 + the signal number.
+
+With `sync.shards = S > 1` it starts S syncer processes, one per shard (`--role=syncer` with
+`sync.shard = s`, each supervised and restarted on its own; docs/design.md 3.1), the
+evaluator process for the global eval (a shard holds only its fragments), and merges the
+shards' tapes (WORKDIR/shards/s{s}/tape.jsonl, records tagged with `"shard"`) into the run's
+one WORKDIR/tape.jsonl and report (the accounting adds per-shard round figures,
+`accounting.shard_stats`).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from absl import logging
 
 from diloco.config_lib import Config, ConfigError
 from diloco.distributed import accelerators, chaos
-from diloco.distributed.store import Store
+from diloco.distributed.store import Store, shard_stores, shared_store
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import report
@@ -43,12 +50,19 @@ from diloco.train import data as data_lib
 
 LAUNCHER_ACTIVITY = "launcher.jsonl"
 EVALUATOR = -2  # the evaluator process's key in `Launcher.procs`
+SYNCER = -1  # the syncer's key (shard 0's with several shards; `syncer_key`)
+
+
+def syncer_key(shard: int) -> int:
+  """Syncer shard `shard`'s key in `Launcher.procs`: -1, then -3, -4, ... (-2 is the
+  evaluator's)."""
+  return SYNCER if shard == 0 else -2 - shard
 
 
 @dataclasses.dataclass
 class Proc:
-  """One supervised learner, as one process per host, or the syncer (learner -1), or the
-  evaluator (learner -2)."""
+  """One supervised learner, as one process per host, or a syncer shard (learner -1, or
+  `syncer_key(s)`), or the evaluator (learner -2)."""
   name: str
   learner: int
   devices: int  # per process
@@ -63,6 +77,7 @@ class Proc:
   restart_at: float = 0.0
   down_since: float | None = None
   logs: list = dataclasses.field(default_factory=list)
+  shard: int | None = None  # a syncer's shard
 
   def exit_code(self) -> int | None:
     """None while it runs; else the first failed exit code of its processes, or 0 once all of
@@ -78,12 +93,12 @@ class Launcher:
   def __init__(self, cfg: Config, workdir: str, config_json: str):
     self.cfg, self.workdir, self.config_json = cfg, os.path.abspath(workdir), config_json
     self.store_root = cfg.store.root or os.path.join(self.workdir, "store")
-    self.store = Store(self.store_root)
+    self.store = shared_store(self.store_root, cfg.sync.shards)
     self.max_learners = chaos.max_learners(cfg)
     self.events = chaos.schedule(
         cfg.launch.chaos, cfg.launch.chaos_faults, seed=cfg.seed,
         start=cfg.launch.chaos_start_s, end=cfg.launch.chaos_end_s,
-        count=cfg.learners.count, max_learners=self.max_learners)
+        count=cfg.learners.count, max_learners=self.max_learners, shards=cfg.sync.shards)
     if cfg.store.on_sigterm != "retire" and any(e.kind == "retire" for e in self.events):
       raise ConfigError("launch.chaos: retire events send SIGTERM, which means restart with "
                         f"store.on_sigterm={cfg.store.on_sigterm!r}; use 'retire' there")
@@ -100,8 +115,11 @@ class Launcher:
     if idle:
       logging.warning("launcher: %d %s device(s) stay idle (%s): %d learner(s) x %s use %d",
                       len(idle), self.platform, ",".join(idle), len(sizes), field, sum(sizes))
-    self.procs = {-1: Proc("syncer", -1, 1)}
-    if cfg.train.eval_mode == "process":  # the global eval, off the syncer (evaluator.py)
+    self.shards = cfg.sync.shards
+    self.procs = {syncer_key(s): Proc("syncer" if self.shards == 1 else f"syncer{s}",
+                                      syncer_key(s), 1, shard=s) for s in range(self.shards)}
+    # The global eval, off the syncer (evaluator.py); a sharded syncer holds no whole model.
+    if cfg.train.eval_mode == "process" or (self.shards > 1 and cfg.train.eval_mode != "off"):
       # On an accelerator host it takes a device no learner uses; without one, the host CPU.
       if self.platform != "cpu" and not idle:
         logging.warning("launcher: no spare %s device for the evaluator process: it evaluates "
@@ -126,7 +144,10 @@ class Launcher:
 
   # Processes.
   def _command(self, proc: Proc, host: int, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "diloco.main", f"--config_json={self.config_json}",
+    # A syncer shard has its own config (sync.shard = s); everyone else the run's.
+    config = (self._shard_config(proc.shard) if proc.shard is not None and self.shards > 1
+              else self.config_json)
+    cmd = [sys.executable, "-m", "diloco.main", f"--config_json={config}",
            f"--workdir={self.workdir}", f"--store={self.store_root}"]
     if proc.learner == EVALUATOR:
       return cmd + ["--role=evaluator"]
@@ -137,6 +158,20 @@ class Launcher:
       cmd += ["--jax_distributed", f"--coordinator_address=127.0.0.1:{port}",
               f"--num_processes={proc.hosts}", f"--process_id={host}"]
     return cmd
+
+  def _shard_config(self, shard: int) -> str:
+    """WORKDIR/config_syncer{s}.json: the run's config with `sync.shard = s`."""
+    path = os.path.join(self.workdir, f"config_syncer{shard}.json")
+    if not os.path.exists(path):
+      with open(self.config_json, encoding="utf-8") as f:
+        raw = json.load(f)
+      raw["sync"]["shard"] = shard
+      with open(path, "w", encoding="utf-8") as f:
+        json.dump(raw, f, indent=2)
+    return path
+
+  def _syncers(self) -> list[Proc]:
+    return [self.procs[syncer_key(s)] for s in range(self.shards)]
 
   def env(self, proc: Proc, host: int) -> dict[str, str]:
     """The environment of one host process of `proc`: its platform and its own devices."""
@@ -230,7 +265,7 @@ class Launcher:
   def apply(self, event: chaos.Event) -> None:
     proc: Proc | None
     if event.kind == "kill_syncer":
-      proc = self.procs[-1]
+      proc = self.procs[syncer_key(event.shard)]
       ok = proc.state == "running" and self._signal(proc, signal.SIGKILL)
     elif event.kind == "add":
       idle = self._learners("idle")
@@ -317,7 +352,8 @@ class Launcher:
     last_status = 0.0
     chaos_origin = None  # chaos times count from when every initial learner has stepped
     try:
-      self.start(self.procs[-1])
+      for syncer in self._syncers():
+        self.start(syncer)
       if EVALUATOR in self.procs:
         self.start(self.procs[EVALUATOR])
       for m in range(cfg.learners.count):
@@ -352,18 +388,8 @@ class Launcher:
           last_status = now
           print(self.status_line(), flush=True)
         time.sleep(0.1)
-      self.store.write_json("stop.json", {"at": self.now()})
-      syncer = self.procs[-1]
-      deadline = time.monotonic() + 300
-      while syncer.state != "done" and time.monotonic() < deadline:
-        self._check_signal()
-        self._reap()
-        if syncer.state == "waiting" and syncer.restart_at <= self.now():
-          self.start(syncer)
-        time.sleep(0.1)
-      if syncer.state != "done":
-        raise RuntimeError("the syncer did not stop within 300 s of stop.json; see "
-                           f"{self.workdir}/logs/syncer.log")
+      self.store.request_stop({"at": self.now()})
+      self._wait_for_syncers()
       self._wait_for_evaluator()
     finally:
       if self._stop_signal is not None:
@@ -371,6 +397,22 @@ class Launcher:
       self.shutdown()
     print(self.status_line(), flush=True)
     return self.finish()
+
+  def _wait_for_syncers(self) -> None:
+    """Every syncer shard settles and stops after stop.json (a dead one is restarted first)."""
+    deadline = time.monotonic() + 300
+    syncers = self._syncers()
+    while any(p.state != "done" for p in syncers) and time.monotonic() < deadline:
+      self._check_signal()
+      self._reap()
+      for syncer in syncers:
+        if syncer.state == "waiting" and syncer.restart_at <= self.now():
+          self.start(syncer)
+      time.sleep(0.1)
+    late = [p.name for p in syncers if p.state != "done"]
+    if late:
+      raise RuntimeError(f"the syncer ({', '.join(late)}) did not stop within 300 s of "
+                         f"stop.json; see {self.workdir}/logs/{late[0]}.log")
 
   def _wait_for_evaluator(self) -> None:
     """The evaluator process evaluates the final versions once the syncer has stopped."""
@@ -398,14 +440,23 @@ class Launcher:
         continue
       step = beats.get(m, {}).get("local_step", 0)
       parts.append(f"L{m} {proc.state} s{step} r{proc.restarts}")
-    try:
-      reg = self.store.read_json("registry.json") or {}
-    except Exception:  # a status line never fails the run
-      reg = {}
-    return (" | ".join(parts) + f" || syncer {self.procs[-1].state} r{self.procs[-1].restarts}: "
-            f"rounds {reg.get('rounds', 0)}, learners/round "
-            f"{reg.get('learners_per_round', 0.0):.2f} (last {reg.get('last_quorum', 0)}), "
-            f"rejected {sum(reg.get('rejected', {}).values())}")
+    syncers = []
+    for proc, store in zip(self._syncers(), self._shard_stores()):
+      try:
+        reg = store.read_json("registry.json") or {}
+      except Exception:  # a status line never fails the run
+        reg = {}
+      syncers.append(f"{proc.name} {proc.state} r{proc.restarts}: rounds {reg.get('rounds', 0)}, "
+                     f"learners/round {reg.get('learners_per_round', 0.0):.2f} (last "
+                     f"{reg.get('last_quorum', 0)}), rejected "
+                     f"{sum(reg.get('rejected', {}).values())}")
+    return " | ".join(parts) + " || " + " | ".join(syncers)
+
+  def _shard_stores(self) -> list[Store]:
+    if not hasattr(self, "_stores"):
+      self._stores = [self.store] if self.shards == 1 else shard_stores(self.store_root,
+                                                                       self.shards)
+    return self._stores
 
   def shutdown(self) -> None:
     for proc in self.procs.values():
@@ -437,22 +488,40 @@ class Launcher:
         eval_step=evals[-1]["step"] if evals else 0,
         wall_s=time.monotonic() - self.started,
         restarts=sum(p.restarts for p in self.procs.values()),
-        syncer_restarts=self.procs[-1].restarts, chaos_events=len(self.applied),
+        syncer_restarts=sum(p.restarts for p in self._syncers()),
+        chaos_events=len(self.applied),
         chaos_applied=sum(r["applied"] for r in self.applied))
     # Into the syncer's TensorBoard run (WORKDIR/tensorboard/syncer), at the last eval's step.
     writer = metrics_lib.open_writer(cfg, self.workdir, role="syncer", process="launcher")
+    tape = self._merged_tape()
     try:
-      return report.finish(
+      summary = report.finish(
           self.workdir, num_fragments=cfg.sync.num_fragments,
           num_params=sum(int(np.prod(s)) for s in _param_shapes(cfg).values()),
-          figures=figures, activity=activity,
-          tape=accounting.read_jsonl(os.path.join(self.workdir, accounting.TAPE_FILE)),
-          writer=writer,
+          figures=figures, activity=activity, tape=tape, writer=writer,
           loss_title=f"Decoupled DiLoCo, {cfg.learners.count} learner processes",
           timeline_title=f"multi-process, M={cfg.learners.count}, K={cfg.sync.quorum or 'M'}, "
                          f"chaos {len(self.applied)} events")
     finally:
       writer.close()
+    return summary
+
+  def _merged_tape(self) -> list[dict]:
+    """The run's tape: the syncer's, or every shard's merged in publication order (written to
+    WORKDIR/tape.jsonl, where the accounting reads it)."""
+    path = os.path.join(self.workdir, accounting.TAPE_FILE)
+    if self.shards == 1:
+      return accounting.read_jsonl(path)
+    tape = []
+    for s in range(self.shards):
+      shard_tape = os.path.join(self.workdir, "shards", f"s{s}", accounting.TAPE_FILE)
+      if os.path.exists(shard_tape):
+        tape += [dict(r, shard=r.get("shard", s)) for r in accounting.read_jsonl(shard_tape)]
+    tape.sort(key=lambda r: (r["published_at"], r["shard"], r["round"]))
+    with open(path, "w", encoding="utf-8") as f:
+      for r in tape:
+        f.write(json.dumps(r) + "\n")
+    return tape
 
 
 class Stopped(Exception):

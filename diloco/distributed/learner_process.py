@@ -14,6 +14,10 @@ A learner over several hosts runs this on every host (`--jax_distributed`); host
 writes to the store, and every decision that depends on timing (merged versions to apply,
 retiring, giving up on a late round) is host 0's, shared through `diloco.distributed.hosts`. Hosts
 other than 0 keep their activity and metric records under `workdir/hosts/h{index}`.
+
+With a sharded syncer (`sync.shards` > 1) each delivery goes to its fragment's shard folder
+and the learner reads every shard's index (`LearnerStoreLink`); nothing else here depends on
+the shard count.
 """
 
 from __future__ import annotations
@@ -29,12 +33,12 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco import learner_loop
+from diloco import learner_loop, syncer_shards
 from diloco.config_lib import Config, ConfigError
 from diloco.distributed import chaos
 from diloco.distributed import hosts as hosts_lib
 from diloco.distributed import wan
-from diloco.distributed.store import Store
+from diloco.distributed.store import Store, global_index, shard_stores, shared_store
 from diloco.distributed.store_transport import DONE, RETIRED
 from diloco.learner import Learner, Resume
 from diloco.observe import accounting
@@ -85,16 +89,19 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   retiring = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: retiring.set())
 
-  store = Store(store_root)
+  store = shared_store(store_root, cfg.sync.shards)  # the run's records; shards: below
   hosts = hosts_lib.HostGroup()
   incarnation = hosts.share("incarnation", lambda: store.next_incarnation(learner_id))
   devices = jax.devices()
   spec, init_fn, step_fn = island.build_learner(cfg, devices, learner_id)
   plan = island.fragment_plan(cfg, spec)
   up, down = wan.learner_links(cfg.store, learner_id)
+  # Each fragment's deliveries and versions live in the folder of the shard that owns it.
+  folders = shard_stores(store_root, cfg.sync.shards)
+  owner = syncer_shards.assign(plan.num_elements, cfg.sync.shards)
   link = hosts_lib.AgreedLink(store, learner_id, incarnation, hosts, poll_s=cfg.store.poll_s,
                               up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s,
-                              send_queue=cfg.sync.send_queue)
+                              send_queue=cfg.sync.send_queue, shards=folders, owner=owner)
   link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s)
   origin = store.run_start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
@@ -102,7 +109,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   # It starts from every version published before it joined, or a newer one: the index read
   # now names them (its poller may not have fetched the newest yet).
   published = hosts.share("published", lambda: {str(p): v for p, v in
-                                                store.merged_index().items()})
+                                                global_index(folders, owner).items()})
   link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s,
                      {int(p): v for p, v in published.items()})
 

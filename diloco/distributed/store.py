@@ -20,6 +20,16 @@ and fixed words, never from what an entry contains):
   run.json                          the run's start time (the clock origin of all records)
   lease/g{n}.json                   the syncer lease, generation n (`lease.py`)
 
+Sharded syncer (`sync.shards = S > 1`, docs/design.md 3.1): shard s owns the folder
+`shards/s{s}/`, which holds its own `merged/` (index, entries, markers: its durable tape),
+`payloads/`, `quarantine/`, `lease/` and `registry.json`, laid out as above; `heartbeats/`,
+`incarnations/`, `learners/`, `ready/`, `run.json` and `stop.json` stay shared at the root
+(every shard reads all heartbeats). `Store(root, shard=s)` is shard s's view: its own records
+under `shards/s{s}/`, the shared ones (`shared`) at the root; `shard_stores(root, S)` are the
+views a learner or the evaluator routes to (with S = 1, the root itself: the layout above,
+unchanged). A learner writes each delivery into its fragment's shard (`syncer_shards.assign`)
+and polls every shard's `merged/index.json`.
+
 An Orbax entry is a directory with Orbax's `_METADATA` and one `.npy` file per tensor
 (`npy_handler`). It is trusted only once its commit marker exists: on a local disk the entry
 is written under a temporary name that is then renamed, and the marker is written after
@@ -174,17 +184,41 @@ def _no_listings_cache(root: epath.Path) -> None:
     fs.dircache = fsspec.dircache.DirCache(use_listings_cache=False)
 
 
-class Store:
-  """Atomic JSON records and committed Orbax entries under one root."""
+# Folders of a syncer shard's own, and folders every shard and learner shares (at the root).
+_OWN_FOLDERS = ("merged", "payloads", "lease")
+_SHARED_FOLDERS = ("heartbeats", "incarnations", "learners", "ready")
 
-  def __init__(self, root: str | os.PathLike):
-    self.root = epath.Path(root)
+
+def shard_folder(shard: int) -> str:
+  """Shard s's folder under the root, with `sync.shards` > 1 (module docstring)."""
+  return f"shards/s{_checked_int(shard, 'shard')}"
+
+
+class Store:
+  """Atomic JSON records and committed Orbax entries under one root.
+
+  `shard`: shard s's view of a sharded store (`sync.shards` > 1): its merged versions,
+  payloads, quarantine, lease and registry under `shards/s{s}/`, the shared records
+  (heartbeats, incarnations, learner checkpoints, run start, stop) at the root, through
+  `self.shared`. None: one syncer, everything at the root (`shared` is the store itself).
+  """
+
+  def __init__(self, root: str | os.PathLike, *, shard: int | None = None,
+               _folders: tuple[str, ...] = _OWN_FOLDERS + _SHARED_FOLDERS):
+    self.base = epath.Path(root)  # the run's root
+    self.shard = shard
+    self.root = self.base if shard is None else self.base / shard_folder(shard)
     self.local = "://" not in str(root)
     if not self.local:
       _no_listings_cache(self.root)
+    if shard is not None:
+      self.shared = Store(root, _folders=_SHARED_FOLDERS)
+      _folders = _OWN_FOLDERS
+    else:
+      self.shared = self
     # An object store has no directories: these calls do nothing there (prefixes exist
     # through their objects), and listings of empty prefixes are treated as empty.
-    for sub in ("merged", "payloads", "heartbeats", "incarnations", "learners", "ready", "lease"):
+    for sub in _folders:
       (self.root / sub).mkdir(parents=True, exist_ok=True)
     self._durable = _tree_handler(sync=self.local)  # object-store writes are durable on close
     self._unsynced = _tree_handler(sync=False)
@@ -780,10 +814,14 @@ class Store:
 
   # Heartbeats and incarnations.
   def put_heartbeat(self, learner: int, record: dict) -> None:
+    if self.shared is not self:
+      return self.shared.put_heartbeat(learner, record)
     self.write_json(f"heartbeats/l{_checked_int(learner, 'learner')}.json", record)
 
   def heartbeats(self) -> dict[int, dict]:
     """The latest heartbeat record of every learner that has one (unreadable ones skipped)."""
+    if self.shared is not self:
+      return self.shared.heartbeats()
     out = {}
     for path in self._list("heartbeats"):
       m = _LEARNER_RECORD.fullmatch(path.name)
@@ -799,6 +837,8 @@ class Store:
 
   def next_incarnation(self, learner: int) -> int:
     """A fresh incarnation number for a starting learner process (one writer per id)."""
+    if self.shared is not self:
+      return self.shared.next_incarnation(learner)
     rel = f"incarnations/l{_checked_int(learner, 'learner')}.json"
     last = self.read_json(rel)
     incarnation = 0 if last is None else int(last["incarnation"]) + 1
@@ -807,6 +847,8 @@ class Store:
 
   def run_start(self, create: bool = False) -> float | None:
     """Wall time at which the run started: the clock origin of every process's records."""
+    if self.shared is not self:
+      return self.shared.run_start(create)
     record = self.read_json("run.json")
     if record is None and create:
       record = {"start": time.time()}
@@ -815,14 +857,26 @@ class Store:
 
   def mark_ready(self, learner: int) -> None:
     """Learner `learner` of the first cohort is compiled and holds the initial fragments."""
+    if self.shared is not self:
+      return self.shared.mark_ready(learner)
     self.write_json(f"ready/l{_checked_int(learner, 'learner')}.json", {"time": time.time()})
 
   def ready_learners(self) -> set[int]:
+    if self.shared is not self:
+      return self.shared.ready_learners()
     return {int(m[1]) for path in self._list("ready")
             if (m := _LEARNER_RECORD.fullmatch(path.name)) is not None}
 
   def learner_dir(self, learner: int) -> epath.Path:
-    return self.root / "learners" / f"l{_checked_int(learner, 'learner')}"
+    return self.base / "learners" / f"l{_checked_int(learner, 'learner')}"
+
+  # The end of the run (shared by every shard).
+  def request_stop(self, record: dict) -> None:
+    """The launcher's `stop.json`: every syncer shard settles and stops."""
+    self.shared.write_json("stop.json", record)
+
+  def stop_requested(self) -> bool:
+    return self.shared.exists("stop.json")
 
 
 def merged_marker_fields(marker: Any, name: str, shapes: dict[str, tuple] | None
@@ -874,3 +928,30 @@ def _quantized(item: Any, quant: dict, shape: tuple, what: str) -> outer.Quantiz
   else:
     scales = _checked_array(item.get("scales"), (blocks,), np.float32, what)
   return outer.QuantizedTensor(values, scales, shape, "float32", bits, block)
+
+
+def shared_store(root: str | os.PathLike, shards: int) -> Store:
+  """The run's root as the launcher sees it: with several shards, only the shared records
+  (no syncer folders are made at the root)."""
+  return Store(root) if shards == 1 else Store(root, _folders=_SHARED_FOLDERS)
+
+
+def shard_stores(root: str | os.PathLike, shards: int) -> list[Store]:
+  """The store of each syncer shard, indexed by shard: `[Store(root)]` with one syncer
+  (today's layout), else `Store(root, shard=s)` for s < `shards`."""
+  if shards == 1:
+    return [Store(root)]
+  return [Store(root, shard=s) for s in range(shards)]
+
+
+def global_index(stores: list[Store], owner: tuple[int, ...] | None = None
+                 ) -> dict[int, int]:
+  """{fragment: latest committed version} over every shard's `merged/index.json`; with
+  `owner` (`syncer_shards.assign`), a shard's index counts only for the fragments it owns (a
+  planted entry in another shard's folder is ignored)."""
+  index: dict[int, int] = {}
+  for s, store in enumerate(stores):
+    for p, v in store.merged_index().items():
+      if owner is None or (p < len(owner) and owner[p] == s):
+        index[p] = v
+  return index

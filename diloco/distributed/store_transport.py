@@ -4,7 +4,9 @@
 same `Learner` runs unchanged; nothing on its hot path touches the store: deliveries and
 heartbeats are queued and written by background threads (through the emulated WAN link),
 and a poller thread downloads each newly committed merged fragment once, so `latest()` is
-a memory read. `SyncerStoreLink` turns the store into the syncer's messages: new
+a memory read. With a sharded syncer (`sync.shards` > 1) it writes each delivery into its
+fragment's shard folder and polls every shard's index (`shards`, `owner`); nothing else
+depends on the shard count. `SyncerStoreLink` turns the store into the syncer's messages: new
 heartbeats, readable payloads and rejections of unreadable ones, and releases payload
 entries once the syncer is done with them.
 """
@@ -43,10 +45,17 @@ class LearnerStoreLink:
   def __init__(self, store: Store, learner: int, incarnation: int, *, poll_s: float,
                up: wan.Link | None = None, down: wan.Link | None = None,
                heartbeat_every_s: float = 0.2, send_queue: int = 8,
-               on_fetch: Callable[[Merged], None] | None = None):
+               on_fetch: Callable[[Merged], None] | None = None,
+               shards: list[Store] | None = None, owner: tuple[int, ...] | None = None):
     """`on_fetch` sees every merged version the poller downloads (on its thread). At most
-    `send_queue` deliveries wait for upload; `deliver` blocks while it is full."""
+    `send_queue` deliveries wait for upload; `deliver` blocks while it is full. `shards`: the
+    syncer shards' stores (`store.shard_stores`; None: `store` alone), `owner[p]` the shard
+    of fragment p (`syncer_shards.assign`)."""
     self.store, self.learner, self.incarnation = store, learner, incarnation
+    self._shards = list(shards) if shards else [store]
+    if len(self._shards) > 1 and owner is None:
+      raise ValueError("LearnerStoreLink: several syncer shards need the fragments' owner")
+    self._owner = owner
     self._on_fetch = on_fetch
     self._up, self._down = up or wan.Link(), down or wan.Link()
     self._poll_s, self._beat_every = poll_s, heartbeat_every_s
@@ -124,8 +133,8 @@ class LearnerStoreLink:
   # Process life cycle.
   def wait_initial(self, num_fragments: int, timeout: float,
                    min_versions: dict[int, int] | None = None) -> None:
-    """Blocks until every fragment has a published version (the syncer is up), at least
-    `min_versions[p]` where given."""
+    """Blocks until every fragment has a published version from its shard (the syncers are
+    up), at least `min_versions[p]` where given."""
     floor = min_versions or {}
     with self._cond:
       ok = self._cond.wait_for(lambda: self._error is not None or all(
@@ -133,9 +142,14 @@ class LearnerStoreLink:
           for p in range(num_fragments)), timeout)
     self._check()
     if not ok:
-      raise TimeoutError(f"learner {self.learner}: no merged fragments (at versions {floor}) "
-                         f"appeared in {self.store.root}/merged within {timeout:.0f} s; is the "
-                         "syncer running on this store?")
+      with self._cond:
+        missing = [p for p in range(num_fragments) if not (
+            p in self._merged and self._merged[p].version >= floor.get(p, 0))]
+      folders = sorted({str(self._shard_of(p).root) for p in missing})
+      raise TimeoutError(f"learner {self.learner}: fragments {missing[:8]} (at versions "
+                         f"{floor}) did not appear in {', '.join(f + '/merged' for f in folders)} "
+                         f"within {timeout:.0f} s; is the syncer (shard) of that folder running "
+                         "on this store?")
 
   def flush(self, timeout: float = 600.0) -> None:
     """Waits until every queued delivery is committed to the store."""
@@ -180,7 +194,7 @@ class LearnerStoreLink:
       waited = time.monotonic() - queued_at
       try:
         self._write_beat_if_new()  # the syncer must know this incarnation before its payload
-        self.bytes_up += self.store.put_payload(
+        self.bytes_up += self._shard_of(payload.fragment).put_payload(
             dataclasses.replace(payload, transit_s=payload.transit_s + waited))
         return
       except StoreError as e:
@@ -192,6 +206,10 @@ class LearnerStoreLink:
         if self._stop.wait(backoff):
           raise
         backoff = min(2 * backoff, _RETRY_MAX_S)
+
+  def _shard_of(self, fragment: int) -> Store:
+    """The store folder of the syncer shard that owns `fragment`."""
+    return self._shards[0 if self._owner is None else self._owner[fragment]]
 
   def _write_beat_if_new(self) -> None:
     with self._cond:
@@ -229,39 +247,46 @@ class LearnerStoreLink:
   def _poll_loop(self) -> None:
     failures: dict[tuple[int, int], int] = {}  # (fragment, version) -> failed reads in a row
     while not self._stop.is_set():
-      try:
-        index = self.store.merged_index()
-      except StoreError as e:  # a torn index on a non-atomic store: read it again next poll
-        logging.warning("learner %d: %s", self.learner, e)
-        index = {}
-      for p, version in sorted(index.items()):
-        with self._cond:
-          have = self._merged.get(p)
-        if have is not None and have.version >= version:
-          continue
-        if failures.get((p, version), 0) >= _MAX_READ_FAILURES:
-          continue  # broken (logged once): never applied, a newer version is
-        try:
-          merged, _ = self.store.read_merged(p, version)
-        except Exception as e:  # collected under us (the syncer moved on): next poll's index
-          n = failures[(p, version)] = failures.get((p, version), 0) + 1
-          if n >= _MAX_READ_FAILURES or getattr(e, "reason", None) == NON_FINITE:
-            failures[(p, version)] = _MAX_READ_FAILURES
-            logging.error("learner %d: merged f%d_v%d cannot be used, skipped: %r",
-                          self.learner, p, version, e)
-            continue
-          logging.info("learner %d: merged f%d_v%d not read (%r); retrying", self.learner, p,
-                       version, e)
-          continue
-        failures.pop((p, version), None)
-        self.wan_wait_s += self._down.transfer(merged.nbytes)
-        self.bytes_down += merged.nbytes
-        if self._on_fetch is not None:
-          self._on_fetch(merged)
-        with self._cond:
-          self._merged[p] = merged
-          self._cond.notify_all()
+      for shard, store in enumerate(self._shards):
+        self._poll_shard(shard, store, failures)
       self._stop.wait(self._poll_s)
+
+  def _poll_shard(self, shard: int, store: Store, failures: dict) -> None:
+    """Downloads the versions one shard's index names that are newer than those held."""
+    try:
+      index = store.merged_index()
+    except StoreError as e:  # a torn index on a non-atomic store: read it again next poll
+      logging.warning("learner %d: %s", self.learner, e)
+      index = {}
+    for p, version in sorted(index.items()):
+      if self._owner is not None and (p >= len(self._owner) or self._owner[p] != shard):
+        continue  # not this shard's fragment (planted): never read
+      with self._cond:
+        have = self._merged.get(p)
+      if have is not None and have.version >= version:
+        continue
+      if failures.get((p, version), 0) >= _MAX_READ_FAILURES:
+        continue  # broken (logged once): never applied, a newer version is
+      try:
+        merged, _ = store.read_merged(p, version)
+      except Exception as e:  # collected under us (the syncer moved on): next poll's index
+        n = failures[(p, version)] = failures.get((p, version), 0) + 1
+        if n >= _MAX_READ_FAILURES or getattr(e, "reason", None) == NON_FINITE:
+          failures[(p, version)] = _MAX_READ_FAILURES
+          logging.error("learner %d: merged f%d_v%d cannot be used, skipped: %r",
+                        self.learner, p, version, e)
+          continue
+        logging.info("learner %d: merged f%d_v%d not read (%r); retrying", self.learner, p,
+                     version, e)
+        continue
+      failures.pop((p, version), None)
+      self.wan_wait_s += self._down.transfer(merged.nbytes)
+      self.bytes_down += merged.nbytes
+      if self._on_fetch is not None:
+        self._on_fetch(merged)
+      with self._cond:
+        self._merged[p] = merged
+        self._cond.notify_all()
 
 
 def _beat_fields(record: dict) -> tuple | None:

@@ -14,6 +14,15 @@ reads anything, renews it in the background, checks it before every merged commi
 marker, index), and stops with `LeaseLost` the moment it may no longer write. A commit that
 fails (a full disk) is retried, with the error logged, until it succeeds: the round is
 published to nobody until then, and the syncer stays up.
+
+With `sync.shards = S > 1` the process is shard `sync.shard` (docs/design.md 3.1): it holds,
+merges and publishes only the fragments `syncer_shards.assign` gives it, over its own folder
+of the store (`Store(root, shard=s)`: its own lease, merged entries, markers, payloads and
+registry), and recovers from its own entries only. Its tape is WORKDIR/shards/s{s}/tape.jsonl
+(the durable copy is its commit markers), every record tagged with `"shard"`. The global eval
+needs every shard's versions, so a sharded syncer runs none itself (the launcher starts the
+evaluator process, `evaluator.py`); shard 0 writes the run's export once every shard has
+stopped, from all shards' newest committed versions (`evaluator.read_global`).
 """
 
 from __future__ import annotations
@@ -26,12 +35,13 @@ import jax
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco import intake
+from diloco import intake, syncer_shards
 from diloco.config_lib import Config
 from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.lease import Lease
 from diloco.distributed import chaos, store_markers
-from diloco.distributed.store import WRITE_FAILED, Store, StoreError, merged_name
+from diloco.distributed.store import (WRITE_FAILED, Store, StoreError, merged_name,
+                                      shard_stores)
 from diloco.distributed.store_transport import DONE, RETIRED, SyncerStoreLink
 from diloco.observe import metrics as metrics_lib
 from diloco.syncer import Syncer
@@ -54,7 +64,8 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
   rounds merged, the committed rounds' tape records).
   """
   store.collect_uncommitted_merged()  # a dead syncer's half-written rounds
-  found = {p: _newest_usable(store, syncer, p, max_staleness) for p in range(num_fragments)}
+  own = [p for p in syncer.owned if p < num_fragments]  # a shard recovers its fragments only
+  found = {p: _newest_usable(store, syncer, p, max_staleness) for p in own}
   if not any(found.values()):
     return False, set(), []
   missing = [p for p, f in found.items() if f is None]
@@ -71,7 +82,7 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
   markers = {p: store_markers.typed_marker(store.merged_marker(p, f[0]))
              for p, f in found.items()}
   with_rounds = [m for m in markers.values() if m["round"] is not None]
-  newest = max(with_rounds, key=lambda m: m["round"], default=markers[0])
+  newest = max(with_rounds, key=lambda m: m["round"], default=markers[own[0]])
   rounds = newest["round"] + 1 if with_rounds else 0
   state = dict(newest["state"], ledger=store_markers.joined_ledger(markers))
   syncer.restore_state(state, fragments, history, rounds)
@@ -80,8 +91,7 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
   # The index may lag the markers by one write if the syncer died in between.
   if fence is not None:
     fence()
-  store.write_json("merged/index.json", {str(p): fragments[p][0] for p in range(num_fragments)},
-                   durable=True)
+  store.write_json("merged/index.json", {str(p): fragments[p][0] for p in own}, durable=True)
   return True, merged_keys, [m["tape"] for m in with_rounds]
 
 
@@ -132,10 +142,25 @@ def repair_tape(path: str, rounds: int, committed: list[dict]) -> None:
   os.replace(tmp, path)
 
 
+def open_store(cfg: Config, store_root: str) -> Store:
+  """This syncer's store: the root with one syncer, shard `sync.shard`'s view with several."""
+  if cfg.sync.shards == 1:
+    return Store(store_root)
+  syncer_shards.check_shard(cfg.sync.shard, cfg.sync.shards)
+  return Store(store_root, shard=cfg.sync.shard)
+
+
+def tape_dir(cfg: Config, workdir: str) -> str:
+  """Where this syncer's tape goes: WORKDIR, or WORKDIR/shards/s{s} for a shard."""
+  if cfg.sync.shards == 1:
+    return workdir
+  return os.path.join(workdir, "shards", f"s{cfg.sync.shard}")
+
+
 def run(cfg: Config, workdir: str, store_root: str) -> dict:
   """Serves rounds until the launcher writes `stop.json` or every learner has left."""
   os.makedirs(workdir, exist_ok=True)
-  store = Store(store_root)
+  store = open_store(cfg, store_root)
   lease = Lease(store, duration_s=cfg.store.lease_s)
   lease.acquire()  # before anything is read: a stale syncer may still be writing
   lease.start()
@@ -145,7 +170,20 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
     lease.release()
 
 
+def _make_syncer(cfg: Config, plan, global_params: dict, records: list[dict]) -> Syncer:
+  """The host syncer of this process: all fragments, or shard `sync.shard`'s."""
+  owned, on_round = None, records.append
+  if cfg.sync.shards > 1:
+    shard = cfg.sync.shard
+    owned = syncer_shards.owned(syncer_shards.assign(plan.num_elements, cfg.sync.shards), shard)
+    on_round = lambda record: records.append(dict(record, shard=shard))  # noqa: E731
+  return Syncer(global_params, plan, cfg.sync, cfg.outer, on_round=on_round,
+                limits=intake.Limits(cfg.train.batch_size * cfg.data.seq_len,
+                                     chaos.max_learners(cfg) or None), owned=owned)
+
+
 def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
+  sharded = cfg.sync.shards > 1
   origin = store.run_start(create=True)
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   spec, init_fn, eval_fn = evaluator_lib.model_on_first_device(cfg)
@@ -154,9 +192,7 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
     # train.init_from seeds G; a recovered store replaces it (`recover`).
     global_params = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"])
   pending_records: list[dict] = []
-  syncer = Syncer(global_params, plan, cfg.sync, cfg.outer, on_round=pending_records.append,
-                  limits=intake.Limits(cfg.train.batch_size * cfg.data.seq_len,
-                                       chaos.max_learners(cfg) or None))
+  syncer = _make_syncer(cfg, plan, global_params, pending_records)
   keep = cfg.sync.max_staleness + 2
   recovered, merged_keys, committed = recover(store, syncer, plan.num_fragments,
                                               cfg.sync.max_staleness, fence=lease.check)
@@ -164,20 +200,23 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
     for merged in syncer.initial(clock()):
       store.put_merged(merged, syncer.momentum, {"round": None, "state": syncer.export_state()},
                        fence=lease.check)
-  tape_path = os.path.join(workdir, TAPE_FILE)
+  os.makedirs(tape_dir(cfg, workdir), exist_ok=True)
+  tape_path = os.path.join(tape_dir(cfg, workdir), TAPE_FILE)
   repair_tape(tape_path, syncer.rounds, committed)
-  print(f"syncer: {'resumed at round ' + str(syncer.rounds) if recovered else 'started'}, "
+  who = f"syncer shard {cfg.sync.shard}/{cfg.sync.shards}" if sharded else "syncer"
+  print(f"{who}: {'resumed at round ' + str(syncer.rounds) if recovered else 'started'}, "
         f"versions {syncer.versions}", flush=True)
   expected = {p: {k: global_params[k].shape for k in paths}
               for p, paths in enumerate(plan.fragments)}
   link = SyncerStoreLink(store, expected, merged_keys,
                          fresh_s=cfg.sync.heartbeat_timeout_s / 2)
-  writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="syncer",
-                                   log_config=True)
+  # A shard holds only its fragments: the global eval is the evaluator process's.
+  writer = None if sharded else metrics_lib.open_writer(cfg, workdir, role="syncer",
+                                                        process="syncer", log_config=True)
   # The global eval never delays a merge: a thread here ("background"), the evaluator
   # process ("process", see diloco/distributed/evaluator.py) or none ("off").
   evaluator = (evaluator_lib.Evaluator(cfg, spec, eval_fn, writer)
-               if cfg.train.eval_mode == "background" else None)
+               if cfg.train.eval_mode == "background" and not sharded else None)
   progress, next_eval = 0, cfg.train.eval_every if evaluator else 0
   if evaluator is not None and recovered:
     evaluator.recall(workdir)  # what the syncer before this one evaluated
@@ -199,10 +238,10 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
       if now - last_registry >= 1.0:
         last_registry = now
         store.collect_uncommitted(max_age_s=max(60.0, 2 * cfg.sync.heartbeat_timeout_s))
-        store.write_json("registry.json", dict(syncer.state_summary(), time=now,
-                                               versions=syncer.versions,
-                                               alive=syncer.alive(now)))
-      if store.exists("stop.json") or _all_left(store):
+        store.write_json("registry.json", dict(
+            syncer.state_summary(), time=now, versions=syncer.versions, shard=cfg.sync.shard,
+            owned=list(syncer.owned), alive=syncer.alive(now)))
+      if store.stop_requested() or _all_left(store):
         _settle(cfg, store, syncer, link, pending_records, tape, keep, clock, lease.check)
         break
       wait = cfg.store.poll_s if deadline is None else min(cfg.store.poll_s,
@@ -212,19 +251,43 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
     if evaluator is not None:
       evaluator.join()  # after the last merge: nothing waits on it any more
       final = evaluator.final(syncer.global_params(), progress, clock(), syncer.rounds)
-    export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()), cfg,
-                step=progress, runtime="multiprocess",
-                extra={"outer/rounds": syncer.rounds, "eval/loss": final})
+    summary = dict(syncer.state_summary(), versions=syncer.versions, shard=cfg.sync.shard,
+                   owned=list(syncer.owned))
+    if not sharded:
+      export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()), cfg,
+                  step=progress, runtime="multiprocess",
+                  extra={"outer/rounds": syncer.rounds, "eval/loss": final,
+                         "fragment_versions": {str(p): v for p, v in
+                                               enumerate(syncer.versions)}})
+    else:
+      # Stopped (its final versions published) before shard 0 assembles the export.
+      store.write_json("registry.json", dict(summary, time=clock(), alive=[], stopped=True))
+      if cfg.sync.shard == 0:
+        _export_sharded(cfg, workdir, store.base, progress, clock)
   finally:
     link.close()
     tape.close()
-    writer.close()
-  summary = dict(syncer.state_summary(), versions=syncer.versions)
+    if writer is not None:
+      writer.close()
   # `stopped`: the final versions are published (the evaluator process evaluates them).
   store.write_json("registry.json", dict(summary, time=clock(), alive=[], stopped=True))
-  print(f"syncer: stopped after {syncer.rounds} rounds"
+  print(f"{who}: stopped after {syncer.rounds} rounds"
         + (f", eval/loss {final:.4f}" if final is not None else ""), flush=True)
   return dict(summary, **{"eval/loss": final})
+
+
+def _export_sharded(cfg: Config, workdir: str, root, progress: int, clock) -> None:
+  """Shard 0's end of a sharded run: once every shard has stopped, the run's export from all
+  shards' newest committed versions, recording which version of each fragment it holds."""
+  stores = shard_stores(root, cfg.sync.shards)
+  while not all(evaluator_lib.stopped(s) for s in stores):
+    time.sleep(cfg.store.poll_s)  # the launcher restarts a shard that died meanwhile
+  flat, index, rounds = evaluator_lib.read_global(stores, with_rounds=True)
+  export.save(workdir, fragments_lib.unflatten_tree(flat), cfg, step=progress,
+              runtime="multiprocess",
+              extra={"outer/rounds": rounds, "eval/loss": None, "syncer_shards": cfg.sync.shards,
+                     "fragment_versions": {str(p): v for p, v in sorted(index.items())}})
+  print(f"syncer shard 0: exported the global model at versions {index}", flush=True)
 
 
 def _settle(cfg: Config, store: Store, syncer: Syncer, link: SyncerStoreLink,
