@@ -1,4 +1,5 @@
-"""One launched multi-process run (a syncer and two learner processes) with its store on `gs://`,
+"""One launched multi-process run (two syncer shards, the evaluator and two learner processes)
+with its store on `gs://`,
 through a local GCS emulator speaking the real HTTP API (`tests/gcs_emulator.py`). The
 processes the launcher starts inherit the emulator's address from the environment."""
 
@@ -16,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 48
 
 
-@pytest.mark.parametrize("shards", [1])
+@pytest.mark.parametrize("shards", [2])  # S = 1 runs the same store code on one folder
 def test_a_launched_run_with_its_store_on_gcs_finishes_and_exports(
     gcs_emulator, tmp_path, monkeypatch, shards):
   workdir, root = str(tmp_path / "run"), gcs_emulator.root("run")
@@ -46,9 +47,13 @@ def test_a_launched_run_with_its_store_on_gcs_finishes_and_exports(
   assert not os.path.exists(os.path.join(workdir, "store"))
   use_gcsfs(monkeypatch, gcs_emulator)
   fs, key = gcs(), root.removeprefix("gs://")
-  registry = json.loads(fs.cat_file(f"{key}/registry.json"))
-  assert registry["stopped"] and registry["rounds"] == exported["outer/rounds"]
-  index = json.loads(fs.cat_file(f"{key}/merged/index.json"))
-  assert len(index) >= 2 and min(index.values()) >= 1, index  # every fragment merged
+  folders = [key] if shards == 1 else [f"{key}/shards/s{s}" for s in range(shards)]
+  registries = [json.loads(fs.cat_file(f"{folder}/registry.json")) for folder in folders]
+  assert all(r["stopped"] for r in registries), registries
+  assert sum(r["rounds"] for r in registries) == exported["outer/rounds"], registries
+  index = {}
+  for folder in folders:  # each shard's index lists its own fragments
+    index.update(json.loads(fs.cat_file(f"{folder}/merged/index.json")))
+  assert len(index) == 2 and min(index.values()) >= 1, index  # every fragment merged
   heartbeats = fs.ls(f"{key}/heartbeats", detail=False)
   assert sorted(os.path.basename(h) for h in heartbeats) == ["l0.json", "l1.json"]

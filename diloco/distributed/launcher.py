@@ -497,7 +497,7 @@ class Launcher:
     try:
       summary = report.finish(
           self.workdir, num_fragments=cfg.sync.num_fragments,
-          num_params=sum(int(np.prod(s)) for s in _param_shapes(cfg).values()),
+          num_params=sum(int(np.prod(s)) for s in param_shapes(cfg).values()),
           figures=figures, activity=activity, tape=tape, writer=writer,
           loss_title=f"Decoupled DiLoCo, {cfg.learners.count} learner processes",
           timeline_title=f"multi-process, M={cfg.learners.count}, K={cfg.sync.quorum or 'M'}, "
@@ -540,7 +540,8 @@ def _signal_group(popen: subprocess.Popen, sig: int) -> None:
     pass
 
 
-def _param_shapes(cfg: Config) -> dict:
+def param_shapes(cfg: Config) -> dict:
+  """The model's parameter shapes by path, from its abstract state (no arrays)."""
   from diloco import fragments as fragments_lib  # pylint: disable=import-outside-toplevel
   from diloco.train import state as train_state  # pylint: disable=import-outside-toplevel
   import flax.nnx as nnx  # pylint: disable=import-outside-toplevel

@@ -1,0 +1,211 @@
+"""Benchmark: merged bytes per second of a sharded syncer, S = 1 against S = 2, in one run.
+
+Real syncer processes (`python -m diloco.main --role=syncer`, one per shard, each with its
+lease, its store folder and its tape; docs/design.md 3.1) serve a local store; this script
+plays M learners with synthetic deliveries of the model's real shapes (`--config`, default the
+`cpu` preset's ~6M-parameter model). Each round, every learner delivers every fragment once
+(K = M, no grace: one merge of M deliveries per fragment). The deliveries are written to a
+staging folder first and then renamed into the shards' `payloads/` folders in one quick pass,
+so that the time measured is the syncers' (read, check, merge, Nesterov step, durable commit),
+not this script's writing. A round's time runs from that pass to the moment every shard's
+`merged/index.json` shows every fragment at the round's version. Start-up (imports, model
+init, lease, version 0) is outside the timed rounds.
+
+Baseline: S = 1, measured in the same run, alternating with S = 2 (`--reps` pairs, the order
+flipped every pair). Result: merged bytes/s of each (best pair's rounds, and the median over
+pairs) and `ratio` = S = 2 / S = 1 (the issue's target: >= 1.6; the bound on this 2-core
+machine is about 2, each shard process getting one core).
+
+  PYTHONPATH=. .venv/bin/python scripts/bench_syncer_shards.py   # prints one JSON line last
+  PYTHONPATH=. .venv/bin/python scripts/bench_syncer_shards.py --rounds=2 --reps=1
+"""
+
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from absl import app, flags, logging
+
+from diloco import config_lib, fragments, syncer_shards
+from diloco.delivery import Delivery
+from diloco.distributed import store as store_lib
+from diloco.distributed.launcher import param_shapes
+from diloco.distributed.store_transport import LearnerStoreLink
+from diloco.transport import Heartbeat
+
+flags.DEFINE_string("config", "configs/multiprocess.py:cpu", "The run config (model shapes).")
+flags.DEFINE_integer("learners", 4, "Learners delivering every fragment each round (M = K).")
+flags.DEFINE_integer("fragments", 8, "Fragments (P); every shard needs one at least.")
+flags.DEFINE_integer("rounds", 3, "Timed rounds per measurement.")
+flags.DEFINE_integer("reps", 2, "Pairs of measurements (S = 1 and S = 2, order flipped).")
+flags.DEFINE_float("start_timeout_s", 300.0, "Longest wait for the syncers to publish v0.")
+flags.DEFINE_float("round_timeout_s", 300.0, "Longest wait for one round to be merged.")
+flags.DEFINE_string("dir", None, "Parent of the temporary directory.")
+FLAGS = flags.FLAGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _overrides(shards: int) -> list[str]:
+  return [f"--config={FLAGS.config}", f"--config.sync.shards={shards}",
+          f"--config.sync.num_fragments={FLAGS.fragments}",
+          f"--config.sync.period={FLAGS.fragments}", "--config.sync.tau=1",
+          "--config.sync.quorum=0", "--config.sync.gamma=0.0",
+          "--config.sync.heartbeat_timeout_s=120", f"--config.learners.count={FLAGS.learners}",
+          f"--config.launch.max_learners={FLAGS.learners}", "--config.train.eval_mode=off",
+          "--config.store.poll_s=0.02"]
+
+
+def _config() -> config_lib.Config:
+  """The run config as given: its model's shapes, batch and sequence length (the syncer
+  processes get the same file with `_overrides`)."""
+  spec = FLAGS.config
+  return config_lib.from_config_dict(config_lib.load(
+      spec if os.path.isabs(spec) else os.path.join(ROOT, spec)))
+
+
+def _start_syncers(shards: int, store_root: str, top: str) -> list[subprocess.Popen]:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+  procs = []
+  for s in range(shards):
+    log = open(os.path.join(top, f"syncer{s}.log"), "w", encoding="utf-8")
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "diloco.main", "--role=syncer", f"--workdir={top}/work",
+         *_overrides(shards), f"--config.store.root={store_root}", f"--config.sync.shard={s}"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+  return procs
+
+
+def _log_tail(top: str, shards: int) -> str:
+  tails = []
+  for s in range(shards):
+    with open(os.path.join(top, f"syncer{s}.log"), encoding="utf-8") as f:
+      tails.append(f"--- syncer{s}.log\n" + "".join(f.readlines()[-15:]))
+  return "\n".join(tails)
+
+
+def _wait_versions(stores, owner, version: int, timeout_s: float, procs, top: str) -> float:
+  """Polls every shard's index until each fragment is at `version`; returns when."""
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    index = store_lib.global_index(stores, owner)
+    if len(index) == len(owner) and min(index.values()) >= version:
+      return time.perf_counter()
+    if any(p.poll() is not None for p in procs):
+      raise RuntimeError("a syncer process exited:\n" + _log_tail(top, len(procs)))
+    time.sleep(0.005)
+  raise TimeoutError(f"fragments did not reach version {version} in {timeout_s} s: "
+                     f"{store_lib.global_index(stores, owner)}")
+
+
+def _stage(staging: store_lib.Store, cfg, shapes: dict, plan, r: int,
+           rng: np.random.Generator) -> tuple[list[str], int]:
+  """Writes round r's deliveries (every learner, every fragment) to `staging`; returns their
+  entry names and payload bytes. H = P (`_overrides`): each delivery carries H steps."""
+  names, nbytes = [], 0
+  period = FLAGS.fragments
+  steps = period * r
+  for m in range(FLAGS.learners):
+    for p, paths in enumerate(plan.fragments):
+      tensors = {k: rng.standard_normal(shapes[k], dtype=np.float32) * 0.02 for k in paths}
+      nbytes += staging.put_payload(Delivery(
+          learner=m, incarnation=0, fragment=p, local_step=steps, steps=period,
+          tokens=period * cfg.train.batch_size * cfg.data.seq_len,
+          base_version=r - 1, kind="values", tensors=tensors))
+      names.append(store_lib.payload_name(p, m, 0, steps))
+  return names, nbytes
+
+
+def _publish(staging_root: str, stores, owner, names: list[str]) -> None:
+  """Renames staged entries into their shard's payloads/ (the entry, then its marker)."""
+  for name in names:
+    p = store_lib.parse_payload_name(name)[0]
+    target = os.path.join(os.fspath(stores[owner[p]].root), "payloads")
+    os.rename(os.path.join(staging_root, "payloads", name), os.path.join(target, name))
+    os.rename(os.path.join(staging_root, "payloads", name + ".json"),
+              os.path.join(target, name + ".json"))
+
+
+def _measure(shards: int, top: str) -> dict:
+  """One measurement: S syncer processes, `--rounds` timed rounds; merged bytes/s."""
+  cfg = _config()
+  shapes = param_shapes(cfg)
+  plan = fragments.plan_fragments(shapes, FLAGS.fragments, cfg.sync.scheme)
+  owner = syncer_shards.assign(plan.num_elements, shards)
+  store_root = os.path.join(top, "store")
+  stores = store_lib.shard_stores(store_root, shards)
+  shared = store_lib.shared_store(store_root, shards)
+  links = [LearnerStoreLink(shared, m, 0, poll_s=1.0, shards=stores, owner=owner)
+           for m in range(FLAGS.learners)]
+  for m, link in enumerate(links):
+    link.heartbeat(Heartbeat(m, 0, 0, 0.0, time.time()))
+  procs = _start_syncers(shards, store_root, top)
+  staging_root = os.path.join(top, "staging")
+  staging = store_lib.Store(staging_root)
+  rng = np.random.default_rng(0)
+  try:
+    _wait_versions(stores, owner, 0, FLAGS.start_timeout_s, procs, top)
+    seconds, merged = [], 0
+    for r in range(1, FLAGS.rounds + 1):
+      for m, link in enumerate(links):
+        link.heartbeat(Heartbeat(m, 0, FLAGS.fragments * r, 0.0, time.time()))
+      names, nbytes = _stage(staging, cfg, shapes, plan, r, rng)
+      t0 = time.perf_counter()
+      _publish(staging_root, stores, owner, names)
+      seconds.append(_wait_versions(stores, owner, r, FLAGS.round_timeout_s, procs, top) - t0)
+      merged += nbytes
+  finally:
+    shared.request_stop({"time": time.time(), "reason": "benchmark done"})
+    for proc in procs:
+      try:
+        proc.wait(timeout=120)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+    for link in links:
+      link.close()
+  return {"bytes_per_s": merged / sum(seconds), "round_s": [round(s, 4) for s in seconds],
+          "merged_bytes": merged, "fragment_bytes": [4 * n for n in plan.num_elements]}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # Orbax reports every read at INFO
+  top = tempfile.mkdtemp(prefix="bench_syncer_shards_", dir=FLAGS.dir)
+  try:
+    runs = {1: [], 2: []}
+    for rep in range(FLAGS.reps):
+      for shards in (1, 2) if rep % 2 == 0 else (2, 1):
+        folder = os.path.join(top, f"s{shards}_rep{rep}")
+        os.makedirs(folder)
+        runs[shards].append(_measure(shards, folder))
+        print(f"S={shards} rep {rep}: {runs[shards][-1]['bytes_per_s'] / 1e6:.1f} MB/s merged, "
+              f"rounds {runs[shards][-1]['round_s']} s", flush=True)
+  finally:
+    shutil.rmtree(top, ignore_errors=True)
+  best = {s: max(r["bytes_per_s"] for r in v) for s, v in runs.items()}
+  median = {s: statistics.median(r["bytes_per_s"] for r in v) for s, v in runs.items()}
+  print(json.dumps({
+      "bench": "syncer_shards",
+      "ratio": round(best[2] / best[1], 4),
+      "ratio_median": round(median[2] / median[1], 4),
+      "s1_bytes_per_s": round(best[1]), "s2_bytes_per_s": round(best[2]),
+      "s1_round_s": [r["round_s"] for r in runs[1]], "s2_round_s": [r["round_s"] for r in runs[2]],
+      "merged_bytes_per_measurement": runs[1][0]["merged_bytes"],
+      "fragment_bytes": runs[1][0]["fragment_bytes"],
+      "learners": FLAGS.learners, "fragments": FLAGS.fragments, "rounds": FLAGS.rounds,
+      "reps": FLAGS.reps, "config": FLAGS.config, "cpus": os.cpu_count(),
+      "python": platform.python_version(), "jax": importlib.metadata.version("jax"),
+  }))
+
+
+if __name__ == "__main__":
+  app.run(main)
