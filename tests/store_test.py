@@ -563,3 +563,25 @@ def test_a_shard_recovers_only_its_own_fragments(tmp_path):
   assert [again.versions[q] for q in own] == [s1.versions[q] for q in own]
   assert shards[1].merged_index() == {q: s1.versions[q] for q in own}
   assert shards[0].merged_index() == {} and shards[0].merged_versions(p) == []
+
+
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_init_from_a_store_assembles_g_from_every_shards_newest_version(tmp_path, num_shards):
+  """`train.init_from=STORE`: each fragment's newest committed version, from its own shard's
+  folder (here fragment 0 at version 2, the others at 0), checked against the values written."""
+  from diloco.train import export  # pylint: disable=import-outside-toplevel
+  root = str(tmp_path / "store")
+  owner = syncer_shards.assign(PLAN.num_elements, num_shards)
+  stores = store_lib.shard_stores(root, num_shards)
+  momentum = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+  for p in range(PLAN.num_fragments):
+    stores[owner[p]].put_merged(_merged(p, 0, seed=0), momentum, {"round": None})
+  for version in (1, 2):
+    stores[owner[0]].put_merged(_merged(0, version, seed=version), momentum, {"round": None})
+  assert export.store_shards(root) == num_shards
+  params, source = export.read_params(root)
+  flat = fragments.flatten_tree(params)
+  want = {k: _params(2 if k in PLAN.fragments[0] else 0)[k] for k in SHAPES}
+  assert flat.keys() == want.keys() and all(np.array_equal(flat[k], want[k]) for k in want)
+  assert f"{num_shards} syncer shard(s)" in source and "0:v2" in source
+  assert export.store_shards(str(tmp_path)) == 0  # not a store

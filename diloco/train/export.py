@@ -20,8 +20,9 @@ parameters) to WORKDIR/export, a self-contained folder that can be moved or copi
 `load(path)` reads it back (NumPy arrays, or arrays with the shardings of an abstract target);
 `export.json` is written last, so a directory without it is an unfinished export.
 `load_init(path, abstract)` is what `train.init_from` uses: an export, a data-parallel or
-learner checkpoint (WORKDIR/checkpoints[/STEP]) or a durable run's checkpoint
-(WORKDIR/run_checkpoints[/STEP]), shape-checked tensor by tensor.
+learner checkpoint (WORKDIR/checkpoints[/STEP]), a durable run's checkpoint
+(WORKDIR/run_checkpoints[/STEP]) or a multi-process run's store (WORKDIR/store, sharded or
+not: G from the newest committed version of every fragment), shape-checked tensor by tensor.
 """
 
 from __future__ import annotations
@@ -258,13 +259,33 @@ def checkpoint_steps(workdir: str) -> dict[str, list[int]]:
   return found
 
 
+def store_shards(path: str) -> int:
+  """How many syncer shards the multi-process store at `path` has (1: the unsharded layout,
+  `merged/index.json` at its root; S: `shards/s0` ... `shards/s{S-1}`, docs/design.md 3.1);
+  0 if `path` is no store."""
+  if os.path.isfile(os.path.join(path, "merged", "index.json")):
+    return 1
+  count = 0
+  while os.path.isfile(os.path.join(path, "shards", f"s{count}", "merged", "index.json")):
+    count += 1
+  return count
+
+
 def read_params(path: str, what: str = "train.init_from") -> tuple[PyTree, str]:
-  """(NumPy parameters, a description of their source) of an export, or of a train-state or
+  """(NumPy parameters, a description of their source) of an export, of a multi-process run's
+  store (G from every syncer shard's newest committed versions), or of a train-state or
   durable-run checkpoint (a step directory, or the newest step under WORKDIR/[run_]checkpoints).
   Errors name the flag or field `what`."""
   if not path or not os.path.exists(path):
     raise ConfigError(f"{what}: {path!r} does not exist")
   path = os.path.abspath(path)  # Orbax reads a relative checkpoint path's metadata wrongly
+  shards = store_shards(path)
+  if shards:  # a multi-process run's store: G assembled from every shard's newest versions
+    from diloco.distributed import evaluator, store as store_lib  # pylint: disable=import-outside-toplevel
+    flat, index = evaluator.read_global(store_lib.shard_stores(path, shards))
+    versions = ", ".join(f"{p}:v{v}" for p, v in sorted(index.items()))
+    return (fragments_lib.unflatten_tree(flat),
+            f"store {path} ({shards} syncer shard(s); fragment versions {versions})")
   if export_dir(path) is not None:
     params, meta = load(path)
     return params, f"export {export_dir(path)} (step {meta.get('step')})"
