@@ -43,9 +43,8 @@ from absl import app, flags, logging
 from diloco import config_lib, fragments, syncer_shards
 from diloco.delivery import Delivery
 from diloco.distributed import store as store_lib
+from diloco.distributed import store_transport
 from diloco.distributed.launcher import param_shapes
-from diloco.distributed.store_transport import LearnerStoreLink
-from diloco.transport import Heartbeat
 
 flags.DEFINE_string("config", "configs/multiprocess.py:cpu", "The run config (model shapes).")
 flags.DEFINE_integer("learners", 4, "Learners delivering every fragment each round (M = K).")
@@ -145,6 +144,17 @@ def _publish(staging_root: str, stores, owner, names: list[str]) -> None:
               os.path.join(target, name + ".json"))
 
 
+def _heartbeats(shared: store_lib.Store, local_step: int) -> None:
+  """Every learner's heartbeat record, as a learner's link writes it (`LearnerStoreLink`), but
+  written here once per round: a link's own threads would download every merged version and
+  compete with the syncers for the cores being measured."""
+  for m in range(FLAGS.learners):
+    shared.put_heartbeat(m, {"learner": m, "incarnation": 0, "seq": local_step + 1,
+                             "state": store_transport.UP, "local_step": local_step,
+                             "step_time": 0.0, "sent_at": time.time(), "bytes_up": 0,
+                             "bytes_down": 0})
+
+
 def _measure(shards: int, top: str) -> dict:
   """One measurement: S syncer processes, `--rounds` timed rounds; merged bytes/s."""
   cfg = _config()
@@ -154,10 +164,7 @@ def _measure(shards: int, top: str) -> dict:
   store_root = os.path.join(top, "store")
   stores = store_lib.shard_stores(store_root, shards)
   shared = store_lib.shared_store(store_root, shards)
-  links = [LearnerStoreLink(shared, m, 0, poll_s=1.0, shards=stores, owner=owner)
-           for m in range(FLAGS.learners)]
-  for m, link in enumerate(links):
-    link.heartbeat(Heartbeat(m, 0, 0, 0.0, time.time()))
+  _heartbeats(shared, 0)
   procs = _start_syncers(shards, store_root, top)
   staging_root = os.path.join(top, "staging")
   staging = store_lib.Store(staging_root)
@@ -166,8 +173,7 @@ def _measure(shards: int, top: str) -> dict:
     _wait_versions(stores, owner, 0, FLAGS.start_timeout_s, procs, top)
     seconds, merged = [], 0
     for r in range(1, FLAGS.rounds + 1):
-      for m, link in enumerate(links):
-        link.heartbeat(Heartbeat(m, 0, FLAGS.fragments * r, 0.0, time.time()))
+      _heartbeats(shared, FLAGS.fragments * r)
       names, nbytes = _stage(staging, cfg, shapes, plan, r, rng)
       t0 = time.perf_counter()
       _publish(staging_root, stores, owner, names)
@@ -180,8 +186,6 @@ def _measure(shards: int, top: str) -> dict:
         proc.wait(timeout=120)
       except subprocess.TimeoutExpired:
         proc.kill()
-    for link in links:
-      link.close()
   return {"bytes_per_s": merged / sum(seconds), "round_s": [round(s, 4) for s in seconds],
           "merged_bytes": merged, "fragment_bytes": [4 * n for n in plan.num_elements]}
 
