@@ -26,7 +26,7 @@ GBIT = 1e9
 def model() -> tuple[config_lib.Config, int]:
   """The base config and N, its parameter count (from the model's abstract shapes)."""
   cfg = config_lib.from_config_dict(config_lib.load(os.path.join(harness.REPO, config.CONFIG)))
-  shapes = launcher._param_shapes(cfg)  # pylint: disable=protected-access
+  shapes = launcher.param_shapes(cfg)
   return cfg, sum(int(np.prod(s)) for s in shapes.values())
 
 
