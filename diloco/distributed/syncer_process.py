@@ -22,7 +22,7 @@ registry), and recovers from its own entries only. Its tape is WORKDIR/shards/s{
 (the durable copy is its commit markers), every record tagged with `"shard"`. The global eval
 needs every shard's versions, so a sharded syncer runs none itself (the launcher starts the
 evaluator process, `evaluator.py`); shard 0 writes the run's export once every shard has
-stopped, from all shards' newest committed versions (`evaluator.read_global`).
+stopped, from all shards' newest committed versions (`global_view.read_global`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from diloco import intake, syncer_shards
 from diloco.config_lib import Config
 from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.lease import Lease
-from diloco.distributed import chaos, store_markers
+from diloco.distributed import chaos, global_view, store_markers
 from diloco.distributed.store import (WRITE_FAILED, Store, StoreError, merged_name,
                                       shard_stores)
 from diloco.distributed.store_transport import DONE, RETIRED, SyncerStoreLink
@@ -321,9 +321,9 @@ def _export_sharded(cfg: Config, workdir: str, root, progress: int, clock) -> No
   """Shard 0's end of a sharded run: once every shard has stopped, the run's export from all
   shards' newest committed versions, recording which version of each fragment it holds."""
   stores = shard_stores(root, cfg.sync.shards)
-  while not all(evaluator_lib.stopped(s) for s in stores):
+  while not all(global_view.stopped(s) for s in stores):
     time.sleep(cfg.store.poll_s)  # the launcher restarts a shard that died meanwhile
-  flat, index, rounds = evaluator_lib.read_global(stores, with_rounds=True)
+  flat, index, rounds = global_view.read_global(stores, with_rounds=True)
   export.save(workdir, fragments_lib.unflatten_tree(flat), cfg, step=progress,
               runtime="multiprocess",
               extra={"outer/rounds": rounds, "eval/loss": None, "syncer_shards": cfg.sync.shards,
