@@ -51,14 +51,14 @@ def test_every_runner_takes_the_common_flags_from_the_harness(name):
   module = importlib.import_module(f"experiments.{name}.run")
   assert not common & set(flags.FLAGS), f"experiments/{name}/run.py defines flags at import"
   before = set(flags.FLAGS)
-  module.define_flags()
-  added = set(flags.FLAGS) - before
   try:
+    module.define_flags()
+    added = set(flags.FLAGS) - before
     assert common <= added
     assert flags.FLAGS["outdir"].default == f"runs/experiments/{name}"
     assert flags.FLAGS["results_dir"].default == os.path.join(harness.REPO, "experiments", name)
-  finally:
-    for flag in added:
+  finally:  # also after a failed define_flags: the next runner starts from a clean FLAGS
+    for flag in set(flags.FLAGS) - before:
       delattr(flags.FLAGS, flag)
 
 

@@ -37,6 +37,7 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config_lib import Config
+from diloco.distributed.global_view import read_global, stopped
 from diloco.distributed.store import Store, global_index, shard_stores
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
@@ -49,8 +50,6 @@ from diloco.train.island import initial_global
 
 # How often the evaluator process looks at the store's heartbeats and registry.
 _POLL_S = 0.5
-# A version named by the index can be collected before it is read: read a fresh index.
-_READ_ATTEMPTS = 20
 VERSIONS_FILE = "eval_versions.jsonl"
 
 
@@ -135,48 +134,6 @@ class Evaluator:
   def join(self) -> None:
     if self._thread is not None:
       self._thread.join()
-
-
-def read_global(stores: Store | list[Store], *, with_rounds: bool = False, paths=None):
-  """The newest published version of every fragment, over every shard's store (a list from
-  `store.shard_stores`, or one store), joined into flat global parameters: (params,
-  {fragment: version}), and with `with_rounds` the rounds every shard has closed, summed
-  (from its registry). `paths`: the parameters G must hold (a fragment not yet published by
-  its shard is waited for)."""
-  stores = [stores] if isinstance(stores, Store) else list(stores)
-  error: Exception | None = None
-  for _ in range(_READ_ATTEMPTS):
-    rounds = sum(_registry(s).get("rounds", 0) for s in stores) if with_rounds else 0
-    flat: dict[str, np.ndarray] = {}
-    try:
-      index = {}
-      for store in stores:
-        own = store.merged_index()
-        for p, version in sorted(own.items()):
-          merged, _ = store.read_merged(p, version)
-          flat.update(merged.tensors)
-        index.update(own)
-      if paths is not None and set(paths) - set(flat):
-        raise RuntimeError(f"{len(set(paths) - set(flat))} parameters not published yet")
-      return (flat, index, rounds) if with_rounds else (flat, index)
-    except Exception as e:  # pylint: disable=broad-except  # collected under us: re-read
-      error = e
-      time.sleep(_POLL_S)
-  raise RuntimeError(f"evaluator: could not read the published versions in "
-                     f"{stores[0].base} ({error!r})") from error
-
-
-def _registry(store: Store) -> dict:
-  try:
-    record = store.read_json("registry.json") or {}
-  except Exception:  # pylint: disable=broad-except  # a torn record: read it next poll
-    return {}
-  return record if isinstance(record, dict) else {}
-
-
-def stopped(store: Store) -> bool:
-  """Whether the syncer (or shard) of `store` has stopped with its final versions published."""
-  return bool(_registry(store).get("stopped"))
 
 
 def _progress(store: Store) -> int:

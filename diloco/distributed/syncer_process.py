@@ -22,14 +22,16 @@ registry), and recovers from its own entries only. Its tape is WORKDIR/shards/s{
 (the durable copy is its commit markers), every record tagged with `"shard"`. The global eval
 needs every shard's versions, so a sharded syncer runs none itself (the launcher starts the
 evaluator process, `evaluator.py`); shard 0 writes the run's export once every shard has
-stopped, from all shards' newest committed versions (`evaluator.read_global`).
+stopped, from all shards' newest committed versions (`global_view.read_global`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from typing import Any
 
 import jax
 from absl import logging
@@ -39,7 +41,7 @@ from diloco import intake, syncer_shards
 from diloco.config_lib import Config
 from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.lease import Lease
-from diloco.distributed import chaos, store_markers
+from diloco.distributed import chaos, global_view, store_markers
 from diloco.distributed.store import (WRITE_FAILED, Store, StoreError, merged_name,
                                       shard_stores)
 from diloco.distributed.store_transport import DONE, RETIRED, SyncerStoreLink
@@ -182,46 +184,80 @@ def _make_syncer(cfg: Config, plan, global_params: dict, records: list[dict]) ->
                                      chaos.max_learners(cfg) or None), owned=owned)
 
 
-def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
-  sharded = cfg.sync.shards > 1
-  origin = store.run_start(create=True)
-  clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
+@dataclasses.dataclass
+class _Boot:
+  """What a starting syncer (or shard) process builds before its loop."""
+  spec: Any  # the model on the first device: shapes and the eval
+  eval_fn: Any
+  syncer: Syncer
+  records: list[dict]  # round records not yet committed (`sync_once` drains them)
+  expected: dict[int, dict[str, tuple]]  # each fragment's tensor shapes
+  recovered: bool
+  merged_keys: set
+  committed: list[dict]
+
+
+def _boot(cfg: Config, store: Store, lease: Lease, clock) -> _Boot:
+  """Builds the model and this process's syncer, resumes from the store's committed rounds
+  (`recover`), or publishes version 0 of every owned fragment on a fresh store."""
   spec, init_fn, eval_fn = evaluator_lib.model_on_first_device(cfg)
   plan = fragment_plan(cfg, spec)
   with jax.set_mesh(spec.mesh):
     # train.init_from seeds G; a recovered store replaces it (`recover`).
     global_params = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"])
-  pending_records: list[dict] = []
-  syncer = _make_syncer(cfg, plan, global_params, pending_records)
-  keep = cfg.sync.max_staleness + 2
+  records: list[dict] = []
+  syncer = _make_syncer(cfg, plan, global_params, records)
   recovered, merged_keys, committed = recover(store, syncer, plan.num_fragments,
                                               cfg.sync.max_staleness, fence=lease.check)
   if not recovered:
     for merged in syncer.initial(clock()):
       store.put_merged(merged, syncer.momentum, {"round": None, "state": syncer.export_state()},
                        fence=lease.check)
-  os.makedirs(tape_dir(cfg, workdir), exist_ok=True)
-  tape_path = os.path.join(tape_dir(cfg, workdir), TAPE_FILE)
-  repair_tape(tape_path, syncer.rounds, committed)
-  who = f"syncer shard {cfg.sync.shard}/{cfg.sync.shards}" if sharded else "syncer"
-  print(f"{who}: {'resumed at round ' + str(syncer.rounds) if recovered else 'started'}, "
-        f"versions {syncer.versions}", flush=True)
   expected = {p: {k: global_params[k].shape for k in paths}
               for p, paths in enumerate(plan.fragments)}
-  link = SyncerStoreLink(store, expected, merged_keys,
+  return _Boot(spec, eval_fn, syncer, records, expected, recovered, merged_keys, committed)
+
+
+def _start_evaluator(cfg: Config, workdir: str, boot: _Boot, writer, clock):
+  """The in-process global eval ("background"; None for "process", "off" or a shard, which
+  holds only its fragments): it never delays a merge."""
+  if cfg.train.eval_mode != "background" or cfg.sync.shards > 1:
+    return None
+  evaluator = evaluator_lib.Evaluator(cfg, boot.spec, boot.eval_fn, writer)
+  if boot.recovered:
+    evaluator.recall(workdir)  # what the syncer before this one evaluated
+  else:
+    evaluator.start(boot.syncer.global_params(), 0, clock(), 0)
+  return evaluator
+
+
+def _write_registry(cfg: Config, store: Store, syncer: Syncer, now: float, **extra) -> None:
+  """`registry.json`: the syncer's state for people and tools (and the launcher's report)."""
+  store.write_json("registry.json", dict(
+      syncer.state_summary(), time=now, versions=syncer.versions, shard=cfg.sync.shard,
+      owned=list(syncer.owned), **extra))
+
+
+def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
+  origin = store.run_start(create=True)
+  clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
+  boot = _boot(cfg, store, lease, clock)
+  syncer, records = boot.syncer, boot.records
+  keep = cfg.sync.max_staleness + 2
+  os.makedirs(tape_dir(cfg, workdir), exist_ok=True)
+  tape_path = os.path.join(tape_dir(cfg, workdir), TAPE_FILE)
+  repair_tape(tape_path, syncer.rounds, boot.committed)
+  who = (f"syncer shard {cfg.sync.shard}/{cfg.sync.shards}" if cfg.sync.shards > 1
+         else "syncer")
+  print(f"{who}: {'resumed at round ' + str(syncer.rounds) if boot.recovered else 'started'}, "
+        f"versions {syncer.versions}", flush=True)
+  link = SyncerStoreLink(store, boot.expected, boot.merged_keys,
                          fresh_s=cfg.sync.heartbeat_timeout_s / 2)
   # A shard holds only its fragments: the global eval is the evaluator process's.
-  writer = None if sharded else metrics_lib.open_writer(cfg, workdir, role="syncer",
-                                                        process="syncer", log_config=True)
-  # The global eval never delays a merge: a thread here ("background"), the evaluator
-  # process ("process", see diloco/distributed/evaluator.py) or none ("off").
-  evaluator = (evaluator_lib.Evaluator(cfg, spec, eval_fn, writer)
-               if cfg.train.eval_mode == "background" and not sharded else None)
+  writer = None if cfg.sync.shards > 1 else metrics_lib.open_writer(
+      cfg, workdir, role="syncer", process="syncer", log_config=True)
+  evaluator = _start_evaluator(cfg, workdir, boot, writer, clock)
   progress, next_eval = 0, cfg.train.eval_every if evaluator else 0
-  if evaluator is not None and recovered:
-    evaluator.recall(workdir)  # what the syncer before this one evaluated
-  if evaluator is not None and not recovered:
-    evaluator.start(syncer.global_params(), 0, clock(), 0)
   tape = open(tape_path, "a", encoding="utf-8")
   last_registry = 0.0
   try:
@@ -229,7 +265,7 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
       now = clock()
       if not lease.held:
         lease.check()  # raises LeaseLost, with the reason
-      beats, deadline = sync_once(store, syncer, link, pending_records, tape, keep, now,
+      beats, deadline = sync_once(store, syncer, link, records, tape, keep, now,
                                   fence=lease.check)
       progress = max([progress] + [b.local_step for b in beats])
       if evaluator is not None and evaluator.due(progress, next_eval, cfg.train.steps):
@@ -238,51 +274,56 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
       if now - last_registry >= 1.0:
         last_registry = now
         store.collect_uncommitted(max_age_s=max(60.0, 2 * cfg.sync.heartbeat_timeout_s))
-        store.write_json("registry.json", dict(
-            syncer.state_summary(), time=now, versions=syncer.versions, shard=cfg.sync.shard,
-            owned=list(syncer.owned), alive=syncer.alive(now)))
+        _write_registry(cfg, store, syncer, now, alive=syncer.alive(now))
       if store.stop_requested() or _all_left(store):
-        _settle(cfg, store, syncer, link, pending_records, tape, keep, clock, lease.check)
+        _settle(cfg, store, syncer, link, records, tape, keep, clock, lease.check)
         break
       wait = cfg.store.poll_s if deadline is None else min(cfg.store.poll_s,
                                                            max(deadline - clock(), 0.0))
       time.sleep(wait)
-    final = None
-    if evaluator is not None:
-      evaluator.join()  # after the last merge: nothing waits on it any more
-      final = evaluator.final(syncer.global_params(), progress, clock(), syncer.rounds)
-    summary = dict(syncer.state_summary(), versions=syncer.versions, shard=cfg.sync.shard,
-                   owned=list(syncer.owned))
-    if not sharded:
-      export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()), cfg,
-                  step=progress, runtime="multiprocess",
-                  extra={"outer/rounds": syncer.rounds, "eval/loss": final,
-                         "fragment_versions": {str(p): v for p, v in
-                                               enumerate(syncer.versions)}})
-    else:
-      # Stopped (its final versions published) before shard 0 assembles the export.
-      store.write_json("registry.json", dict(summary, time=clock(), alive=[], stopped=True))
-      if cfg.sync.shard == 0:
-        _export_sharded(cfg, workdir, store.base, progress, clock)
+    final = _finish(cfg, workdir, store, syncer, evaluator, progress, clock)
   finally:
     link.close()
     tape.close()
     if writer is not None:
       writer.close()
   # `stopped`: the final versions are published (the evaluator process evaluates them).
-  store.write_json("registry.json", dict(summary, time=clock(), alive=[], stopped=True))
+  _write_registry(cfg, store, syncer, clock(), alive=[], stopped=True)
   print(f"{who}: stopped after {syncer.rounds} rounds"
         + (f", eval/loss {final:.4f}" if final is not None else ""), flush=True)
-  return dict(summary, **{"eval/loss": final})
+  return dict(syncer.state_summary(), versions=syncer.versions, shard=cfg.sync.shard,
+              owned=list(syncer.owned), **{"eval/loss": final})
+
+
+def _finish(cfg: Config, workdir: str, store: Store, syncer: Syncer, evaluator, progress: int,
+            clock) -> float | None:
+  """After the last merge: the final global eval (in-process) and the export; a shard marks
+  itself stopped first, and shard 0 assembles the export from every shard. Returns the final
+  eval loss (None where the evaluator process or nobody evaluates)."""
+  final = None
+  if evaluator is not None:
+    evaluator.join()  # after the last merge: nothing waits on it any more
+    final = evaluator.final(syncer.global_params(), progress, clock(), syncer.rounds)
+  if cfg.sync.shards == 1:
+    export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()), cfg,
+                step=progress, runtime="multiprocess",
+                extra={"outer/rounds": syncer.rounds, "eval/loss": final,
+                       "fragment_versions": {str(p): v for p, v in enumerate(syncer.versions)}})
+  else:
+    # Stopped (its final versions published) before shard 0 assembles the export.
+    _write_registry(cfg, store, syncer, clock(), alive=[], stopped=True)
+    if cfg.sync.shard == 0:
+      _export_sharded(cfg, workdir, store.base, progress, clock)
+  return final
 
 
 def _export_sharded(cfg: Config, workdir: str, root, progress: int, clock) -> None:
   """Shard 0's end of a sharded run: once every shard has stopped, the run's export from all
   shards' newest committed versions, recording which version of each fragment it holds."""
   stores = shard_stores(root, cfg.sync.shards)
-  while not all(evaluator_lib.stopped(s) for s in stores):
+  while not all(global_view.stopped(s) for s in stores):
     time.sleep(cfg.store.poll_s)  # the launcher restarts a shard that died meanwhile
-  flat, index, rounds = evaluator_lib.read_global(stores, with_rounds=True)
+  flat, index, rounds = global_view.read_global(stores, with_rounds=True)
   export.save(workdir, fragments_lib.unflatten_tree(flat), cfg, step=progress,
               runtime="multiprocess",
               extra={"outer/rounds": rounds, "eval/loss": None, "syncer_shards": cfg.sync.shards,

@@ -443,6 +443,31 @@ def bandwidth_ledger(tape: Sequence[Mapping], *, num_params: int, steps: float,
 
 
 
+def _breakdowns(tape: Sequence[Mapping], stats: Mapping, hist: Mapping[int, int],
+                kinds: Mapping[str, float], allocated: float) -> dict[str, float]:
+  """The summary's keyed breakdowns: time by activity kind, rejections by reason, and the
+  fidelity report (docs/design.md 2.3-2.4): how rounds closed, how many learners they merged,
+  how stale the admitted deliveries were, and with a sharded syncer each shard's figures."""
+  out: dict[str, float] = {}
+  for kind in ("wait", "down", "load", "slowed_step"):
+    out[f"{kind}_fraction"] = kinds[kind] / allocated if allocated > 0.0 else 0.0
+  for reason, count in stats["rejected_by_reason"].items():
+    out[f"rejected/{reason}"] = count
+  for reason in CLOSE_REASONS:
+    out[f"closed_by/{reason}"] = (stats["close_reasons"].get(reason, 0) / stats["rounds"]
+                                  if stats["rounds"] else 0.0)
+  for learners, count in stats["learners_hist"].items():
+    out[f"learners_per_round/{learners}"] = count
+  for age, count in hist.items():
+    out[f"staleness/{age}"] = count
+  per_shard = shard_stats(tape)
+  if len(per_shard) > 1:  # a sharded syncer: its shards' figures beside the overall ones
+    out["shards"] = len(per_shard)
+    for s, figures in per_shard.items():
+      out.update({f"shard{s}/{k}": v for k, v in figures.items()})
+  return out
+
+
 def summary(workdir: str, num_fragments: int, num_params: int, *,
             fragment_sizes: Sequence[int] | None = None, bytes_per_param_dp: float = 2,
             horizon: float | None = None, stall_s: float | None = None,
@@ -510,24 +535,7 @@ def summary(workdir: str, num_fragments: int, num_params: int, *,
       "round_bytes_down_mean": ledger.round_down_mean,
       "bytes_per_token": ledger.bytes_per_token, "dp_bytes": ledger.dp_bytes,
   }
-  for kind in ("wait", "down", "load", "slowed_step"):
-    out[f"{kind}_fraction"] = kinds[kind] / allocated if allocated > 0.0 else 0.0
-  for reason, count in stats["rejected_by_reason"].items():
-    out[f"rejected/{reason}"] = count
-  # The fidelity report (docs/design.md 2.3-2.4): how rounds closed, how many learners they merged, and how
-  # stale the admitted deliveries were.
-  for reason in CLOSE_REASONS:
-    out[f"closed_by/{reason}"] = (stats["close_reasons"].get(reason, 0) / stats["rounds"]
-                                  if stats["rounds"] else 0.0)
-  for learners, count in stats["learners_hist"].items():
-    out[f"learners_per_round/{learners}"] = count
-  for age, count in hist.items():
-    out[f"staleness/{age}"] = count
-  per_shard = shard_stats(tape)
-  if len(per_shard) > 1:  # a sharded syncer: its shards' figures beside the overall ones
-    out["shards"] = len(per_shard)
-    for s, figures in per_shard.items():
-      out.update({f"shard{s}/{k}": v for k, v in figures.items()})
+  out.update(_breakdowns(tape, stats, hist, kinds, allocated))
   if ledger.compression_ratio is not None:
     out["compression_ratio"] = ledger.compression_ratio
   if ledger.dp_ratio is not None:

@@ -63,11 +63,9 @@ def evaluate(eval_fn, params, batches) -> dict[str, float]:
   return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
 
-def run(cfg: Config, workdir: str) -> dict[str, float]:
-  """Trains `cfg` data-parallel in `workdir`, resuming if it holds a checkpoint.
-
-  Returns the last evaluation metrics.
-  """
+def _prepare(cfg: Config, workdir: str):
+  """Checks what can be checked before anything is built; the mesh and the resolved config
+  (also written to WORKDIR/config.json)."""
   check_in_process_eval(cfg, "data-parallel runtime")
   os.makedirs(workdir, exist_ok=True)
   mesh = mesh_lib.learner_mesh(jax.devices(), cfg.mesh)
@@ -78,7 +76,30 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
   config_json = dataclasses.asdict(cfg)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(config_json, f, indent=2)
+  return mesh, config_json
 
+
+def _restore_or_create(cfg: Config, spec, ckpt, data_iter, identity: dict):
+  """The newest checkpoint's state (and data position), else a fresh state, with the
+  parameters of `train.init_from` when given (fresh optimizer state)."""
+  latest = ckpt.latest_step()
+  if latest is not None:
+    state, _ = ckpt.restore(latest, spec.abstract, data_iter, expect_meta=identity)
+    logging.info("resumed from %s at step %d", ckpt.directory, latest)
+    return state
+  state = train_state.create(cfg.model, spec, jax.random.key(cfg.seed))
+  if cfg.train.init_from:
+    state = dict(state, params=_device_params(export.load_init(
+        cfg.train.init_from, spec.abstract["params"]), spec))
+  return state
+
+
+def run(cfg: Config, workdir: str) -> dict[str, float]:
+  """Trains `cfg` data-parallel in `workdir`, resuming if it holds a checkpoint.
+
+  Returns the last evaluation metrics.
+  """
+  mesh, config_json = _prepare(cfg, workdir)
   total = cfg.train.steps
   schedule = optim.lr_schedule(cfg.optim, total)
   spec = train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, total), mesh)
@@ -86,15 +107,7 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
                                           seed=cfg.seed))
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
   identity = {"model": config_json["model"], "data": config_json["data"], "seed": cfg.seed}
-  latest = ckpt.latest_step()
-  if latest is not None:
-    state, _ = ckpt.restore(latest, spec.abstract, data_iter, expect_meta=identity)
-    logging.info("resumed from %s at step %d", ckpt.directory, latest)
-  else:
-    state = train_state.create(cfg.model, spec, jax.random.key(cfg.seed))
-    if cfg.train.init_from:  # fresh optimizer state, these parameters
-      state = dict(state, params=_device_params(export.load_init(
-          cfg.train.init_from, spec.abstract["params"]), spec))
+  state = _restore_or_create(cfg, spec, ckpt, data_iter, identity)
   start = int(jax.device_get(state["step"]))
 
   step_fn = train_step.make_train_step(spec, cfg.optim, schedule)

@@ -281,8 +281,8 @@ def read_params(path: str, what: str = "train.init_from") -> tuple[PyTree, str]:
   path = os.path.abspath(path)  # Orbax reads a relative checkpoint path's metadata wrongly
   shards = store_shards(path)
   if shards:  # a multi-process run's store: G assembled from every shard's newest versions
-    from diloco.distributed import evaluator, store as store_lib  # pylint: disable=import-outside-toplevel
-    flat, index = evaluator.read_global(store_lib.shard_stores(path, shards))
+    from diloco.distributed import global_view, store as store_lib  # pylint: disable=import-outside-toplevel
+    flat, index = global_view.read_global(store_lib.shard_stores(path, shards))
     versions = ", ".join(f"{p}:v{v}" for p, v in sorted(index.items()))
     return (fragments_lib.unflatten_tree(flat),
             f"store {path} ({shards} syncer shard(s); fragment versions {versions})")
