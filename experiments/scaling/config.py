@@ -28,6 +28,7 @@ from experiments.harness import Run
 
 NAME = "scaling"
 DP_BATCH, SEQ_LEN = 32, 64
+DEVICES = 8  # emulated CPU devices per run: one per learner at M = 8
 TOKENS_PER_PARAM = 20  # D = 20N: the compute-optimal budget of the study
 EVAL_WINDOWS = 128
 EVAL_EVERY = 100
@@ -45,6 +46,13 @@ OUTER = ((0.4, 0.9), (0.6, 0.9), (0.8, 0.9), (1.0, 0.9), (1.0, 0.0))
 STUDY_35M = {"data-parallel": 3.485, 1: 3.482, 2: 3.508, 4: 3.554, 8: 3.621}
 STUDY_CITATION = 'Charles et al. 2025, "Scaling Laws for DiLoCo", Table 4 (35M, D = 20N)'
 TARGET_GAP = {2: 1.5, 4: 3.0}  # Decoupled's allowed gap to data-parallel, in percent
+# --stage=m8 (no sweep of its own): M = 8 at each mode's pick at M = M8_FROM, and Decoupled
+# M = 1 with M1_RECEIPT at that mode's pick at M = M1_FROM. M = 1 has one learner, so no
+# averaging: its outer step acts on one learner's progress, like M = 2's nearest of all swept
+# M; overwrite is the design default receipt (with one learner nobody else's progress arrives).
+M8_FROM = 4
+M1_FROM = 2
+M1_RECEIPT = "overwrite"
 # The second model size: data-parallel vs the best Decoupled M = 4 at `small_steps`.
 SMALL_SEQ_LEN = 128
 SMALL_STEPS = 2000  # ~2 h per run on an idle 2-core CPU (README: measured step times)
@@ -87,10 +95,12 @@ def dp(seed: int, steps: int, batch: int = DP_BATCH, preset: str = "tiny",
   """Data-parallel at `batch` sequences per step (one learner's batch when < `dp_batch`).
   `extra` overrides are appended; `common` goes to `_common` (eval_windows, warmup)."""
   method = "data-parallel" if batch == dp_batch else f"data-parallel B={batch}"
+  # The batch is split over the mesh's devices: below DEVICES sequences, fewer devices.
+  devices = (("devices", batch),) if batch < DEVICES else ()
   return Run(f"{preset} {method}", f"configs/dp.py:{preset}", seed,
              _common(steps, batch, seq_len, eval_every, **common) + extra,
              labels=(("model", preset), ("kind", "data-parallel"), ("M", 1),
-                     ("batch", batch)))
+                     ("batch", batch)) + devices)
 
 
 def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, steps: int,
