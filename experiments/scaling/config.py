@@ -12,7 +12,9 @@ K = M, H = 30, and tau = 0: no overlap, as in the study) and Decoupled (configs/
 `OUTER` (the DiLoCo scaling-law study's sweep); data-parallel at batch 32 and at one learner's
 batch. Stage two: the second seed of data-parallel and of the setting of lowest eval loss
 per method and M (picked from stage one's runs). Stage three: a third seed of every pair
-whose difference is within the seeds' spread. The second model size (`small`): data-parallel
+whose difference is within the seeds' spread. Stage m8 (no sweep of its own): M = 8 for
+data-parallel at one learner's batch, synchronous DiLoCo and each receipt mode at its M = 4
+pick, and Decoupled M = 1 at overwrite's M = 2 pick. The second model size (`small`): data-parallel
 against the best Decoupled M = 4 of stage one, for `--small_steps` steps.
 
 Targets: M = 1 at or below data-parallel; Decoupled M = 2 within 1.5 % and M = 4 within 3 %
