@@ -307,6 +307,11 @@ def test_m8_stage_lists_missing_modes_and_small_batches_get_fewer_devices(tmp_pa
   b4 = config.dp(0, STEPS, 4)
   assert pool._devices(b4, 8) == 4 and pool._devices(config.dp(0, STEPS), 8) == 8
   assert b4.name == "tiny_data-parallel_B=4__s0"
+  assert pool.with_count("cpu: cpu x 8", 4) == "cpu: cpu x 4"
+  workdir = fake_run(str(tmp_path / "b4"), b4.name, _cfg("data-parallel", 8), 2.5)
+  with open(os.path.join(workdir, pool.PROVENANCE_FILE), "w") as f:
+    json.dump({"label": "host", "device": "cpu: cpu x 8", "devices": 4}, f)
+  assert rows.collect(str(tmp_path / "b4"))[0]["device"] == "cpu: cpu x 4"
 
 
 def test_execute_counts_a_carried_run_as_done(tmp_path, capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -61,6 +62,11 @@ def _start(run: harness.Run, workdir: str, env: dict, cores: list[int] | None):
   proc = subprocess.Popen(run.command(workdir), stdout=log, stderr=subprocess.STDOUT,
                           env=env, cwd=harness.REPO, preexec_fn=pin)
   return proc, log, time.monotonic()
+
+
+def with_count(device: str, n: int) -> str:
+  """`device_description` ("cpu: cpu x 8") with the device count a run was given."""
+  return re.sub(r" x \d+$", f" x {n}", device)
 
 
 def _devices(run: harness.Run, default: int) -> int:
@@ -112,8 +118,9 @@ def run_parallel(runs: Sequence[harness.Run], outdir: str, *, parallel: int = 1,
       if proc.returncode:
         failed.append(f"{run.name} (exit {proc.returncode}; see {workdir}/run.log)")
         continue
-      _record(workdir, time.monotonic() - t0, dict(where, devices=_devices(run, devices)),
-              pinned)
+      n = _devices(run, devices)
+      _record(workdir, time.monotonic() - t0,
+              dict(where, devices=n, device=with_count(where["device"], n)), pinned)
       print(f"    {run.name} done in {time.monotonic() - t0:.0f} s", flush=True)
   if failed:
     raise RuntimeError("runs failed: " + "; ".join(failed))

@@ -15,8 +15,7 @@ import os
 import subprocess
 
 from experiments import harness
-from experiments.scaling import config
-from experiments.scaling.pool import PROVENANCE_FILE
+from experiments.scaling import config, pool
 
 # Each row keeps its run's evaluations, so that its curve is drawn again once the run
 # directory is gone (a row carried from an earlier results.json, see `carried`).
@@ -68,10 +67,12 @@ def collect(outdir: str) -> list[dict]:
     labels = describe(_read(os.path.join(workdir, "config.json")))
     run = harness.Run(method=labels["kind"], config="", seed=labels["seed"])
     row = harness.collect(run, workdir)
-    where = _read(os.path.join(workdir, PROVENANCE_FILE))
+    where = _read(os.path.join(workdir, pool.PROVENANCE_FILE))
     row.update(labels, run=os.path.basename(workdir),
                machine=where.get("label") or where.get("machine", "unrecorded"),
-               device=where.get("device", "unrecorded"),
+               device=(pool.with_count(where["device"], where["devices"])
+                       if "device" in where and "devices" in where
+                       else where.get("device", "unrecorded")),
                process_wall_s=where.get("wall_s", ""),
                eval_curve=[{k: p[k] for k in CURVE_KEYS}
                            for p in harness.eval_curve(workdir)])
