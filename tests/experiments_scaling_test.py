@@ -122,6 +122,12 @@ def test_table4_gaps_and_targets_match_hand_computed_values(tmp_path):
   assert status["Decoupled no worse than synchronous DiLoCo at M = 4"] == "missed"
   sweep = report.sweep_table(group)
   assert "| 0.6/0.9 |" in sweep and "2.0700*" in sweep
+  value = {t["target"]: t["value"] for t in report.targets(group)}
+  assert value["Decoupled no worse than synchronous DiLoCo at M = 4"] == (
+      "+0.0200 (one seed: spread not measured)")
+  assert report.unswept_columns(group) == []
+  fake_run(str(tmp_path), "dec8", _cfg("decoupled", 8, "mix outer 0.8/0.9"), 2.2)
+  assert report.unswept_columns(rows.collect(str(tmp_path))) == ["M=8 decoupled mix"]
 
 
 def test_report_writes_tables_plots_and_partial_label(tmp_path):

@@ -93,8 +93,10 @@ def targets(group: list[dict]) -> list[dict]:
       add(f"Decoupled no worse than synchronous DiLoCo at M = {m}", "", None)
       continue
     noise = max(dec["spread"], syn["spread"])
+    single = min(len(dec["seeds"]), len(syn["seeds"])) < 2
     add(f"Decoupled no worse than synchronous DiLoCo at M = {m}",
-        f"{dec['mean'] - syn['mean']:+.4f} (seed spread {noise:.4f})",
+        f"{dec['mean'] - syn['mean']:+.4f} (" + ("one seed: spread not measured)" if single
+                                                 else f"seed spread {noise:.4f})"),
         dec["mean"] - syn["mean"] <= noise)
   return out
 
@@ -124,6 +126,18 @@ def sweep_table(group: list[dict]) -> str:
                                                             for c in columns) + " |"
             for o in outers if any((o, c) in cells for c in columns)]
   return "\n".join(lines)
+
+
+def unswept_columns(group: list[dict]) -> list[str]:
+  """The (M, kind, receipt) columns of the sweep with a single seed-0 outer setting."""
+  settings: dict[str, set[str]] = {}
+  for r in group:
+    if r["kind"] != "data-parallel" and r["seed"] == 0:
+      receipt, _ = stages.parse_setting(r["setting"])
+      column = f"M={r['M']} {r['kind']}" + (f" {receipt}" if r["kind"] == "decoupled" else "")
+      settings.setdefault(column, set()).add(r["setting"])
+  return sorted((c for c, s in settings.items() if len(s) == 1),
+                key=lambda c: (int(c.split()[0][2:]), c))
 
 
 def goodput_table(group: list[dict]) -> str:
@@ -215,6 +229,11 @@ def section(model: str, steps: int, group: list[dict], folder: str,
   sweep = sweep_table(group)
   if sweep:
     parts += ["### Outer sweep (seed 0; * = picked per M and method)", "", sweep, ""]
+    unswept = unswept_columns(group)
+    if unswept:
+      parts += ["Not swept (one outer setting each, picked by `--stage=m8` from the seed-0 "
+                f"rows at M = {config.M8_FROM} for M = 8 and M = {config.M1_FROM} for M = 1): "
+                + ", ".join(unswept) + "; their stars pick among receipt modes only.", ""]
   parts += ["### Every run (goodput from accounting.json)", "",
             "`wall_s`: the run's own training time; `process_wall_s`: its whole process, "
             "compilation included; machine and device from its provenance.json.", "",
