@@ -299,10 +299,12 @@ def test_m8_stage_picks_each_mode_at_m4_and_m1_at_m2_from_carried_rows(tmp_path)
   assert [r.method for r in m8] == [
       "tiny data-parallel B=4", "tiny diloco M=8 outer 1/0",
       "tiny decoupled M=8 overwrite outer 1/0", "tiny decoupled M=8 mix outer 0.8/0.9",
-      "tiny decoupled M=8 keep_local outer 1/0", "tiny decoupled M=1 overwrite outer 1/0"]
+      "tiny decoupled M=8 keep_local outer 1/0", "tiny decoupled M=1 overwrite outer 1/0",
+      "tiny diloco M=1 outer 1/0"]
   assert {r.seed for r in m8} == {0}
   assert all(dict(r.overrides)["train.batch_size"] == 4 for r in m8[:5])
   assert dict(m8[5].overrides)["train.batch_size"] == config.DP_BATCH
+  assert dict(m8[6].overrides)["sync.tau"] == 0 and dict(m8[6].overrides)["learners.count"] == 1
   assert dict(m8[3].overrides)["sync.receipt"] == "mix"
 
 

@@ -14,7 +14,8 @@ batch. Stage two: the second seed of data-parallel and of the setting of lowest 
 per method and M (picked from stage one's runs). Stage three: a third seed of every pair
 whose difference is within the seeds' spread. Stage m8 (no sweep of its own): M = 8 for
 data-parallel at one learner's batch, synchronous DiLoCo and each receipt mode at its M = 4
-pick, and Decoupled M = 1 at overwrite's M = 2 pick. The second model size (`small`): data-parallel
+pick, and M = 1 (Decoupled with overwrite, and synchronous DiLoCo) at its M = 2 pick. The
+second model size (`small`): data-parallel
 against the best Decoupled M = 4 of stage one, for `--small_steps` steps.
 
 Targets: M = 1 at or below data-parallel; Decoupled M = 2 within 1.5 % and M = 4 within 3 %
@@ -48,10 +49,10 @@ OUTER = ((0.4, 0.9), (0.6, 0.9), (0.8, 0.9), (1.0, 0.9), (1.0, 0.0))
 STUDY_35M = {"data-parallel": 3.485, 1: 3.482, 2: 3.508, 4: 3.554, 8: 3.621}
 STUDY_CITATION = 'Charles et al. 2025, "Scaling Laws for DiLoCo", Table 4 (35M, D = 20N)'
 TARGET_GAP = {2: 1.5, 4: 3.0}  # Decoupled's allowed gap to data-parallel, in percent
-# --stage=m8 (no sweep of its own): M = 8 at each mode's pick at M = M8_FROM, and Decoupled
-# M = 1 with M1_RECEIPT at that mode's pick at M = M1_FROM. M = 1 has one learner, so no
-# averaging: its outer step acts on one learner's progress, like M = 2's nearest of all swept
-# M; overwrite is the design default receipt (with one learner nobody else's progress arrives).
+# --stage=m8 (no sweep of its own): M = 8 at each mode's seed-0 pick at M = M8_FROM; M = 1
+# (Decoupled with M1_RECEIPT, and synchronous DiLoCo) at its seed-0 pick at M = M1_FROM, the
+# nearest swept M (the configs' 0.7 / 0.9 is not on the study's grid, so no row compares it).
+# M1_RECEIPT: overwrite, the paper's receipt and the design default (docs/design.md 5.1).
 M8_FROM = 4
 M1_FROM = 2
 M1_RECEIPT = "overwrite"

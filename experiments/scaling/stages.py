@@ -96,20 +96,23 @@ def stage_m8(rows: list[dict], steps: int, seed: int = 0) -> list[Run]:
   """M = 8 and M = 1 without a sweep of their own, at settings picked from smaller M.
 
   M = 8: data-parallel at one learner's batch (DP_BATCH / 8), and synchronous DiLoCo and
-  each Decoupled receipt mode at its own M = `M8_FROM` pick. M = 1: Decoupled with one
-  learner at the full batch, `M1_RECEIPT` at that mode's M = `M1_FROM` pick (the nearest M
-  whose sweep was run; see config.py)."""
+  each Decoupled receipt mode at its own M = `M8_FROM` pick. M = 1, one learner at the full
+  batch: Decoupled with `M1_RECEIPT` and synchronous DiLoCo, each at its M = `M1_FROM` pick
+  (the nearest M whose sweep was run; see config.py)."""
   group = _tiny(rows, steps)
   at_from = mode_picks(group, config.M8_FROM)
   wanted = [("diloco", "overwrite")] + [("decoupled", r) for r in config.RECEIPTS]
   missing = [k for k in wanted if k not in at_from]
-  m1 = mode_picks(group, config.M1_FROM).get(("decoupled", config.M1_RECEIPT))
-  if missing or m1 is None:
+  at_m1 = mode_picks(group, config.M1_FROM)
+  m1 = [("decoupled", config.M1_RECEIPT), ("diloco", "overwrite")]
+  missing_m1 = [k for k in m1 if k not in at_m1]
+  if missing or missing_m1:
     raise ValueError(f"--stage=m8 needs the seed-0 sweep of the tiny model at {steps} steps: "
                      f"M = {config.M8_FROM} for {missing or 'every mode'} and M = "
-                     f"{config.M1_FROM} for Decoupled {config.M1_RECEIPT} (the runs or the "
-                     "rows of results.json)")
+                     f"{config.M1_FROM} for {missing_m1 or 'both M = 1 methods'} (the runs "
+                     "or the rows of results.json)")
   runs = [config.dp(seed, steps, config.DP_BATCH // 8)]
   runs += [method_run(kind, 8, at_from[(kind, receipt)], seed, steps)
            for kind, receipt in wanted]
-  return runs + [method_run("decoupled", 1, m1, seed, steps)]
+  return runs + [method_run(kind, 1, at_m1[(kind, receipt)], seed, steps)
+                 for kind, receipt in m1]
