@@ -332,3 +332,20 @@ def test_execute_counts_a_carried_run_as_done(tmp_path, capsys):
   listed = capsys.readouterr().out
   assert "stage 2: 8 runs" in listed and seed1.name + ":" not in listed
   assert config.dp(1, STEPS, 16).name + ":" in listed
+
+
+def test_curves_fall_back_to_a_seed_with_a_curve_and_name_what_is_missing(tmp_path):
+  from experiments.scaling import figures
+  _stage_one(str(tmp_path), LOSSES)
+  fake_run(str(tmp_path), "dp_s1", _cfg("data-parallel", 1, seed=1), 2.03)
+  group = rows.collect(str(tmp_path))
+  assert group[0]["eval_curve"][-1]["eval_loss"] == pytest.approx(group[0]["eval_loss"])
+  for r in group:  # as if carried from a results.json without curves, but dp seed 1
+    if r["run"] != "dp_s1" and r["method"] != "decoupled M=4 keep_local outer 1/0":
+      del r["eval_curve"]
+  path = str(tmp_path / "curves.png")
+  drawn, missing = figures.curves_plot(group, path, "t")
+  assert drawn and os.path.getsize(path) > 0
+  assert "data-parallel" not in missing and "data-parallel B=8" in missing
+  assert "decoupled M=4 keep_local outer 1/0" not in missing
+  assert "diloco M=2 outer 1/0" in missing

@@ -50,15 +50,22 @@ def gap_plot(group: list[dict], path: str, title: str) -> bool:
 
 
 def curves_plot(group: list[dict], path: str, title: str) -> tuple[bool, list[str]]:
-  """Eval loss against tokens (and run time) of seed 0 of data-parallel, data-parallel at
-  one learner's batch and each picked setting, from each row's `eval_curve`. Returns whether
-  a plot was written and the methods left out (rows carried without their curve)."""
+  """Eval loss against tokens (and run time) of data-parallel, data-parallel at one
+  learner's batch and each picked setting, from each row's `eval_curve`: seed 0, or the lowest
+  seed that has a curve (named in the legend). Returns whether a plot was written and the
+  methods left out (every row carried without its curve)."""
   picked = {s["method"] for (kind, _), s in picked_stats(group).items()
             if kind != "data-parallel"}
-  chosen = [r for r in group if r["seed"] == 0
-            and (r["kind"] == "data-parallel" or r["method"] in picked)]
-  curves = {r["method"]: r["eval_curve"] for r in chosen if r.get("eval_curve")}
-  missing = sorted(r["method"] for r in chosen if not r.get("eval_curve"))
+  methods = {r["method"] for r in group if r["kind"] == "data-parallel" or r["method"] in picked}
+  curves, missing = {}, []
+  for method in sorted(methods):
+    drawn = sorted((r for r in group if r["method"] == method and r.get("eval_curve")),
+                   key=lambda r: r["seed"])
+    if not drawn:
+      missing.append(method)
+      continue
+    seed = drawn[0]["seed"]
+    curves[method + (f" (seed {seed})" if seed else "")] = drawn[0]["eval_curve"]
   if not curves:
     return False, missing
   harness.plot_curves(curves, path, title, time_key="time",
@@ -76,7 +83,7 @@ def section_plots(group: list[dict], folder: str, prefix: str, title: str) -> li
   if drawn:
     lines += [f"![eval loss against tokens]({curve_file})", ""]
   if missing:
-    lines += ["Curves not drawn (rows carried from a results.json written before rows kept "
-              "their evaluations; the runs are not on this machine): "
+    lines += ["Curves not drawn (every row of the method was carried from a results.json "
+              "written before rows kept their evaluations; the runs are not on this machine): "
               + ", ".join(missing) + ".", ""]
   return lines
