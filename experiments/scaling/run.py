@@ -77,7 +77,9 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             if (not only or any(o in r.method for o in only)) and r.name not in carried]
     print(f"stage {s}: {len(runs)} runs", flush=True)
     if dry_run:
-      print("\n".join(f"  {r.name}: {' '.join(r.command('WORKDIR')[2:])}" for r in runs))
+      for r in runs:
+        done = " (finished: skipped)" if harness.finished(os.path.join(outdir, r.name)) else ""
+        print(f"  {r.name}{done}: {' '.join(r.command('WORKDIR')[2:])}")
       continue
     wall += pool.run_parallel(runs, outdir, parallel=parallel, threads=threads, label=label)
   return wall
