@@ -122,6 +122,12 @@ def test_table4_gaps_and_targets_match_hand_computed_values(tmp_path):
   assert status["Decoupled no worse than synchronous DiLoCo at M = 4"] == "missed"
   sweep = report.sweep_table(group)
   assert "| 0.6/0.9 |" in sweep and "2.0700*" in sweep
+  value = {t["target"]: t["value"] for t in report.targets(group)}
+  assert value["Decoupled no worse than synchronous DiLoCo at M = 4"] == (
+      "+0.0200 (one seed: spread not measured)")
+  assert report.unswept_columns(group) == []
+  fake_run(str(tmp_path), "dec8", _cfg("decoupled", 8, "mix outer 0.8/0.9"), 2.2)
+  assert report.unswept_columns(rows.collect(str(tmp_path))) == ["M=8 decoupled mix"]
 
 
 def test_report_writes_tables_plots_and_partial_label(tmp_path):
@@ -240,3 +246,106 @@ def test_small_stage_takes_the_best_decoupled_m4_setting(tmp_path):
                                        "small decoupled M=4 keep_local outer 1/0"]
   assert all(dict(r.overrides)["train.steps"] == 100 for r in small)
   assert dict(small[1].overrides)["train.batch_size"] == 8
+
+
+def test_report_carries_rows_of_absent_runs_and_a_present_run_replaces_its_row(tmp_path):
+  """A results.json row whose run is not in the new outdir survives the report, marked with
+  its source; a run present in the outdir replaces its earlier row."""
+  old, new, folder = str(tmp_path / "old"), str(tmp_path / "new"), str(tmp_path / "out")
+  _stage_one(old, LOSSES)
+  run.write_report(old, folder)
+  before = {r["run"]: r for r in json.load(open(os.path.join(folder, "results.json")))["rows"]}
+  assert len(before) == 21 and all("carried_commit" not in r for r in before.values())
+  # The new outdir: one run of the old ones again with another loss, and a new M = 8 run.
+  fake_run(new, "dp", _cfg("data-parallel", 1), 1.9, machine="new-host")
+  fake_run(new, "dec8", _cfg("decoupled", 8, "keep_local outer 1/0"), 2.2, machine="new-host")
+  run.write_report(new, folder)
+  results = json.load(open(os.path.join(folder, "results.json")))
+  after = {r["run"]: r for r in results["rows"]}
+  assert set(after) == set(before) | {"dec8"}
+  assert after["dp"]["eval_loss"] == pytest.approx(1.9) and after["dp"]["machine"] == "new-host"
+  assert "carried_commit" not in after["dp"] and "carried_commit" not in after["dec8"]
+  kept = after["decoupled4keep_localouter1-0"]
+  assert kept["eval_loss"] == before["decoupled4keep_localouter1-0"]["eval_loss"]
+  assert kept["machine"] == "gpu-box" and kept["carried_date"] == results["date"]
+  assert kept["carried_commit"] == run.harness.commit()
+  text = open(os.path.join(folder, "README.md")).read()
+  assert "20 of the 22 rows come from an earlier results.json" in text
+  assert "runs made on gpu-box (18 runs), unrecorded (2 runs)." in text
+  # Carried again, a row keeps the commit and date of its first carrying.
+  with open(os.path.join(folder, "results.json"), "w") as f:
+    json.dump(dict(results, commit="f" * 40, date="2099-01-01"), f)
+  again = {r["run"]: r for r in rows.merged(new, os.path.join(folder, "results.json"))}
+  assert again["decoupled4keep_localouter1-0"]["carried_commit"] == kept["carried_commit"]
+  assert again["dp"]["eval_loss"] == pytest.approx(1.9) and "carried_commit" not in again["dp"]
+  # The picks see the carried rows: Decoupled M = 4's is still keep_local 1/0.
+  assert rows.picks(list(again.values()))[("decoupled", 4)] == "keep_local outer 1/0"
+
+
+def test_m8_stage_picks_each_mode_at_m4_and_m1_at_m2_from_carried_rows(tmp_path):
+  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "out")
+  with pytest.raises(ValueError, match="stage=m8 needs"):
+    stages.stage_m8([], STEPS)
+  _stage_one(outdir, LOSSES)
+  for outer, loss in (("outer 0.8/0.9", 2.06), ("outer 1/0", 2.09)):
+    fake_run(outdir, f"dec4mix{outer}".replace("/", "-").replace(" ", ""),
+             _cfg("decoupled", 4, f"mix {outer}"), loss)
+  run.write_report(outdir, folder)
+  found = rows.merged(str(tmp_path / "empty"), os.path.join(folder, "results.json"))
+  assert all("carried_commit" in r for r in found)
+  m8 = run.stage_runs("m8", str(tmp_path / "empty"), STEPS, (1, 2, 4), 100, found)
+  # _stage_one: outer 1/0 beats 0.6/0.9 in every mode; mix's best at M = 4 is 0.8/0.9; at
+  # M = 2 overwrite's pick is 1/0.
+  assert [r.method for r in m8] == [
+      "tiny data-parallel B=4", "tiny diloco M=8 outer 1/0",
+      "tiny decoupled M=8 overwrite outer 1/0", "tiny decoupled M=8 mix outer 0.8/0.9",
+      "tiny decoupled M=8 keep_local outer 1/0", "tiny decoupled M=1 overwrite outer 1/0",
+      "tiny diloco M=1 outer 1/0"]
+  assert {r.seed for r in m8} == {0}
+  assert all(dict(r.overrides)["train.batch_size"] == 4 for r in m8[:5])
+  assert dict(m8[5].overrides)["train.batch_size"] == config.DP_BATCH
+  assert dict(m8[6].overrides)["sync.tau"] == 0 and dict(m8[6].overrides)["learners.count"] == 1
+  assert dict(m8[3].overrides)["sync.receipt"] == "mix"
+
+
+def test_m8_stage_lists_missing_modes_and_small_batches_get_fewer_devices(tmp_path):
+  _stage_one(str(tmp_path), LOSSES)
+  with pytest.raises(ValueError, match="'mix'"):
+    stages.stage_m8(rows.collect(str(tmp_path)), STEPS)
+  b4 = config.dp(0, STEPS, 4)
+  assert pool._devices(b4, 8) == 4 and pool._devices(config.dp(0, STEPS), 8) == 8
+  assert b4.name == "tiny_data-parallel_B=4__s0"
+  assert pool.with_count("cpu: cpu x 8", 4) == "cpu: cpu x 4"
+  workdir = fake_run(str(tmp_path / "b4"), b4.name, _cfg("data-parallel", 8), 2.5)
+  with open(os.path.join(workdir, pool.PROVENANCE_FILE), "w") as f:
+    json.dump({"label": "host", "device": "cpu: cpu x 8", "devices": 4}, f)
+  assert rows.collect(str(tmp_path / "b4"))[0]["device"] == "cpu: cpu x 4"
+
+
+def test_execute_counts_a_carried_run_as_done(tmp_path, capsys):
+  old, new, folder = str(tmp_path / "old"), str(tmp_path / "new"), str(tmp_path / "out")
+  _stage_one(old, LOSSES)
+  seed1 = config.dp(1, STEPS)
+  fake_run(old, seed1.name, _cfg("data-parallel", 1, seed=1), 2.01)
+  run.write_report(old, folder)
+  run.execute("2", new, STEPS, (1, 2, 4), folder=folder, dry_run=True)
+  listed = capsys.readouterr().out
+  assert "stage 2: 8 runs" in listed and seed1.name + ":" not in listed
+  assert config.dp(1, STEPS, 16).name + ":" in listed
+
+
+def test_curves_fall_back_to_a_seed_with_a_curve_and_name_what_is_missing(tmp_path):
+  from experiments.scaling import figures
+  _stage_one(str(tmp_path), LOSSES)
+  fake_run(str(tmp_path), "dp_s1", _cfg("data-parallel", 1, seed=1), 2.03)
+  group = rows.collect(str(tmp_path))
+  assert group[0]["eval_curve"][-1]["eval_loss"] == pytest.approx(group[0]["eval_loss"])
+  for r in group:  # as if carried from a results.json without curves, but dp seed 1
+    if r["run"] != "dp_s1" and r["method"] != "decoupled M=4 keep_local outer 1/0":
+      del r["eval_curve"]
+  path = str(tmp_path / "curves.png")
+  drawn, missing = figures.curves_plot(group, path, "t")
+  assert drawn and os.path.getsize(path) > 0
+  assert "data-parallel" not in missing and "data-parallel B=8" in missing
+  assert "decoupled M=4 keep_local outer 1/0" not in missing
+  assert "diloco M=2 outer 1/0" in missing

@@ -12,7 +12,10 @@ K = M, H = 30, and tau = 0: no overlap, as in the study) and Decoupled (configs/
 `OUTER` (the DiLoCo scaling-law study's sweep); data-parallel at batch 32 and at one learner's
 batch. Stage two: the second seed of data-parallel and of the setting of lowest eval loss
 per method and M (picked from stage one's runs). Stage three: a third seed of every pair
-whose difference is within the seeds' spread. The second model size (`small`): data-parallel
+whose difference is within the seeds' spread. Stage m8 (no sweep of its own): M = 8 for
+data-parallel at one learner's batch, synchronous DiLoCo and each receipt mode at its M = 4
+pick, and M = 1 (Decoupled with overwrite, and synchronous DiLoCo) at its M = 2 pick. The
+second model size (`small`): data-parallel
 against the best Decoupled M = 4 of stage one, for `--small_steps` steps.
 
 Targets: M = 1 at or below data-parallel; Decoupled M = 2 within 1.5 % and M = 4 within 3 %
@@ -28,6 +31,7 @@ from experiments.harness import Run
 
 NAME = "scaling"
 DP_BATCH, SEQ_LEN = 32, 64
+DEVICES = 8  # emulated CPU devices per run: one per learner at M = 8
 TOKENS_PER_PARAM = 20  # D = 20N: the compute-optimal budget of the study
 EVAL_WINDOWS = 128
 EVAL_EVERY = 100
@@ -45,6 +49,13 @@ OUTER = ((0.4, 0.9), (0.6, 0.9), (0.8, 0.9), (1.0, 0.9), (1.0, 0.0))
 STUDY_35M = {"data-parallel": 3.485, 1: 3.482, 2: 3.508, 4: 3.554, 8: 3.621}
 STUDY_CITATION = 'Charles et al. 2025, "Scaling Laws for DiLoCo", Table 4 (35M, D = 20N)'
 TARGET_GAP = {2: 1.5, 4: 3.0}  # Decoupled's allowed gap to data-parallel, in percent
+# --stage=m8 (no sweep of its own): M = 8 at each mode's seed-0 pick at M = M8_FROM; M = 1
+# (Decoupled with M1_RECEIPT, and synchronous DiLoCo) at its seed-0 pick at M = M1_FROM, the
+# nearest swept M (the configs' 0.7 / 0.9 is not on the study's grid, so no row compares it).
+# M1_RECEIPT: overwrite, the paper's receipt and the design default (docs/design.md 5.1).
+M8_FROM = 4
+M1_FROM = 2
+M1_RECEIPT = "overwrite"
 # The second model size: data-parallel vs the best Decoupled M = 4 at `small_steps`.
 SMALL_SEQ_LEN = 128
 SMALL_STEPS = 2000  # ~2 h per run on an idle 2-core CPU (README: measured step times)
@@ -87,10 +98,12 @@ def dp(seed: int, steps: int, batch: int = DP_BATCH, preset: str = "tiny",
   """Data-parallel at `batch` sequences per step (one learner's batch when < `dp_batch`).
   `extra` overrides are appended; `common` goes to `_common` (eval_windows, warmup)."""
   method = "data-parallel" if batch == dp_batch else f"data-parallel B={batch}"
+  # The batch is split over the mesh's devices: below DEVICES sequences, fewer devices.
+  devices = (("devices", batch),) if batch < DEVICES else ()
   return Run(f"{preset} {method}", f"configs/dp.py:{preset}", seed,
              _common(steps, batch, seq_len, eval_every, **common) + extra,
              labels=(("model", preset), ("kind", "data-parallel"), ("M", 1),
-                     ("batch", batch)))
+                     ("batch", batch)) + devices)
 
 
 def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, steps: int,

@@ -49,28 +49,41 @@ def gap_plot(group: list[dict], path: str, title: str) -> bool:
   return True
 
 
-def curves_plot(group: list[dict], outdirs: dict[str, str], path: str, title: str) -> bool:
-  """Eval loss against tokens (and run time) of seed 0 of data-parallel, data-parallel at
-  one learner's batch and each picked setting. `outdirs` maps a row's run to its folder."""
+def curves_plot(group: list[dict], path: str, title: str) -> tuple[bool, list[str]]:
+  """Eval loss against tokens (and run time) of data-parallel, data-parallel at one
+  learner's batch and each picked setting, from each row's `eval_curve`: seed 0, or the lowest
+  seed that has a curve (named in the legend). Returns whether a plot was written and the
+  methods left out (every row carried without its curve)."""
   picked = {s["method"] for (kind, _), s in picked_stats(group).items()
             if kind != "data-parallel"}
-  chosen = [r for r in group if r["seed"] == 0
-            and (r["kind"] == "data-parallel" or r["method"] in picked)]
-  if not chosen:
-    return False
-  curves = {r["method"]: harness.eval_curve(outdirs[r["run"]]) for r in chosen}
+  methods = {r["method"] for r in group if r["kind"] == "data-parallel" or r["method"] in picked}
+  curves, missing = {}, []
+  for method in sorted(methods):
+    drawn = sorted((r for r in group if r["method"] == method and r.get("eval_curve")),
+                   key=lambda r: r["seed"])
+    if not drawn:
+      missing.append(method)
+      continue
+    seed = drawn[0]["seed"]
+    curves[method + (f" (seed {seed})" if seed else "")] = drawn[0]["eval_curve"]
+  if not curves:
+    return False, missing
   harness.plot_curves(curves, path, title, time_key="time",
                       time_label="run clock (virtual s for DiLoCo kinds, s for data-parallel)")
-  return True
+  return True, missing
 
 
-def section_plots(group: list[dict], outdirs: dict[str, str], folder: str,
-                  prefix: str, title: str) -> list[str]:
+def section_plots(group: list[dict], folder: str, prefix: str, title: str) -> list[str]:
   """Writes both plots of a group into `folder`; returns their markdown image lines."""
   lines = []
   gap_file, curve_file = f"{prefix}_gap.png", f"{prefix}_eval.png"
   if gap_plot(group, os.path.join(folder, gap_file), title):
     lines += [f"![gap against M]({gap_file})", ""]
-  if curves_plot(group, outdirs, os.path.join(folder, curve_file), title):
+  drawn, missing = curves_plot(group, os.path.join(folder, curve_file), title)
+  if drawn:
     lines += [f"![eval loss against tokens]({curve_file})", ""]
+  if missing:
+    lines += ["Curves not drawn (every row of the method was carried from a results.json "
+              "written before rows kept their evaluations; the runs are not on this machine): "
+              + ", ".join(missing) + ".", ""]
   return lines

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -63,6 +64,17 @@ def _start(run: harness.Run, workdir: str, env: dict, cores: list[int] | None):
   return proc, log, time.monotonic()
 
 
+def with_count(device: str, n: int) -> str:
+  """`device_description` ("cpu: cpu x 8") with the device count a run was given."""
+  return re.sub(r" x \d+$", f" x {n}", device)
+
+
+def _devices(run: harness.Run, default: int) -> int:
+  """The emulated devices of `run`: its "devices" label (a data-parallel batch smaller than
+  `default` cannot be split over `default` devices), else `default`."""
+  return int(dict(run.labels).get("devices", default))
+
+
 def _record(workdir: str, wall: float, where: dict, cores: list[int] | None) -> None:
   with open(os.path.join(workdir, harness.HARNESS_FILE), "w", encoding="utf-8") as f:
     json.dump({"wall_s": wall, "loadavg": list(os.getloadavg())}, f)
@@ -91,7 +103,10 @@ def run_parallel(runs: Sequence[harness.Run], outdir: str, *, parallel: int = 1,
       slot, run = free.pop(0), todo.pop(0)
       pinned = slot_cores(slot, threads, cores) if threads else None
       print(f"[{len(runs) - len(todo)}/{len(runs)}] slot {slot} {run.name}", flush=True)
-      active[slot] = (run, pinned) + _start(run, os.path.join(outdir, run.name), env, pinned)
+      n = _devices(run, devices)
+      this_env = env if n == devices else run_env(n, pinned=threads > 0)
+      active[slot] = (run, pinned) + _start(run, os.path.join(outdir, run.name), this_env,
+                                            pinned)
     time.sleep(0.5)
     for slot, (run, pinned, proc, log, t0) in list(active.items()):
       if proc.poll() is None:
@@ -103,7 +118,9 @@ def run_parallel(runs: Sequence[harness.Run], outdir: str, *, parallel: int = 1,
       if proc.returncode:
         failed.append(f"{run.name} (exit {proc.returncode}; see {workdir}/run.log)")
         continue
-      _record(workdir, time.monotonic() - t0, where, pinned)
+      n = _devices(run, devices)
+      _record(workdir, time.monotonic() - t0,
+              dict(where, devices=n, device=with_count(where["device"], n)), pinned)
       print(f"    {run.name} done in {time.monotonic() - t0:.0f} s", flush=True)
   if failed:
     raise RuntimeError("runs failed: " + "; ".join(failed))

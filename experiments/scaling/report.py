@@ -9,6 +9,8 @@ size side by side (the trend with N).
 
 from __future__ import annotations
 
+import collections
+
 from experiments import harness
 from experiments.scaling import config, rows as rows_lib, stages
 
@@ -91,8 +93,10 @@ def targets(group: list[dict]) -> list[dict]:
       add(f"Decoupled no worse than synchronous DiLoCo at M = {m}", "", None)
       continue
     noise = max(dec["spread"], syn["spread"])
+    single = min(len(dec["seeds"]), len(syn["seeds"])) < 2
     add(f"Decoupled no worse than synchronous DiLoCo at M = {m}",
-        f"{dec['mean'] - syn['mean']:+.4f} (seed spread {noise:.4f})",
+        f"{dec['mean'] - syn['mean']:+.4f} (" + ("one seed: spread not measured)" if single
+                                                 else f"seed spread {noise:.4f})"),
         dec["mean"] - syn["mean"] <= noise)
   return out
 
@@ -124,16 +128,29 @@ def sweep_table(group: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def unswept_columns(group: list[dict]) -> list[str]:
+  """The (M, kind, receipt) columns of the sweep with a single seed-0 outer setting."""
+  settings: dict[str, set[str]] = {}
+  for r in group:
+    if r["kind"] != "data-parallel" and r["seed"] == 0:
+      receipt, _ = stages.parse_setting(r["setting"])
+      column = f"M={r['M']} {r['kind']}" + (f" {receipt}" if r["kind"] == "decoupled" else "")
+      settings.setdefault(column, set()).add(r["setting"])
+  return sorted((c for c, s in settings.items() if len(s) == 1),
+                key=lambda c: (int(c.split()[0][2:]), c))
+
+
 def goodput_table(group: list[dict]) -> str:
   """Every run with its gap, goodput and where it ran. `wall_s` is the run's own training
   time (accounting.json, or a data-parallel run's evaluations); `process_wall_s` the whole
   process, compilation included (provenance.json)."""
   ref = rows_lib.stats(group).get("data-parallel")
-  rows = [dict(r, gap_pct=round(gap(r["eval_loss"], ref["mean"]), 2) if ref else "")
+  rows = [dict(r, gap_pct=round(gap(r["eval_loss"], ref["mean"]), 2) if ref else "",
+                carried_from=carried_from(r))
           for r in sorted(group, key=lambda r: (r["kind"], r["M"], r["setting"], r["seed"]))]
   return harness.table(rows, ("method", "seed", "tokens", "eval_loss", "gap_pct", "goodput",
                               "mean_learners_per_round", "wall_s", "process_wall_s", "machine",
-                              "device"))
+                              "device", "carried_from"))
 
 
 def trend_table(rows: list[dict]) -> str:
@@ -167,8 +184,36 @@ def budget_note(model: str, group: list[dict]) -> str:
           f"{tokens:,} tokens = {tokens / n:.2f} tokens per parameter.{label}")
 
 
-def section(model: str, steps: int, group: list[dict], outdirs: dict[str, str],
-            folder: str, prefix: str) -> list[str]:
+def carried_note(rows: list[dict]) -> list[str]:
+  """Which rows were carried from an earlier results.json (their runs are not in --outdir):
+  per source report, how many and the machines that ran them."""
+  sources: dict[tuple[str, str], list[dict]] = {}
+  for r in rows:
+    if "carried_commit" in r:
+      sources.setdefault((r["carried_commit"], r["carried_date"]), []).append(r)
+  if not sources:
+    return []
+  lines = [f"**Carried rows.** {sum(len(g) for g in sources.values())} of the {len(rows)} rows "
+           "come from an earlier results.json: their run directories are not in `--outdir` "
+           "here, so each row is the one the runner wrote then from that run's files, with "
+           "its provenance; the `carried_from` column of each section's last table marks "
+           "them. A run present in `--outdir` replaces its earlier row.", ""]
+  for (commit, date), group in sorted(sources.items(), key=lambda kv: kv[0][1]):
+    counts = collections.Counter(r.get("machine", "unrecorded") for r in group)
+    machines = ", ".join(f"{m} ({n} runs)" for m, n in sorted(counts.items()))
+    lines.append(f"- {len(group)} rows from the report of commit `{commit[:12]}` ({date}); "
+                 f"runs made on {machines}.")
+  return lines + [""]
+
+
+def carried_from(row: dict) -> str:
+  if "carried_commit" not in row:
+    return ""
+  return f"{row['carried_commit'][:12]} ({row['carried_date']})"
+
+
+def section(model: str, steps: int, group: list[dict], folder: str,
+            prefix: str) -> list[str]:
   """The markdown of one (model, steps) group; writes its plots into `folder`."""
   from experiments.scaling import figures  # pylint: disable=import-outside-toplevel
   title = f"{model}, {steps} steps"
@@ -179,11 +224,17 @@ def section(model: str, steps: int, group: list[dict], outdirs: dict[str, str],
            "seeds' spread)", "", table4(group), "",
            f"The last row cites {config.STUDY_CITATION}; its losses are on another corpus and "
            "tokenizer, so only its gaps compare with ours.", "",
-           *figures.section_plots(group, outdirs, folder, tag, title),
+           *figures.section_plots(group, folder, tag, title),
            "### Targets", "", harness.table(target_rows, ("target", "value", "status")), ""]
   sweep = sweep_table(group)
   if sweep:
     parts += ["### Outer sweep (seed 0; * = picked per M and method)", "", sweep, ""]
+    unswept = unswept_columns(group)
+    if unswept:
+      parts += ["Not swept (one outer setting each, picked by `--stage=m8` from the seed-0 "
+                f"rows at M = {config.M8_FROM} for M = 8 and M = {config.M1_FROM} for M = 1): "
+                + ", ".join(unswept) + "; a star among them picks a receipt mode, not an outer "
+                "setting.", ""]
   parts += ["### Every run (goodput from accounting.json)", "",
             "`wall_s`: the run's own training time; `process_wall_s`: its whole process, "
             "compilation included; machine and device from its provenance.json.", "",

@@ -4,16 +4,22 @@ Nothing here needs the runner's list of runs: each run directory is described fr
 `config.json` (model, method, M, batch, receipt, outer setting, seed), `metrics.jsonl` and
 `accounting.json` (through `harness.collect`) and `provenance.json` (the machine that ran it),
 so runs made on another machine and copied into the directory are reported like local ones.
+Rows of an earlier results.json whose runs are no longer there are carried forward
+(`merged`), marked with the commit and date of the report they come from.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 from experiments import harness
-from experiments.scaling import config
-from experiments.scaling.pool import PROVENANCE_FILE
+from experiments.scaling import config, pool
+
+# Each row keeps its run's evaluations, so that its curve is drawn again once the run
+# directory is gone (a row carried from an earlier results.json, see `carried`).
+CURVE_KEYS = ("step", "tokens", "time", "eval_loss")
 
 
 def receipt_of(sync: dict) -> str:
@@ -61,13 +67,61 @@ def collect(outdir: str) -> list[dict]:
     labels = describe(_read(os.path.join(workdir, "config.json")))
     run = harness.Run(method=labels["kind"], config="", seed=labels["seed"])
     row = harness.collect(run, workdir)
-    where = _read(os.path.join(workdir, PROVENANCE_FILE))
+    where = _read(os.path.join(workdir, pool.PROVENANCE_FILE))
     row.update(labels, run=os.path.basename(workdir),
                machine=where.get("label") or where.get("machine", "unrecorded"),
-               device=where.get("device", "unrecorded"),
-               process_wall_s=where.get("wall_s", ""))
+               device=(pool.with_count(where["device"], where["devices"])
+                       if "device" in where and "devices" in where
+                       else where.get("device", "unrecorded")),
+               process_wall_s=where.get("wall_s", ""),
+               eval_curve=[{k: p[k] for k in CURVE_KEYS}
+                           for p in harness.eval_curve(workdir)])
     rows.append(row)
   return with_methods(rows)
+
+
+
+
+def results_date(path: str, results: dict) -> str:
+  """The day `results` (read from `path`) was written: its own "date", else the day of the
+  last commit that changed the file, else "unknown"."""
+  if results.get("date"):
+    return results["date"]
+  try:
+    out = subprocess.check_output(["git", "log", "-1", "--format=%cs", "--", path],
+                                  cwd=os.path.dirname(os.path.abspath(path)), text=True,
+                                  stderr=subprocess.DEVNULL).strip()
+  except (OSError, subprocess.CalledProcessError):
+    out = ""
+  return out or "unknown"
+
+
+def carried(results_path: str, present: set[str]) -> list[dict]:
+  """The rows of an earlier results.json whose run is not in `present` (the runs of
+  `--outdir`): results the runner wrote from runs that are no longer on this machine. Each
+  keeps its provenance (machine, device, wall times) and gains the commit and date of the
+  report it is carried from (kept from its first carrying when carried again)."""
+  if not os.path.exists(results_path):
+    return []
+  with open(results_path, encoding="utf-8") as f:
+    results = json.load(f)
+  date = results_date(results_path, results)
+  out = []
+  for row in results.get("rows", []):
+    if row.get("run") in present:
+      continue
+    row = dict(row)
+    row.setdefault("carried_commit", results.get("commit", "unknown"))
+    row.setdefault("carried_date", date)
+    out.append(row)
+  return out
+
+
+def merged(outdir: str, results_path: str) -> list[dict]:
+  """The finished runs of `outdir` plus the rows of `results_path` for runs not there: a run
+  present locally wins over its earlier row."""
+  local = collect(outdir)
+  return with_methods(local + carried(results_path, {r["run"] for r in local}))
 
 
 def with_methods(rows: list[dict]) -> list[dict]:

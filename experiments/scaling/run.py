@@ -12,6 +12,7 @@ See `config.py` for the setting and the targets, README.md for the commands and 
 
 from __future__ import annotations
 
+import json
 import os
 
 from absl import app, flags
@@ -19,13 +20,14 @@ from absl import app, flags
 from experiments import harness
 from experiments.scaling import config, pool, report, rows as rows_lib, stages
 
-STAGES = ("1", "2", "3", "all", "small", "none")
+STAGES = ("1", "2", "3", "all", "small", "m8", "none")
 
 
 def define_flags() -> None:
   """The command line (defined only when run as a script, so tests can import this)."""
   harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)))
-  flags.DEFINE_enum("stage", "all", STAGES, "1, 2, 3, all (1 then 2 then 3), small, none.")
+  flags.DEFINE_enum("stage", "all", STAGES, "1, 2, 3, all (1 then 2 then 3), small, m8 (M = 8 and 1 at "
+                    "picks from M = 4 and 2), none.")
   flags.DEFINE_integer("steps", 0, "Steps per run of the tiny model; 0: 20N tokens.")
   flags.DEFINE_integer("small_steps", config.SMALL_STEPS, "Steps of the `small` runs.")
   flags.DEFINE_list("learners", [str(m) for m in config.LEARNERS], "The values of M.")
@@ -34,14 +36,21 @@ def define_flags() -> None:
   flags.DEFINE_integer("parallel", 1, "Runs at a time.")
   flags.DEFINE_integer("threads", 0, "Cores each run is pinned to (0: no pinning).")
   flags.DEFINE_string("machine_label", "", "Names this machine in each run's provenance.")
+  flags.DEFINE_integer("seed", 0, "The seed of --stage=m8's runs.")
+  flags.DEFINE_bool("dry_run", False, "Print the runs the stage would start, run nothing.")
 
 
 def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
-               small_steps: int) -> list[harness.Run]:
-  """The runs of `stage`, derived from the runs `outdir` holds now."""
+               small_steps: int, found: list[dict] | None = None,
+               seed: int = 0) -> list[harness.Run]:
+  """The runs of `stage`, derived from `found` (default: the runs `outdir` holds now; the
+  runner passes those plus the rows carried from the earlier results.json, `rows.merged`)."""
+  if found is None:
+    found = rows_lib.collect(outdir)
   if stage == "1":
     return config.stage_one(steps, learners)
-  found = rows_lib.collect(outdir)
+  if stage == "m8":
+    return stages.stage_m8(found, steps, seed)
   if stage == "2":
     return stages.stage_two(found, steps, learners)
   if stage == "3":
@@ -55,14 +64,23 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
 
 def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             small_steps: int = config.SMALL_STEPS, only=(), parallel: int = 1,
-            threads: int = 0, label: str = "") -> float:
+            threads: int = 0, label: str = "", folder: str = "", seed: int = 0,
+            dry_run: bool = False) -> float:
   """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous); returns the wall
-  seconds spent."""
+  seconds spent. A run with a row in `folder`'s results.json (carried from another machine)
+  counts as done. `dry_run` only prints the runs."""
   wall = 0.0
   for s in ("1", "2", "3") if stage == "all" else (stage,):
-    runs = [r for r in stage_runs(s, outdir, steps, learners, small_steps)
-            if not only or any(o in r.method for o in only)]
+    found = rows_lib.merged(outdir, os.path.join(folder, "results.json") if folder else "")
+    carried = {r["run"] for r in found if "carried_commit" in r}
+    runs = [r for r in stage_runs(s, outdir, steps, learners, small_steps, found, seed)
+            if (not only or any(o in r.method for o in only)) and r.name not in carried]
     print(f"stage {s}: {len(runs)} runs", flush=True)
+    if dry_run:
+      for r in runs:
+        done = " (finished: skipped)" if harness.finished(os.path.join(outdir, r.name)) else ""
+        print(f"  {r.name}{done}: {' '.join(r.command('WORKDIR')[2:])}")
+      continue
     wall += pool.run_parallel(runs, outdir, parallel=parallel, threads=threads, label=label)
   return wall
 
@@ -71,21 +89,23 @@ def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str =
                  command: str = "python -m experiments.scaling.run",
                  readme: str = "README.md", about: str = config.__doc__) -> dict:
   """results.json (or `prefix`.json), the plots and `readme` in `folder`, from `outdir`."""
-  found = rows_lib.collect(outdir)
-  outdirs = {r["run"]: os.path.join(outdir, r["run"]) for r in found}
+  path = os.path.join(folder, "results.json" if prefix == config.NAME else f"{prefix}.json")
+  found = rows_lib.merged(outdir, path)
   os.makedirs(folder, exist_ok=True)
-  results = harness.write_results(
-      prefix, found, os.path.join(folder, "results.json" if prefix == config.NAME
-                                  else f"{prefix}.json"))
+  results = harness.write_results(prefix, found, path)
+  results["date"] = harness.today()  # when carried rows say where they come from
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=2)
   parts = [f"# Experiment `{prefix}`", "", f"Command: `{command}`", "", about.strip(), "",
            f"Report generated {harness.today()} at commit `{results['commit'][:12]}` from "
            f"{len(found)} finished runs ({wall_s / 60:.1f} min of runs in this invocation)."
-           " Which machine ran each run is in the last table of each section.", ""]
+           " Which machine ran each run is in the last table of each section.", "",
+           *report.carried_note(found)]
   if not found:
     parts += ["No finished runs yet: run the commands below, then this report is regenerated.",
               ""]
   for (model, steps), group in sorted(rows_lib.groups(found).items()):
-    parts += report.section(model, steps, group, outdirs, folder, prefix)
+    parts += report.section(model, steps, group, folder, prefix)
   trend = report.trend_table(found)
   if trend:
     parts += ["## Decoupled M = 4 against data-parallel, every model size", "", trend, ""]
@@ -111,7 +131,10 @@ def main(argv):
   if not f.report_only and f.stage != "none":
     wall = execute(f.stage, f.outdir, steps, learners, small_steps=f.small_steps,
                    only=f.only, parallel=f.parallel, threads=f.threads,
-                   label=f.machine_label)
+                   label=f.machine_label, folder=f.results_dir, seed=f.seed,
+                   dry_run=f.dry_run)
+    if f.dry_run:
+      return
   write_report(f.outdir, f.results_dir, wall_s=wall)
   print(f"report: {os.path.join(f.results_dir, 'README.md')}")
 

@@ -77,3 +77,42 @@ def stage_three(rows: list[dict], steps: int, learners=config.LEARNERS,
           run = method_run(s["kind"], s["M"], setting, seed, steps)
           wanted[run.name] = run
   return list(wanted.values())
+
+
+def mode_picks(rows: list[dict], learners: int) -> dict[tuple[str, str], str]:
+  """(kind, receipt) -> the outer setting of lowest seed-0 eval loss at M = `learners`:
+  each receipt mode's own pick (synchronous DiLoCo's receipt reads "overwrite")."""
+  best: dict[tuple[str, str], dict] = {}
+  for r in rows:
+    if r["kind"] == "data-parallel" or r["seed"] != 0 or r["M"] != learners:
+      continue
+    key = (r["kind"], parse_setting(r["setting"])[0])
+    if key not in best or r["eval_loss"] < best[key]["eval_loss"]:
+      best[key] = r
+  return {key: r["setting"] for key, r in sorted(best.items())}
+
+
+def stage_m8(rows: list[dict], steps: int, seed: int = 0) -> list[Run]:
+  """M = 8 and M = 1 without a sweep of their own, at settings picked from smaller M.
+
+  M = 8: data-parallel at one learner's batch (DP_BATCH / 8), and synchronous DiLoCo and
+  each Decoupled receipt mode at its own M = `M8_FROM` pick. M = 1, one learner at the full
+  batch: Decoupled with `M1_RECEIPT` and synchronous DiLoCo, each at its M = `M1_FROM` pick
+  (the nearest M whose sweep was run; see config.py)."""
+  group = _tiny(rows, steps)
+  at_from = mode_picks(group, config.M8_FROM)
+  wanted = [("diloco", "overwrite")] + [("decoupled", r) for r in config.RECEIPTS]
+  missing = [k for k in wanted if k not in at_from]
+  at_m1 = mode_picks(group, config.M1_FROM)
+  m1 = [("decoupled", config.M1_RECEIPT), ("diloco", "overwrite")]
+  missing_m1 = [k for k in m1 if k not in at_m1]
+  if missing or missing_m1:
+    raise ValueError(f"--stage=m8 needs the seed-0 sweep of the tiny model at {steps} steps: "
+                     f"M = {config.M8_FROM} for {missing or 'every mode'} and M = "
+                     f"{config.M1_FROM} for {missing_m1 or 'both M = 1 methods'} (the runs "
+                     "or the rows of results.json)")
+  runs = [config.dp(seed, steps, config.DP_BATCH // 8)]
+  runs += [method_run(kind, 8, at_from[(kind, receipt)], seed, steps)
+           for kind, receipt in wanted]
+  return runs + [method_run(kind, 1, at_m1[(kind, receipt)], seed, steps)
+                 for kind, receipt in m1]
