@@ -145,3 +145,24 @@ def test_a_killed_shard_pauses_only_its_rounds_and_loses_nothing(shard_killed):
   acc = _json(workdir, "accounting.json")
   assert acc["syncer_restarts"] >= 1
   assert acc["eval/loss"] < acc["eval/initial_loss"] - 2.0
+
+
+def test_the_shard_benchmark_runs_real_syncer_processes_and_prints_its_line(tmp_path):
+  """scripts/bench_syncer_shards.py at its smallest: one measurement of S = 1 and of S = 2
+  over real syncer-shard processes; its JSON line counts every merged byte (what it measures
+  is a benchmark's business, not this test's)."""
+  env = dict({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, PYTHONPATH=ROOT)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "bench_syncer_shards.py"),
+       "--config=configs/multiprocess.py:tiny", "--learners=2", "--fragments=4", "--rounds=2",
+       "--reps=1", f"--dir={tmp_path}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  row = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert row["bench"] == "syncer_shards" and row["learners"] == 2 and row["fragments"] == 4
+  # Every round merges each learner's delivery of every fragment: 2 rounds x 2 learners x
+  # the model's bytes, for each S.
+  assert row["merged_bytes_per_measurement"] == 2 * 2 * sum(row["fragment_bytes"])
+  assert row["s1_bytes_per_s"] > 0 and row["s2_bytes_per_s"] > 0 and row["ratio"] > 0
+  assert [len(r) for r in row["s1_round_s"] + row["s2_round_s"]] == [2, 2]
+  assert os.listdir(tmp_path) == []  # its stores are removed
