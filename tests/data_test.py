@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from script_import import import_script
 
 from diloco.config_lib import ConfigError, DataConfig
 from diloco.train import data
@@ -477,12 +478,7 @@ def test_prepare_data_reads_records_with_an_existing_tokenizer(records, tmp_path
 @pytest.mark.slow
 def test_example_corpus_trains_from_the_cli(tmp_path):
   """The worked example of docs/data.md: generated jsonl + tokenizer.json, the real CLI."""
-  sys.path.insert(0, os.path.join(REPO, "scripts"))
-  try:
-    import make_example_corpus
-  finally:
-    sys.path.pop(0)
-  made = make_example_corpus.make(str(tmp_path / "example"), num_docs=600)
+  made = import_script("make_example_corpus").make(str(tmp_path / "example"), num_docs=600)
   assert set(made) == {"jsonl", "parquet", "datasets", "tokenizer.json", "tokenizer.model"}
   workdir = tmp_path / "run"
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",

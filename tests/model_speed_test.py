@@ -12,8 +12,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
 import pytest
+from script_import import import_script
 from flax import nnx
 
 from diloco import config_lib
@@ -240,16 +240,7 @@ def test_accelerator_presets_turn_the_switches_on():
 
 
 def test_peak_table_matches_device_kinds_and_unknown_is_none():
-  sys.path.insert(0, os.path.join(REPO, "scripts"))
-  before = set(flags.FLAGS)
-  try:
-    import bench_train_step as bench
-  finally:
-    sys.path.pop(0)
-    # The script defines its flags on import: leave the process's FLAGS as they were, so that
-    # a runner tested later in this worker can define its own (e.g. `preset`).
-    for flag in set(flags.FLAGS) - before:
-      delattr(flags.FLAGS, flag)
+  bench = import_script("bench_train_step")
   assert bench.peak_flops_per_device("NVIDIA H100 80GB HBM3") == 989.4e12
   assert bench.peak_flops_per_device("NVIDIA H100 PCIe") == 756e12
   assert bench.peak_flops_per_device("NVIDIA H200") == 989.4e12
