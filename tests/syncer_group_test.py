@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from diloco import fragments, intake, policy, syncer as syncer_lib, syncer_group, syncer_shards
 from diloco.config_lib import OuterConfig, SyncConfig
@@ -190,3 +191,30 @@ def test_a_bad_heartbeat_is_counted_once():
   bad = Heartbeat(learner=0, incarnation=0, local_step=1, step_time=1.0, time=float("nan"))
   group.tick(1.0, [bad])
   assert group.rejections[intake.REJECT_BAD_HEARTBEAT] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(fragment=st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                          st.text(max_size=3), st.none(), st.booleans()),
+       shards=st.integers(1, 3))
+def test_any_fragment_field_is_routed_and_rejected_once_or_merged_never_raising(fragment,
+                                                                                 shards):
+  """The class of a delivery's `fragment` field (any int, huge, negative, float, text, None,
+  bool): a valid index reaches its owner only; anything else goes to shard 0, which rejects it
+  once. Nothing raises out of `tick`, and no G changes unless the fragment is a real one."""
+  group = _build(shards, _sync(quorum=1))
+  plan, g0 = _plan(), _g0()
+  valid = type(fragment) is int and 0 <= fragment < P  # noqa: E721  (bool is not an index)
+  tensors = ({k: g0[k] + 1.0 for k in plan.fragments[fragment]} if valid else
+             {k: g0[k] + 1.0 for k in plan.fragments[0]})
+  delivery = Delivery(learner=0, incarnation=0, fragment=fragment, local_step=1, steps=1,
+                      tokens=64, base_version=0, kind="values", tensors=tensors)
+  merged, _ = group.tick(1.0, [Heartbeat(0, 0, 1, 0.1, 1.0)], [delivery])
+  rejected = sum(sum(shard.rejections.values()) for shard in group.shards)
+  if valid:
+    assert [m.fragment for m in merged] == [fragment] and rejected == 0
+    assert group.versions == [int(p == fragment) for p in range(P)]
+  else:
+    assert merged == [] and rejected == 1 and group.versions == [0] * P
+    assert sum(group.shards[0].rejections.values()) == 1
+    assert all(np.array_equal(v, g0[k]) for k, v in group.global_params().items())
