@@ -349,3 +349,28 @@ def test_curves_fall_back_to_a_seed_with_a_curve_and_name_what_is_missing(tmp_pa
   assert "data-parallel" not in missing and "data-parallel B=8" in missing
   assert "decoupled M=4 keep_local outer 1/0" not in missing
   assert "diloco M=2 outer 1/0" in missing
+
+
+def test_progress_section_reports_stopped_runs_against_data_parallel_at_equal_tokens(tmp_path):
+  """A run cut short (no accounting, no export) still gets a row: its last evaluation and the
+  data-parallel curve interpolated at its tokens, plus the last evaluation all runs reached."""
+  from experiments.scaling import progress
+  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "out")
+  fake_run(outdir, "dp", _cfg("data-parallel", 1), 2.0)  # evals 5.5, 3.75, 2.0
+  assert progress.section(outdir, folder, "g") == []  # every run finished: nothing to add
+  stopped = os.path.join(outdir, "dec2")
+  os.makedirs(stopped)
+  with open(os.path.join(stopped, "config.json"), "w") as f:
+    json.dump(_cfg("decoupled", 2, "overwrite outer 0.6/0.9"), f)
+  with open(os.path.join(stopped, "metrics.jsonl"), "w") as f:
+    for step, value in ((0, 5.5), (STEPS // 4, 5.0), (STEPS // 2, 4.125)):
+      f.write(json.dumps({"t": 1.0 + step, "step": step, "role": "syncer",
+                          "eval/loss": value}) + "\n")
+  lines = progress.section(outdir, folder, "g")
+  text = "\n".join(lines)
+  half = next(line for line in lines if line.startswith("| decoupled M=2")
+              and f"step {STEPS // 2:,} of {STEPS:,}" in line)
+  assert "stopped" in half and "| 4.1250 | 3.7500 | +10.00% |" in half
+  # At the most tokens both reached (the stopped run's last), data-parallel's own evaluation.
+  assert "| 3.7500 | 3.7500 | +0.00% |" in text.split("the most that all of them reached")[1]
+  assert "finished, step" in text and os.path.exists(os.path.join(folder, "g_progress.png"))

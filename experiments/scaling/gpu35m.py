@@ -19,7 +19,7 @@ import os
 from absl import app, flags
 
 from experiments import harness
-from experiments.scaling import config, pool, run as scaling_run, stages
+from experiments.scaling import config, pool, progress, run as scaling_run, stages
 
 CORPUS_FILE = "corpus.json"
 EVAL_WINDOWS = 256
@@ -99,6 +99,18 @@ def corpus_note(outdir: str, preset: str) -> str:
           f"{target / tokens:.1f} passes over it.")
 
 
+def settings_note(outdir: str, diloco_setting: str, decoupled_setting: str) -> str:
+  """The outer settings the runs in `outdir` used (read from their configs), else the
+  flags' (no run yet)."""
+  used = {}
+  for r in progress.runs(outdir):
+    if r["kind"] != "data-parallel":
+      used.setdefault(r["kind"], set()).add(r["setting"])
+  diloco = ", ".join(sorted(used.get("diloco", ()))) or diloco_setting
+  decoupled = ", ".join(sorted(used.get("decoupled", ()))) or decoupled_setting
+  return f"Settings: synchronous DiLoCo `{diloco}`, Decoupled `{decoupled}`."
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
@@ -117,10 +129,14 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "" if f.preset == "m35" else "cpu")
     pool.run_parallel(todo, f.outdir, parallel=f.parallel, devices=f.devices,
                       label=f.machine_label)
-  about = (f"{__doc__.strip()}\n\n{corpus_note(f.outdir, f.preset)}\n\nSettings: "
-           f"synchronous DiLoCo `{f.diloco_setting}`, Decoupled `{f.decoupled_setting}`.")
+  about = (f"{__doc__.strip()}\n\n{corpus_note(f.outdir, f.preset)}\n\n"
+           f"{settings_note(f.outdir, f.diloco_setting, f.decoupled_setting)}")
   scaling_run.write_report(f.outdir, f.results_dir, prefix="gpu35m", readme="gpu35m.md",
                            command="python -m experiments.scaling.gpu35m", about=about)
+  partial = progress.section(f.outdir, f.results_dir, "gpu35m")
+  if partial:
+    with open(os.path.join(f.results_dir, "gpu35m.md"), "a", encoding="utf-8") as out:
+      out.write("\n\n" + "\n".join(partial))
   print(f"report: {os.path.join(f.results_dir, 'gpu35m.md')}")
 
 
