@@ -222,7 +222,7 @@ def test_gpu35m_rehearsal_on_one_cpu_device(tmp_path):
   assert code == 0
   found = rows.collect(outdir)
   assert sorted(r["method"] for r in found) == [
-      "data-parallel", "decoupled M=2 keep_local outer 1/0", "diloco M=2 outer 0.8/0.9"]
+      "data-parallel", "decoupled M=2 overwrite outer 0.6/0.9", "diloco M=2 outer 0.6/0.9"]
   assert all(r["device"] == "cpu: cpu x 1" for r in found)
   text = open(os.path.join(folder, "gpu35m.md")).read()
   assert "Partial run: 1.0% of the 20N budget" in text

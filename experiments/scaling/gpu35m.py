@@ -35,15 +35,17 @@ def define_flags() -> None:
   flags.DEFINE_integer("seq_len", 512, "Sequence length (bytes).")
   flags.DEFINE_integer("batch", 64, "Data-parallel batch; each of M learners takes batch / M.")
   flags.DEFINE_list("learners", ["2", "4"], "The values of M.")
-  flags.DEFINE_string("diloco_setting", "outer 0.8/0.9",
-                      "Synchronous DiLoCo's outer lr/momentum (take the CPU sweep's pick).")
-  flags.DEFINE_string("decoupled_setting", "keep_local outer 1/0",
-                      "Decoupled's receipt and outer lr/momentum (take the CPU sweep's pick).")
+  flags.DEFINE_string("diloco_setting", "outer 0.6/0.9",
+                      "Synchronous DiLoCo's outer lr/momentum (the CPU sweep's pick at M = 2, 4).")
+  flags.DEFINE_string("decoupled_setting", "overwrite outer 0.6/0.9",
+                      "Decoupled's receipt and outer lr/momentum (default receipt, at the CPU "
+                      "sweep's M = 4 pick for it: the same outer step as synchronous DiLoCo).")
   flags.DEFINE_string("data_source", "stdlib",
                       "data.source: stdlib (the embedded corpus) or a larger text corpus.")
   flags.DEFINE_string("data_path", "", "data.path of a non-stdlib source.")
   flags.DEFINE_string("only", "", "Run only the runs whose method contains this.")
-  flags.DEFINE_integer("parallel", 1, "Runs at a time on the GPU (they share it).")
+  flags.DEFINE_integer("parallel", 1, "Runs at a time; keep 1 on one GPU (processes "
+                       "time-slice it: five at once ran each about 6x slower).")
   flags.DEFINE_integer("devices", 1, "Emulated CPU devices per run (CPU rehearsal only).")
   flags.DEFINE_string("machine_label", "", "Names this machine in each run's provenance.")
 
