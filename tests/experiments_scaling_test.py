@@ -374,3 +374,40 @@ def test_progress_section_reports_stopped_runs_against_data_parallel_at_equal_to
   # At the most tokens both reached (the stopped run's last), data-parallel's own evaluation.
   assert "| 3.7500 | 3.7500 | +0.00% |" in text.split("the most that all of them reached")[1]
   assert "finished, step" in text and os.path.exists(os.path.join(folder, "g_progress.png"))
+
+
+@pytest.mark.parametrize("preset", sorted(config.PRESET_INNER_LR))
+def test_preset_inner_learning_rates_are_the_configs_own(preset):
+  from diloco import config_files
+  for kind in ("dp", "diloco", "decoupled"):
+    if kind == "dp" and preset == "m35" or kind != "dp" and preset == "small":
+      continue  # presets a config does not define
+    cfg = config_files.load(f"configs/{kind}.py:{preset}")
+    assert cfg.optim.learning_rate == pytest.approx(config.PRESET_INNER_LR[preset]), kind
+
+
+def test_inner_stage_scales_each_methods_m4_pick_and_reads_back_as_its_own_setting(tmp_path):
+  with pytest.raises(ValueError, match="--stage=inner needs the seed-0 sweep at M = 4"):
+    stages.stage_inner([], STEPS)
+  _stage_one(str(tmp_path), LOSSES)
+  planned = stages.stage_inner(rows.collect(str(tmp_path)), STEPS)
+  base = config.PRESET_INNER_LR["tiny"]
+  assert [r.method for r in planned] == [
+      f"tiny diloco M=4 outer 1/0 inner {base * 0.5:g}",
+      f"tiny diloco M=4 outer 1/0 inner {base * 0.25:g}",
+      f"tiny decoupled M=4 overwrite outer 1/0 inner {base * 0.5:g}",
+      f"tiny decoupled M=4 overwrite outer 1/0 inner {base * 0.25:g}"]
+  assert [dict(r.overrides)["optim.learning_rate"] for r in planned] == [
+      base * 0.5, base * 0.25] * 2
+  # A finished inner run reads back under the same method name, beside the preset's.
+  cfg = _cfg("decoupled", 4, "overwrite outer 1/0")
+  cfg["optim"] = {"learning_rate": base * 0.5}
+  fake_run(str(tmp_path), "dec4inner", cfg, 1.5)
+  found = {r["run"]: r for r in rows.collect(str(tmp_path))}
+  assert found["dec4inner"]["method"] == planned[2].method.removeprefix("tiny ")
+  assert stages.parse_setting(found["dec4inner"]["setting"]) == ("overwrite", (1.0, 0.0))
+  assert stages.inner_of(found["dec4inner"]["setting"]) == base * 0.5
+  sweep = report.sweep_table(rows.groups(list(found.values()))[("tiny", STEPS)])
+  assert f"| 1/0 inner {base * 0.5:g} |" in sweep and "1.5000*" in sweep  # the new M=4 pick
+  with pytest.raises(ValueError, match="inner LR"):
+    stages.parse_setting("overwrite outer 1/0 inner fast")

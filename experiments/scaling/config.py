@@ -56,6 +56,13 @@ TARGET_GAP = {2: 1.5, 4: 3.0}  # Decoupled's allowed gap to data-parallel, in pe
 M8_FROM = 4
 M1_FROM = 2
 M1_RECEIPT = "overwrite"
+# The inner AdamW peak learning rate each preset's configs set (tests/experiments_scaling_test.py
+# checks them against configs/); a run at another one has " inner LR" in its setting.
+PRESET_INNER_LR = {"tiny": 3e-3, "small": 3e-3, "m35": 2e-3}
+# --stage=inner: at M = INNER_M, each method's pick with the inner learning rate scaled down,
+# by the square-root (0.5) and the linear (0.25) rule for a batch INNER_M times smaller.
+INNER_M = 4
+INNER_SCALES = (0.5, 0.25)
 # The second model size: data-parallel vs the best Decoupled M = 4 at `small_steps`.
 SMALL_SEQ_LEN = 128
 SMALL_STEPS = 2000  # ~2 h per run on an idle 2-core CPU (README: measured step times)
@@ -81,6 +88,11 @@ def compute_optimal_steps(preset: str = "tiny", batch: int = DP_BATCH,
 
 def outer_label(lr: float, momentum: float) -> str:
   return f"outer {lr:g}/{momentum:g}"
+
+
+def inner_label(lr: float) -> str:
+  """The suffix of a setting whose inner learning rate is not its preset's."""
+  return f" inner {lr:g}"
 
 
 def _common(steps: int, batch: int, seq_len: int, eval_every: int, *,
@@ -109,9 +121,10 @@ def dp(seed: int, steps: int, batch: int = DP_BATCH, preset: str = "tiny",
 def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, steps: int,
            receipt: str = "overwrite", preset: str = "tiny", seq_len: int = SEQ_LEN,
            eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH, extra: tuple = (),
-           **common) -> Run:
+           inner_lr: float | None = None, **common) -> Run:
   """Synchronous DiLoCo (`kind` = "diloco") or Decoupled with `receipt`, M = `learners`,
-  each learner on `dp_batch` / M sequences."""
+  each learner on `dp_batch` / M sequences; `inner_lr` replaces the preset's inner peak
+  learning rate (and names itself in the setting)."""
   batch = dp_batch // learners
   lr, momentum = outer
   overrides = _common(steps, batch, seq_len, eval_every, **common) + (
@@ -129,6 +142,9 @@ def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, step
     setting = outer_label(lr, momentum)
   else:
     raise ValueError(f"kind must be 'diloco' or 'decoupled', got {kind!r}")
+  if inner_lr is not None:
+    overrides += (("optim.learning_rate", inner_lr),)
+    setting += inner_label(inner_lr)
   return Run(f"{preset} {kind} M={learners} {setting}", f"configs/{kind}.py:{preset}", seed,
              overrides + extra, labels=(("model", preset), ("kind", kind), ("M", learners),
                                 ("batch", batch), ("setting", setting)))

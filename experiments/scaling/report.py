@@ -114,7 +114,9 @@ def sweep_table(group: list[dict]) -> str:
     if column not in columns:
       columns.append(column)
     star = "*" if picked.get((r["kind"], r["M"])) == r["setting"] else ""
-    cells[(config.outer_label(*outer), column)] = f"{r['eval_loss']:.4f}{star}"
+    inner = stages.inner_of(r["setting"])
+    row = config.outer_label(*outer) + (config.inner_label(inner) if inner else "")
+    cells[(row, column)] = f"{r['eval_loss']:.4f}{star}"
   if not cells:
     return ""
   columns.sort(key=lambda c: (int(c.split()[0][2:]), c))

@@ -39,6 +39,10 @@ def describe(cfg: dict) -> dict:
   if count == 0:
     return dict(labels, kind="data-parallel", setting="")
   setting = config.outer_label(outer["learning_rate"], outer["momentum"])
+  inner = cfg.get("optim", {}).get("learning_rate")
+  preset_inner = config.PRESET_INNER_LR.get(labels["model"])
+  if inner is not None and preset_inner is not None and abs(inner - preset_inner) > 1e-12:
+    setting += config.inner_label(inner)
   if sync["quorum"] == 0 and sync["num_fragments"] == 1:
     return dict(labels, kind="diloco", setting=setting)
   return dict(labels, kind="decoupled", setting=f"{receipt_of(sync)} {setting}")

@@ -13,13 +13,26 @@ from experiments.scaling import config, rows as rows_lib
 
 
 def parse_setting(setting: str) -> tuple[str, tuple[float, float]]:
-  """"keep_local outer 1/0" -> ("keep_local", (1.0, 0.0)); "outer 0.8/0.9" -> overwrite."""
-  receipt, _, outer = setting.rpartition("outer ")
+  """"keep_local outer 1/0" -> ("keep_local", (1.0, 0.0)); "outer 0.8/0.9" -> overwrite.
+  An " inner LR" suffix is read by `inner_of`."""
+  inner_of(setting)  # a malformed suffix fails here too
+  receipt, _, outer = setting.partition(" inner ")[0].rpartition("outer ")
   lr, _, momentum = outer.partition("/")
   try:
     return receipt.strip() or "overwrite", (float(lr), float(momentum))
   except ValueError:
     raise ValueError(f"setting {setting!r}: expected '[receipt] outer LR/MOMENTUM'") from None
+
+
+def inner_of(setting: str) -> float | None:
+  """The inner learning rate a setting names ("... inner 0.0015"), None for the preset's."""
+  _, found, inner = setting.partition(" inner ")
+  if not found:
+    return None
+  try:
+    return float(inner)
+  except ValueError:
+    raise ValueError(f"setting {setting!r}: expected '... inner LR' with a number") from None
 
 
 def method_run(kind: str, learners: int, setting: str, seed: int, steps: int,
@@ -29,7 +42,8 @@ def method_run(kind: str, learners: int, setting: str, seed: int, steps: int,
   if kind == "data-parallel":
     return config.dp(seed, steps, config.DP_BATCH // learners, preset)
   receipt, outer = parse_setting(setting)
-  return config.diloco(kind, learners, outer, seed, steps, receipt, preset)
+  return config.diloco(kind, learners, outer, seed, steps, receipt, preset,
+                       inner_lr=inner_of(setting))
 
 
 def _tiny(rows: list[dict], steps: int) -> list[dict]:
@@ -116,3 +130,19 @@ def stage_m8(rows: list[dict], steps: int, seed: int = 0) -> list[Run]:
            for kind, receipt in wanted]
   return runs + [method_run(kind, 1, at_m1[(kind, receipt)], seed, steps)
                  for kind, receipt in m1]
+
+
+def stage_inner(rows: list[dict], steps: int) -> list[Run]:
+  """Seed 0 of synchronous DiLoCo and Decoupled (overwrite, the default receipt) at
+  M = INNER_M, each at its seed-0 outer pick, with the inner learning rate scaled by each of
+  INNER_SCALES: does a learner's smaller batch want a smaller inner step?"""
+  at_m = {k: v for k, v in mode_picks(_tiny(rows, steps), config.INNER_M).items()
+          if inner_of(v) is None}
+  wanted = [("diloco", "overwrite"), ("decoupled", "overwrite")]
+  missing = [k for k in wanted if k not in at_m]
+  if missing:
+    raise ValueError(f"--stage=inner needs the seed-0 sweep at M = {config.INNER_M} of the "
+                     f"tiny model at {steps} steps for {missing}")
+  base = config.PRESET_INNER_LR["tiny"]
+  return [method_run(kind, config.INNER_M, at_m[(kind, receipt)] + config.inner_label(
+      base * scale), 0, steps) for kind, receipt in wanted for scale in config.INNER_SCALES]
