@@ -302,3 +302,21 @@ def test_a_sharded_syncers_tape_gives_figures_per_shard_and_overall(tmp_path):
   write_jsonl(tmp_path / "tape.jsonl", shard0)
   assert not any("shard" in k for k in accounting.summary(str(tmp_path), num_fragments=2,
                                                           num_params=100))
+
+
+def test_a_final_round_counts_the_learners_that_left_after_their_final_delivery():
+  """Learners that finished and left are not alive when their final round closes, yet the
+  round merges them: the most it could merge counts them, so learners per round never exceeds
+  the learners available (a fault-free run reads 2 of 2 to the end)."""
+  final = [dict(delivery(0, 8, 2), final=True), dict(delivery(1, 8, 2), final=True)]
+  tape = [round_(0, 1.0, [delivery(0, 4, 4), delivery(1, 4, 4)], receivers=[0, 1]),
+          dict(round_(0, 2.0, final, receivers=[], number=1), num_alive=0),
+          # One learner left; the one still alive has not delivered: 1 + 1 could merge.
+          dict(round_(1, 3.0, [dict(delivery(0, 8, 2), final=True)], receivers=[1],
+                      number=2), num_alive=1),
+          # A record without `receivers` (older tapes): at least what it admitted.
+          {k: v for k, v in round_(1, 4.0, final, number=3).items() if k != "receivers"}]
+  assert [accounting.could_merge(r) for r in tape] == [2, 2, 2, 2]
+  stats = accounting.round_stats(tape)
+  assert stats["mean_alive"] == 2.0 and stats["mean_learners"] == pytest.approx(7 / 4)
+  assert stats["mean_learners"] <= stats["mean_alive"]

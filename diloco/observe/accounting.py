@@ -235,13 +235,26 @@ def staleness_histogram(tape: Sequence[Mapping]) -> dict[int, int]:
   return dict(sorted(counts.items()))
 
 
+def could_merge(record: Mapping) -> int:
+  """The learners a round could have merged: alive at its close (`receivers`) or admitted.
+
+  A final round (docs/design.md 2.3, final sync) merges learners that have already finished and left, so
+  counting only the alive ones would report more learners merged than available."""
+  receivers = record.get("receivers")
+  if not isinstance(receivers, list):  # a record written before receivers were recorded
+    return max(int(record.get("num_alive", 0)), len(record["admitted"]))
+  return len(set(receivers) | {a["learner"] for a in record["admitted"]})
+
+
 def round_stats(tape: Sequence[Mapping]) -> dict:
   """Round counts and means: quorum, learners admitted, grace and sync time, rejections.
 
   Returns:
     A dict with `rounds`, `mean_quorum`, `last_quorum` (the `quorum` a round required),
     `mean_learners` (admitted deliveries per round), `median_learners`, `mean_alive`
-    (learners alive when a round closed: the most it could have merged), `max_learners`,
+    (the most a round could have merged: the learners alive when it closed, plus those that
+    had finished and left but whose final deliveries it merged; `could_merge`),
+    `max_learners`,
     `learners_hist` (rounds per number of admitted deliveries), `mean_grace_s` and
     `median_grace_s` (the window the policy computed), `mean_grace_used_s` (time a round
     stayed open after its quorum), `admitted_in_grace` (deliveries that arrived after their
@@ -262,7 +275,7 @@ def round_stats(tape: Sequence[Mapping]) -> dict:
       "last_quorum": ordered[-1]["quorum"] if n else 0,
       "mean_learners": mean([len(r["admitted"]) for r in tape]),
       "median_learners": statistics.median([len(r["admitted"]) for r in tape]) if n else 0,
-      "mean_alive": mean([r.get("num_alive", 0) for r in tape]),
+      "mean_alive": mean([could_merge(r) for r in tape]),
       "max_learners": max((len(r["admitted"]) for r in tape), default=0),
       "learners_hist": dict(sorted(collections.Counter(len(r["admitted"]) for r in tape).items())),
       "mean_grace_s": mean([r["grace_s"] for r in tape]),
