@@ -127,7 +127,11 @@ def main(argv):
     todo = [r for r in runs(f.preset, steps, f.batch, f.seq_len,
                             [int(m) for m in f.learners], f.diloco_setting,
                             f.decoupled_setting, data) if f.only in r.method]
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # runs share the GPU
+    if f.parallel > 1 and f.preset == "m35":
+      print(f"warning: --parallel={f.parallel} runs share one GPU by time-slicing it; on the "
+            "lent H200 five at once ran each DiLoCo run ~6x slower than alone (usage.md)",
+            flush=True)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # runs may share the GPU
     os.environ.setdefault("JAX_PLATFORMS", "" if f.preset == "m35" else "cpu")
     pool.run_parallel(todo, f.outdir, parallel=f.parallel, devices=f.devices,
                       label=f.machine_label)
