@@ -393,18 +393,25 @@ def test_inner_stage_scales_each_methods_m4_pick_and_reads_back_as_its_own_setti
   planned = stages.stage_inner(rows.collect(str(tmp_path)), STEPS)
   base = config.PRESET_INNER_LR["tiny"]
   assert [r.method for r in planned] == [
-      f"tiny diloco M=4 outer 1/0 inner {base * 0.5:g}",
-      f"tiny diloco M=4 outer 1/0 inner {base * 0.25:g}",
-      f"tiny decoupled M=4 overwrite outer 1/0 inner {base * 0.5:g}",
-      f"tiny decoupled M=4 overwrite outer 1/0 inner {base * 0.25:g}"]
+      f"tiny data-parallel inner {base * 2:g}",
+      *(f"tiny diloco M=4 outer 1/0 inner {base * s:g}" for s in (2.0, 0.5, 0.25)),
+      *(f"tiny decoupled M=4 overwrite outer 1/0 inner {base * s:g}" for s in (2.0, 0.5, 0.25))]
   assert [dict(r.overrides)["optim.learning_rate"] for r in planned] == [
-      base * 0.5, base * 0.25] * 2
+      base * 2] + [base * 2, base * 0.5, base * 0.25] * 2
+  # Data-parallel at another inner rate reads back as its own method, not as the reference.
+  dp_cfg = _cfg("data-parallel", 1)
+  dp_cfg["optim"] = {"learning_rate": base * 2}
+  fake_run(str(tmp_path), "dpinner", dp_cfg, 1.9)
+  by_run = {r["run"]: r for r in rows.collect(str(tmp_path))}
+  assert by_run["dpinner"]["method"] == f"data-parallel inner {base * 2:g}"
+  assert by_run["dp"]["method"] == "data-parallel"
+  assert rows.stats(list(by_run.values()))["data-parallel"]["mean"] == pytest.approx(2.0)
   # A finished inner run reads back under the same method name, beside the preset's.
   cfg = _cfg("decoupled", 4, "overwrite outer 1/0")
   cfg["optim"] = {"learning_rate": base * 0.5}
   fake_run(str(tmp_path), "dec4inner", cfg, 1.5)
   found = {r["run"]: r for r in rows.collect(str(tmp_path))}
-  assert found["dec4inner"]["method"] == planned[2].method.removeprefix("tiny ")
+  assert found["dec4inner"]["method"] == planned[5].method.removeprefix("tiny ")
   assert stages.parse_setting(found["dec4inner"]["setting"]) == ("overwrite", (1.0, 0.0))
   assert stages.inner_of(found["dec4inner"]["setting"]) == base * 0.5
   sweep = report.sweep_table(rows.groups(list(found.values()))[("tiny", STEPS)])

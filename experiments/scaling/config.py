@@ -62,9 +62,11 @@ M1_RECEIPT = "overwrite"
 # checks them against configs/); a run at another one has " inner LR" in its setting.
 PRESET_INNER_LR = {"tiny": 3e-3, "small": 3e-3, "m35": 2e-3}
 # --stage=inner: at M = INNER_M, each method's pick with the inner learning rate scaled down,
-# by the square-root (0.5) and the linear (0.25) rule for a batch INNER_M times smaller.
+# by the square-root (0.5) and the linear (0.25) rule for a batch INNER_M times smaller, and
+# up (2.0); data-parallel gets every scale above 1 as well, so the reference is offered the
+# same larger step.
 INNER_M = 4
-INNER_SCALES = (0.5, 0.25)
+INNER_SCALES = (2.0, 0.5, 0.25)
 # The second model size: data-parallel vs the best Decoupled M = 4 at `small_steps`.
 SMALL_SEQ_LEN = 128
 SMALL_STEPS = 2000  # ~2 h per run on an idle 2-core CPU (README: measured step times)
@@ -108,10 +110,15 @@ def _common(steps: int, batch: int, seq_len: int, eval_every: int, *,
 
 def dp(seed: int, steps: int, batch: int = DP_BATCH, preset: str = "tiny",
        seq_len: int = SEQ_LEN, eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH,
-       extra: tuple = (), **common) -> Run:
+       extra: tuple = (), inner_lr: float | None = None, **common) -> Run:
   """Data-parallel at `batch` sequences per step (one learner's batch when < `dp_batch`).
-  `extra` overrides are appended; `common` goes to `_common` (eval_windows, warmup)."""
+  `extra` overrides are appended; `common` goes to `_common` (eval_windows, warmup);
+  `inner_lr` replaces the preset's peak learning rate (a method of its own, not the
+  reference)."""
   method = "data-parallel" if batch == dp_batch else f"data-parallel B={batch}"
+  if inner_lr is not None:
+    extra = (("optim.learning_rate", inner_lr),) + tuple(extra)
+    method += inner_label(inner_lr)
   # The batch is split over the mesh's devices: below DEVICES sequences, fewer devices.
   devices = (("devices", batch),) if batch < DEVICES else ()
   return Run(f"{preset} {method}", f"configs/dp.py:{preset}", seed,

@@ -36,13 +36,14 @@ def describe(cfg: dict) -> dict:
   labels = {"model": cfg["model"].get("name") or "custom", "M": max(count, 1),
             "batch": cfg["train"]["batch_size"], "steps": cfg["train"]["steps"],
             "seed": cfg.get("seed", 0)}
-  if count == 0:
-    return dict(labels, kind="data-parallel", setting="")
-  setting = config.outer_label(outer["learning_rate"], outer["momentum"])
   inner = cfg.get("optim", {}).get("learning_rate")
   preset_inner = config.PRESET_INNER_LR.get(labels["model"])
+  own_inner = ""
   if inner is not None and preset_inner is not None and abs(inner - preset_inner) > 1e-12:
-    setting += config.inner_label(inner)
+    own_inner = config.inner_label(inner)
+  if count == 0:
+    return dict(labels, kind="data-parallel", setting=own_inner.strip())
+  setting = config.outer_label(outer["learning_rate"], outer["momentum"]) + own_inner
   if sync["quorum"] == 0 and sync["num_fragments"] == 1:
     return dict(labels, kind="diloco", setting=setting)
   return dict(labels, kind="decoupled", setting=f"{receipt_of(sync)} {setting}")
@@ -140,6 +141,8 @@ def with_methods(rows: list[dict]) -> list[dict]:
     if r["kind"] == "data-parallel":
       reference = r["batch"] == full[(r["model"], r["steps"])]
       r["method"] = "data-parallel" if reference else f"data-parallel B={r['batch']}"
+      if r.get("setting"):  # another inner learning rate: a method of its own
+        r["method"] += f" {r['setting']}"
     else:
       r["method"] = f"{r['kind']} M={r['M']} {r['setting']}"
   return rows

@@ -135,7 +135,8 @@ def stage_m8(rows: list[dict], steps: int, seed: int = 0) -> list[Run]:
 def stage_inner(rows: list[dict], steps: int) -> list[Run]:
   """Seed 0 of synchronous DiLoCo and Decoupled (overwrite, the default receipt) at
   M = INNER_M, each at its seed-0 outer pick, with the inner learning rate scaled by each of
-  INNER_SCALES: does a learner's smaller batch want a smaller inner step?"""
+  INNER_SCALES, and data-parallel at the scales above 1: does a learner's smaller batch want
+  another inner step than the data-parallel reference's?"""
   at_m = {k: v for k, v in mode_picks(_tiny(rows, steps), config.INNER_M).items()
           if inner_of(v) is None}
   wanted = [("diloco", "overwrite"), ("decoupled", "overwrite")]
@@ -144,5 +145,7 @@ def stage_inner(rows: list[dict], steps: int) -> list[Run]:
     raise ValueError(f"--stage=inner needs the seed-0 sweep at M = {config.INNER_M} of the "
                      f"tiny model at {steps} steps for {missing}")
   base = config.PRESET_INNER_LR["tiny"]
-  return [method_run(kind, config.INNER_M, at_m[(kind, receipt)] + config.inner_label(
+  runs = [config.dp(0, steps, inner_lr=base * scale) for scale in config.INNER_SCALES
+          if scale > 1]
+  return runs + [method_run(kind, config.INNER_M, at_m[(kind, receipt)] + config.inner_label(
       base * scale), 0, steps) for kind, receipt in wanted for scale in config.INNER_SCALES]
