@@ -16,7 +16,8 @@ whose difference is within the seeds' spread. Stage m8 (no sweep of its own): M 
 data-parallel at one learner's batch, synchronous DiLoCo and each receipt mode at its M = 4
 pick, and M = 1 (Decoupled with overwrite, and synchronous DiLoCo) at its M = 2 pick. Stage
 inner: synchronous DiLoCo and Decoupled (overwrite) at their M = 4 picks with the inner
-learning rate at 1/2 and 1/4 of the preset's (a learner's batch is 4x smaller). The
+learning rate at 2, 1/2 and 1/4 times the preset's (a learner's batch is 4x smaller), and
+data-parallel at 2 times. The
 second model size (`small`): data-parallel
 against the best Decoupled M = 4 of stage one, for `--small_steps` steps.
 
