@@ -49,6 +49,16 @@ def _nbytes(payload: Delivery) -> int:
     return 0
 
 
+def _admitted_record(learner: int, entry: _Pending, old_version: int, weight: float,
+                     delta_norm: float) -> dict:
+  """The tape's record of one merged delivery (docs/design.md 3.2 reads it)."""
+  d = entry.payload
+  return {"learner": learner, "incarnation": d.incarnation, "local_step": d.local_step,
+          "steps": d.steps, "tokens": d.tokens, "base_version": d.base_version,
+          "staleness": old_version - d.base_version, "weight": weight, "final": d.final,
+          "delta_norm": delta_norm, "payload_bytes": d.nbytes, "arrived_at": entry.arrived_at}
+
+
 # A learner silent for this many heartbeat timeouts leaves the registry (it is long dead).
 _PRUNE_AFTER = 10
 
@@ -451,18 +461,7 @@ class Syncer:
         del self._history[p][v]
     measured = time.perf_counter() - started
     sync_s = measured if self._sync_delay is None else self._sync_delay
-    if decision.quorum_wait is not None and _is_duration(decision.quorum_wait):
-      self._quorum_ema = self._quorum_ema.update(decision.quorum_wait)
-    # "Time to pull, merge and send": the pull is the slowest admitted payload's transit,
-    # from its values being on the learner's host to the syncer holding them (never the
-    # learner's compute, whatever its backend's dispatch does).
-    pulls = [e.payload.transit_s for _, e in entries if _is_duration(e.payload.transit_s)]
-    pull_s = max(pulls, default=0.0)
-    if _is_duration(sync_s):
-      self._sync_ema = self._sync_ema.update(pull_s + sync_s)
-    leads = [e.payload.lead_s for _, e in entries if _is_duration(e.payload.lead_s)]
-    lead_s = max(leads, default=0.0)
-    self._lead_ema = self._lead_ema.update(lead_s)
+    pull_s, lead_s = self._update_timing(entries, decision, sync_s)
     merged = Merged(p, version, self.fragment_values(p), now + sync_s)
     record = {
         "round": self.rounds, "fragment": p, "version": version,
@@ -472,14 +471,8 @@ class Syncer:
         "grace_used_s": max(now - decision.quorum_reached_at, 0.0),
         "admitted_in_grace": sum(e.arrived_at > decision.quorum_reached_at for _, e in entries),
         "pull_s": pull_s, "lead_s": lead_s, "reason": decision.reason,
-        "admitted": [{
-            "learner": m, "incarnation": e.payload.incarnation,
-            "local_step": e.payload.local_step, "steps": e.payload.steps,
-            "tokens": e.payload.tokens, "base_version": e.payload.base_version,
-            "staleness": old_version - e.payload.base_version, "weight": float(w),
-            "final": e.payload.final,
-            "delta_norm": d, "payload_bytes": e.payload.nbytes, "arrived_at": e.arrived_at,
-        } for (m, e), w, d in zip(entries, weights, delta_norms)],
+        "admitted": [_admitted_record(m, e, old_version, float(w), d)
+                     for (m, e), w, d in zip(entries, weights, delta_norms)],
         "rejected": self._rejected.pop(p, []),
         "update_norm": update_norm, "sync_s": sync_s, "merge_wall_s": measured,
         "published_bytes": merged.nbytes, "receivers": alive,
@@ -492,6 +485,24 @@ class Syncer:
     if self._on_round is not None:
       self._on_round(record)
     return merged
+
+  def _update_timing(self, entries, decision: policy.RoundDecision,
+                     sync_s: float) -> tuple[float, float]:
+    """Feeds a closed round's timings to the EMAs the grace window uses (docs/design.md 2.4);
+    returns its pull time and its learners' longest lead."""
+    if decision.quorum_wait is not None and _is_duration(decision.quorum_wait):
+      self._quorum_ema = self._quorum_ema.update(decision.quorum_wait)
+    # "Time to pull, merge and send": the pull is the slowest admitted payload's transit,
+    # from its values being on the learner's host to the syncer holding them (never the
+    # learner's compute, whatever its backend's dispatch does).
+    pulls = [e.payload.transit_s for _, e in entries if _is_duration(e.payload.transit_s)]
+    pull_s = max(pulls, default=0.0)
+    if _is_duration(sync_s):
+      self._sync_ema = self._sync_ema.update(pull_s + sync_s)
+    leads = [e.payload.lead_s for _, e in entries if _is_duration(e.payload.lead_s)]
+    lead_s = max(leads, default=0.0)
+    self._lead_ema = self._lead_ema.update(lead_s)
+    return pull_s, lead_s
 
   # Durable state (multi-process runtime): everything but the tensors, as JSON.
   def export_state(self) -> dict[str, Any]:
