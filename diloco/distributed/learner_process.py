@@ -143,20 +143,27 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   finally:
     writer.close()
     activity_file.close()
-  saved = hooks.saved
+  return _shut_down(cfg, learner, link, ckpt, hosts, saved=hooks.saved,
+                    state=PREEMPTED if preempted else state)
+
+
+def _shut_down(cfg: Config, learner: Learner, link: hosts_lib.AgreedLink,
+               ckpt: checkpoint_lib.Checkpointer, hosts: hosts_lib.HostGroup, *, saved: int,
+               state: str) -> dict:
+  """Saves where a restart picks up, says goodbye (or not, when preempted) and reports."""
+  preempted = state == PREEMPTED
   if (cfg.checkpoint.every_steps or preempted) and saved != learner.local_step:
     _save(cfg, ckpt, learner)  # where a restart of this learner id picks up
   ckpt.close()
   learner.close()
   if preempted:
-    state = PREEMPTED
     link.flush()  # no goodbye: the syncer times this incarnation out, the next one rejoins
   else:
     link.leave(state)
   link.close()
-  print(f"learner {learner_id} incarnation {incarnation}: {state} at local step "
-        f"{learner.local_step}", flush=True)
-  return {"learner": learner_id, "incarnation": incarnation, "state": state,
+  print(f"learner {learner.id} incarnation {learner.incarnation}: {state} at local "
+        f"step {learner.local_step}", flush=True)
+  return {"learner": learner.id, "incarnation": learner.incarnation, "state": state,
           "exit_code": _PREEMPTED_EXIT if preempted else 0,
           "local_step": learner.local_step, "bytes_up": link.bytes_up,
           "bytes_down": link.bytes_down, "wan_wait_s": round(link.wan_wait_s, 3),
