@@ -387,7 +387,7 @@ def test_preset_inner_learning_rates_are_the_configs_own(preset):
 
 
 def test_inner_stage_scales_each_methods_m4_pick_and_reads_back_as_its_own_setting(tmp_path):
-  with pytest.raises(ValueError, match="--stage=inner needs the seed-0 sweep at M = 4"):
+  with pytest.raises(ValueError, match="--stage=inner needs the seed-0 runs at M = 4"):
     stages.stage_inner([], STEPS)
   _stage_one(str(tmp_path), LOSSES)
   planned = stages.stage_inner(rows.collect(str(tmp_path)), STEPS)
@@ -398,14 +398,27 @@ def test_inner_stage_scales_each_methods_m4_pick_and_reads_back_as_its_own_setti
       *(f"tiny decoupled M=4 overwrite outer 1/0 inner {base * s:g}" for s in (2.0, 0.5, 0.25))]
   assert [dict(r.overrides)["optim.learning_rate"] for r in planned] == [
       base * 2] + [base * 2, base * 0.5, base * 0.25] * 2
-  # Data-parallel at another inner rate reads back as its own method, not as the reference.
+  # Data-parallel at another inner rate is a method of its own while it loses at seed 0...
   dp_cfg = _cfg("data-parallel", 1)
   dp_cfg["optim"] = {"learning_rate": base * 2}
-  fake_run(str(tmp_path), "dpinner", dp_cfg, 1.9)
+  fake_run(str(tmp_path), "dpinner", dp_cfg, 2.1)
   by_run = {r["run"]: r for r in rows.collect(str(tmp_path))}
   assert by_run["dpinner"]["method"] == f"data-parallel inner {base * 2:g}"
   assert by_run["dp"]["method"] == "data-parallel"
+  assert by_run["dpB2"]["method"] == "data-parallel B=16"
   assert rows.stats(list(by_run.values()))["data-parallel"]["mean"] == pytest.approx(2.0)
+  assert dict(stages.stage_two(list(by_run.values()), STEPS)[0].overrides).get(
+      "optim.learning_rate") is None
+  # ...and becomes the reference once it wins (the reference is tuned like every method);
+  # the preset's rate then names itself, and seed 1 of the reference runs at the new rate.
+  fake_run(str(tmp_path), "dpinner", dp_cfg, 1.9)
+  by_run = {r["run"]: r for r in rows.collect(str(tmp_path))}
+  assert by_run["dpinner"]["method"] == "data-parallel"
+  assert by_run["dp"]["method"] == f"data-parallel inner {base:g}"
+  assert by_run["dpB2"]["method"] == "data-parallel B=16"
+  assert rows.stats(list(by_run.values()))["data-parallel"]["mean"] == pytest.approx(1.9)
+  seed1 = stages.stage_two(list(by_run.values()), STEPS)[0]
+  assert seed1.seed == 1 and dict(seed1.overrides)["optim.learning_rate"] == base * 2
   # A finished inner run reads back under the same method name, beside the preset's.
   cfg = _cfg("decoupled", 4, "overwrite outer 1/0")
   cfg["optim"] = {"learning_rate": base * 0.5}

@@ -39,7 +39,8 @@ def runs(outdir: str) -> list[dict]:
       labels = rows.describe(json.load(f))
     curve = harness.eval_curve(workdir)
     if curve:
-      out.append(dict(labels, run=name, curve=curve, finished=harness.finished(workdir)))
+      out.append(dict(labels, run=name, curve=curve, finished=harness.finished(workdir),
+                      eval_loss=curve[-1]["eval_loss"]))
   return rows.with_methods(out)
 
 

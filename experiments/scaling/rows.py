@@ -129,20 +129,49 @@ def merged(outdir: str, results_path: str) -> list[dict]:
   return with_methods(local + carried(results_path, {r["run"] for r in local}))
 
 
-def with_methods(rows: list[dict]) -> list[dict]:
-  """Names each row's method; the data-parallel reference of a (model, steps) group is its
-  largest data-parallel batch, the others are "data-parallel B=<batch>"."""
-  full = {}
+def reference_settings(rows: list[dict]) -> dict[tuple[str, int], str]:
+  """(model, steps) -> the inner-rate setting ("" for the preset's, or "inner LR") of the
+  data-parallel reference: among the runs at the group's largest data-parallel batch, the
+  setting of lowest seed-0 eval loss (the reference is tuned like every other method; a
+  setting without a seed-0 run competes on its lowest loss)."""
+  full: dict[tuple[str, int], int] = {}
   for r in rows:
     if r["kind"] == "data-parallel":
       key = (r["model"], r["steps"])
       full[key] = max(full.get(key, 0), r["batch"])
+  best: dict[tuple[str, int], tuple[tuple[int, float], str]] = {}
+  for r in rows:
+    key = (r["model"], r["steps"])
+    if r["kind"] != "data-parallel" or r["batch"] != full[key]:
+      continue
+    rank = (0 if r["seed"] == 0 else 1, r["eval_loss"])
+    setting = r.get("setting", "")
+    if key not in best or rank < best[key][0] or (rank == best[key][0] and not setting):
+      best[key] = (rank, setting)
+  return {key: setting for key, (_, setting) in best.items()}
+
+
+def with_methods(rows: list[dict]) -> list[dict]:
+  """Names each row's method; the data-parallel reference of a (model, steps) group is its
+  largest data-parallel batch at its `reference_settings` inner rate ("data-parallel"), the
+  others are "data-parallel B=<batch>" and "data-parallel [B=<batch>] inner <LR>" (the
+  preset's rate, when another one is the reference, reads "inner <preset LR>")."""
+  full: dict[tuple[str, int], int] = {}
   for r in rows:
     if r["kind"] == "data-parallel":
-      reference = r["batch"] == full[(r["model"], r["steps"])]
-      r["method"] = "data-parallel" if reference else f"data-parallel B={r['batch']}"
-      if r.get("setting"):  # another inner learning rate: a method of its own
-        r["method"] += f" {r['setting']}"
+      key = (r["model"], r["steps"])
+      full[key] = max(full.get(key, 0), r["batch"])
+  chosen = reference_settings(rows)
+  for r in rows:
+    if r["kind"] == "data-parallel":
+      key, setting = (r["model"], r["steps"]), r.get("setting", "")
+      if r["batch"] == full[key] and setting == chosen[key]:
+        r["method"] = "data-parallel"
+        continue
+      r["method"] = "data-parallel" if r["batch"] == full[key] else f"data-parallel B={r['batch']}"
+      if setting or r["batch"] == full[key]:  # another inner rate than the reference's
+        rate = setting or config.inner_label(config.PRESET_INNER_LR.get(r["model"], 0.0)).strip()
+        r["method"] += f" {rate}"
     else:
       r["method"] = f"{r['kind']} M={r['M']} {r['setting']}"
   return rows

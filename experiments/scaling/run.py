@@ -37,12 +37,14 @@ def define_flags() -> None:
   flags.DEFINE_integer("threads", 0, "Cores each run is pinned to (0: no pinning).")
   flags.DEFINE_string("machine_label", "", "Names this machine in each run's provenance.")
   flags.DEFINE_integer("seed", 0, "The seed of --stage=m8's runs.")
+  flags.DEFINE_list("inner_scales", [str(s) for s in config.INNER_SCALES],
+                    "--stage=inner: the factors on the preset's inner learning rate.")
   flags.DEFINE_bool("dry_run", False, "Print the runs the stage would start, run nothing.")
 
 
 def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
                small_steps: int, found: list[dict] | None = None,
-               seed: int = 0) -> list[harness.Run]:
+               seed: int = 0, inner_scales=config.INNER_SCALES) -> list[harness.Run]:
   """The runs of `stage`, derived from `found` (default: the runs `outdir` holds now; the
   runner passes those plus the rows carried from the earlier results.json, `rows.merged`)."""
   if found is None:
@@ -52,7 +54,7 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
   if stage == "m8":
     return stages.stage_m8(found, steps, seed)
   if stage == "inner":
-    return stages.stage_inner(found, steps)
+    return stages.stage_inner(found, steps, learners, inner_scales)
   if stage == "2":
     return stages.stage_two(found, steps, learners)
   if stage == "3":
@@ -67,7 +69,7 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
 def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             small_steps: int = config.SMALL_STEPS, only=(), parallel: int = 1,
             threads: int = 0, label: str = "", folder: str = "", seed: int = 0,
-            dry_run: bool = False) -> float:
+            dry_run: bool = False, inner_scales=config.INNER_SCALES) -> float:
   """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous); returns the wall
   seconds spent. A run with a row in `folder`'s results.json (carried from another machine)
   counts as done. `dry_run` only prints the runs."""
@@ -75,7 +77,8 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
   for s in ("1", "2", "3") if stage == "all" else (stage,):
     found = rows_lib.merged(outdir, os.path.join(folder, "results.json") if folder else "")
     carried = {r["run"] for r in found if "carried_commit" in r}
-    runs = [r for r in stage_runs(s, outdir, steps, learners, small_steps, found, seed)
+    runs = [r for r in stage_runs(s, outdir, steps, learners, small_steps, found, seed,
+                                  inner_scales)
             if (not only or any(o in r.method for o in only)) and r.name not in carried]
     print(f"stage {s}: {len(runs)} runs", flush=True)
     if dry_run:
@@ -134,7 +137,7 @@ def main(argv):
     wall = execute(f.stage, f.outdir, steps, learners, small_steps=f.small_steps,
                    only=f.only, parallel=f.parallel, threads=f.threads,
                    label=f.machine_label, folder=f.results_dir, seed=f.seed,
-                   dry_run=f.dry_run)
+                   dry_run=f.dry_run, inner_scales=tuple(float(s) for s in f.inner_scales))
     if f.dry_run:
       return
   write_report(f.outdir, f.results_dir, wall_s=wall)

@@ -26,7 +26,7 @@ def parse_setting(setting: str) -> tuple[str, tuple[float, float]]:
 
 def inner_of(setting: str) -> float | None:
   """The inner learning rate a setting names ("... inner 0.0015"), None for the preset's."""
-  _, found, inner = setting.partition(" inner ")
+  _, found, inner = f" {setting}".partition(" inner ")  # data-parallel's reads "inner LR"
   if not found:
     return None
   try:
@@ -40,7 +40,8 @@ def method_run(kind: str, learners: int, setting: str, seed: int, steps: int,
   """The run of a method (data-parallel at batch DP_BATCH / `learners`, or a DiLoCo kind
   with `setting`) at `seed`."""
   if kind == "data-parallel":
-    return config.dp(seed, steps, config.DP_BATCH // learners, preset)
+    return config.dp(seed, steps, config.DP_BATCH // learners, preset,
+                     inner_lr=inner_of(setting) if setting else None)
   receipt, outer = parse_setting(setting)
   return config.diloco(kind, learners, outer, seed, steps, receipt, preset,
                        inner_lr=inner_of(setting))
@@ -50,11 +51,16 @@ def _tiny(rows: list[dict], steps: int) -> list[dict]:
   return rows_lib.groups(rows).get(("tiny", steps), [])
 
 
+def _reference(rows: list[dict], steps: int) -> str:
+  """The data-parallel reference's inner-rate setting ("" = the preset's) of the tiny group."""
+  return rows_lib.reference_settings(_tiny(rows, steps)).get(("tiny", steps), "")
+
+
 def stage_two(rows: list[dict], steps: int, learners=config.LEARNERS) -> list[Run]:
   """Seed 1 of data-parallel (both batches) and of each (kind, M)'s picked setting."""
   picked = rows_lib.picks(_tiny(rows, steps))
-  runs = [config.dp(1, steps)] + [config.dp(1, steps, config.DP_BATCH // m)
-                                  for m in learners if m > 1]
+  runs = [method_run("data-parallel", 1, _reference(rows, steps), 1, steps)]
+  runs += [config.dp(1, steps, config.DP_BATCH // m) for m in learners if m > 1]
   runs += [method_run(kind, m, setting, 1, steps)
            for (kind, m), setting in picked.items() if m in learners]
   return runs
@@ -86,7 +92,8 @@ def stage_three(rows: list[dict], steps: int, learners=config.LEARNERS,
       continue
     if abs(sa["mean"] - sb["mean"]) <= max(sa["spread"], sb["spread"]):
       for s in (sa, sb):
-        setting = picked.get((s["kind"], s["M"]), "")
+        setting = (_reference(rows, steps) if s["method"] == "data-parallel"
+                   else picked.get((s["kind"], s["M"]), ""))
         for seed in range(len(s["seeds"]), seeds):
           run = method_run(s["kind"], s["M"], setting, seed, steps)
           wanted[run.name] = run
@@ -132,20 +139,21 @@ def stage_m8(rows: list[dict], steps: int, seed: int = 0) -> list[Run]:
                  for kind, receipt in m1]
 
 
-def stage_inner(rows: list[dict], steps: int) -> list[Run]:
-  """Seed 0 of synchronous DiLoCo and Decoupled (overwrite, the default receipt) at
-  M = INNER_M, each at its seed-0 outer pick, with the inner learning rate scaled by each of
-  INNER_SCALES, and data-parallel at the scales above 1: does a learner's smaller batch want
-  another inner step than the data-parallel reference's?"""
-  at_m = {k: v for k, v in mode_picks(_tiny(rows, steps), config.INNER_M).items()
-          if inner_of(v) is None}
-  wanted = [("diloco", "overwrite"), ("decoupled", "overwrite")]
-  missing = [k for k in wanted if k not in at_m]
-  if missing:
-    raise ValueError(f"--stage=inner needs the seed-0 sweep at M = {config.INNER_M} of the "
-                     f"tiny model at {steps} steps for {missing}")
+def stage_inner(rows: list[dict], steps: int, learners=(config.INNER_M,),
+                scales=config.INNER_SCALES) -> list[Run]:
+  """Seed 0 of synchronous DiLoCo and Decoupled (overwrite, the default receipt) at each M
+  of `learners`, each at its seed-0 outer pick, with the inner learning rate scaled by each of
+  `scales`, and data-parallel at the scales above 1 (the reference is offered the same larger
+  step): does a learner's smaller batch want another inner step than data-parallel's?"""
   base = config.PRESET_INNER_LR["tiny"]
-  runs = [config.dp(0, steps, inner_lr=base * scale) for scale in config.INNER_SCALES
-          if scale > 1]
-  return runs + [method_run(kind, config.INNER_M, at_m[(kind, receipt)] + config.inner_label(
-      base * scale), 0, steps) for kind, receipt in wanted for scale in config.INNER_SCALES]
+  runs = [config.dp(0, steps, inner_lr=base * scale) for scale in scales if scale > 1]
+  wanted = [("diloco", "overwrite"), ("decoupled", "overwrite")]
+  for m in learners:
+    at_m = {k: v for k, v in mode_picks(_tiny(rows, steps), m).items() if inner_of(v) is None}
+    missing = [k for k in wanted if k not in at_m]
+    if missing:
+      raise ValueError(f"--stage=inner needs the seed-0 runs at M = {m} of the tiny model at "
+                       f"{steps} steps for {missing}")
+    runs += [method_run(kind, m, at_m[(kind, receipt)] + config.inner_label(base * scale), 0,
+                        steps) for kind, receipt in wanted for scale in scales]
+  return runs
