@@ -15,9 +15,11 @@ per method and M (picked from stage one's runs). Stage three: a third seed of ev
 whose difference is within the seeds' spread. Stage m8 (no sweep of its own): M = 8 for
 data-parallel at one learner's batch, synchronous DiLoCo and each receipt mode at its M = 4
 pick, and M = 1 (Decoupled with overwrite, and synchronous DiLoCo) at its M = 2 pick. Stage
-inner: synchronous DiLoCo and Decoupled (overwrite) at their M = 4 picks with the inner
-learning rate at 2, 1/2 and 1/4 times the preset's (a learner's batch is 4x smaller), and
-data-parallel at 2 times. The
+inner: synchronous DiLoCo and Decoupled (overwrite) at their picks with the inner
+learning rate at 2, 1/2 and 1/4 times the preset's (a learner's batch is M times smaller), and
+data-parallel at the scales above 1. The data-parallel reference is tuned like every method:
+"data-parallel" is the inner rate of lowest seed-0 loss at batch 32, and stages two and three
+seed that one. The
 second model size (`small`): data-parallel
 against the best Decoupled M = 4 of stage one, for `--small_steps` steps.
 
