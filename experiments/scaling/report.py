@@ -214,6 +214,25 @@ def carried_from(row: dict) -> str:
   return f"{row['carried_commit'][:12]} ({row['carried_date']})"
 
 
+def reference_note(group: list[dict]) -> list[str]:
+  """Which inner learning rate the data-parallel reference trains at, among those run."""
+  full = [r for r in group if r["kind"] == "data-parallel"
+          and (r["method"] == "data-parallel" or " inner " in f" {r['method']}")
+          and not r["method"].startswith("data-parallel B=")]
+  rates = sorted({stages.inner_of(r.get("setting", "")) or config.PRESET_INNER_LR.get(
+      r["model"], 0.0) for r in full})
+  if len(rates) < 2:
+    return []
+  chosen = [r for r in full if r["method"] == "data-parallel"]
+  rate = stages.inner_of(chosen[0].get("setting", "")) or config.PRESET_INNER_LR.get(
+      chosen[0]["model"], 0.0)
+  return [f"**The data-parallel reference** trains at inner learning rate {rate:g}, the lowest "
+          "seed-0 eval loss at its batch among " + ", ".join(f"{x:g}" for x in rates)
+          + " (the others are rows of their own below); the DiLoCo methods' rates are in "
+          "their settings (none named: the preset's "
+          f"{config.PRESET_INNER_LR.get(chosen[0]['model'], 0.0):g}).", ""]
+
+
 def section(model: str, steps: int, group: list[dict], folder: str,
             prefix: str) -> list[str]:
   """The markdown of one (model, steps) group; writes its plots into `folder`."""
@@ -222,6 +241,7 @@ def section(model: str, steps: int, group: list[dict], folder: str,
   tag = f"{prefix}_{model}_{steps}"
   target_rows = targets(group)
   parts = [f"## `{model}`, {steps} steps per learner", "", budget_note(model, group), "",
+           *reference_note(group),
            "### Eval loss and gap to data-parallel per M (picked settings; mean ± half the "
            "seeds' spread)", "", table4(group), "",
            f"The last row cites {config.STUDY_CITATION}; its losses are on another corpus and "
