@@ -238,8 +238,9 @@ def staleness_histogram(tape: Sequence[Mapping]) -> dict[int, int]:
 def could_merge(record: Mapping) -> int:
   """The learners a round could have merged: alive at its close (`receivers`) or admitted.
 
-  A final round (docs/design.md 2.3, final sync) merges learners that have already finished and left, so
-  counting only the alive ones would report more learners merged than available."""
+  A final round (docs/design.md 2.3, final sync) merges learners that have already finished
+  and left, so counting only the alive ones would report more learners merged than
+  available."""
   receivers = record.get("receivers")
   if not isinstance(receivers, list):  # a record written before receivers were recorded
     return max(int(record.get("num_alive", 0)), len(record["admitted"]))

@@ -26,8 +26,9 @@ STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "none")
 def define_flags() -> None:
   """The command line (defined only when run as a script, so tests can import this)."""
   harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)))
-  flags.DEFINE_enum("stage", "all", STAGES, "1, 2, 3, all (1 then 2 then 3), small, m8 (M = 8 and 1 at "
-                    "picks from M = 4 and 2), inner (M = 4 at smaller inner learning rates), none.")
+  flags.DEFINE_enum("stage", "all", STAGES,
+                    "1, 2, 3, all (1 then 2 then 3), small, m8 (M = 8 and 1 at picks from M = 4 "
+                    "and 2), inner (other inner learning rates, --inner_scales), none.")
   flags.DEFINE_integer("steps", 0, "Steps per run of the tiny model; 0: 20N tokens.")
   flags.DEFINE_integer("small_steps", config.SMALL_STEPS, "Steps of the `small` runs.")
   flags.DEFINE_list("learners", [str(m) for m in config.LEARNERS], "The values of M.")
