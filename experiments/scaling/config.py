@@ -8,8 +8,8 @@ and synchronous DiLoCo run on the virtual clock (deterministic interleaving).
 
 Stage one (seed 0), for each M in `LEARNERS`: synchronous DiLoCo (configs/diloco.py: P = 1,
 K = M, H = 30, and tau = 0: no overlap, as in the study) and Decoupled (configs/decoupled.py:
-K = 1, grace, tau = 2, H = 30 over `DECOUPLED_FRAGMENTS` fragments) with every receipt mode, each at every outer setting of
-`OUTER` (the DiLoCo scaling-law study's sweep); data-parallel at batch 32 and at one learner's
+K = 1, grace, tau = 2, H = 30 over `DECOUPLED_FRAGMENTS` fragments) with every receipt mode,
+each at every outer setting of `OUTER` (the DiLoCo scaling-law study's sweep); data-parallel at batch 32 and at one learner's
 batch. Stage two: the second seed of data-parallel and of the setting of lowest eval loss
 per method and M (picked from stage one's runs). Stage three: a third seed of every pair
 whose difference is within the seeds' spread. Stage m8 (no sweep of its own): M = 8 for
