@@ -417,6 +417,9 @@ def test_inner_stage_scales_each_methods_m4_pick_and_reads_back_as_its_own_setti
   assert by_run["dp"]["method"] == f"data-parallel inner {base:g}"
   assert by_run["dpB2"]["method"] == "data-parallel B=16"
   assert rows.stats(list(by_run.values()))["data-parallel"]["mean"] == pytest.approx(1.9)
+  picked = report.picked_stats(list(by_run.values()))
+  assert picked[("data-parallel", 0)]["mean"] == pytest.approx(1.9)  # never the preset's 2.0
+  assert picked[("data-parallel", 2)]["method"] == "data-parallel B=16"
   note = " ".join(report.reference_note(list(by_run.values())))
   assert f"inner learning rate {base * 2:g}, the lowest" in note and f"among {base:g}, " in note
   seed1 = stages.stage_two(list(by_run.values()), STEPS)[0]

@@ -31,7 +31,9 @@ def picked_stats(group: list[dict]) -> dict[tuple[str, int], dict]:
   out = {(kind, m): stats[f"{kind} M={m} {s}"]
          for (kind, m), s in rows_lib.picks(group).items() if f"{kind} M={m} {s}" in stats}
   for s in stats.values():
-    if s["kind"] == "data-parallel":
+    # The reference ("data-parallel") and one learner's batch at the presets' inner rate
+    # ("data-parallel B=<batch>"); data-parallel at other inner rates has rows of its own.
+    if s["kind"] == "data-parallel" and " inner " not in f" {s['method']}":
       batch = next(r["batch"] for r in group if r["method"] == s["method"])
       full = max(r["batch"] for r in group if r["kind"] == "data-parallel")
       out[("data-parallel", 0 if batch == full else full // batch)] = s
