@@ -401,9 +401,9 @@ def test_inner_stage_scales_each_methods_m4_pick_and_reads_back_as_its_own_setti
   # Data-parallel at another inner rate is a method of its own while it loses at seed 0...
   dp_cfg = _cfg("data-parallel", 1)
   dp_cfg["optim"] = {"learning_rate": base * 2}
-  fake_run(str(tmp_path), "dpinner", dp_cfg, 2.1)
+  fake_run(str(tmp_path), "d0inner", dp_cfg, 2.1)
   by_run = {r["run"]: r for r in rows.collect(str(tmp_path))}
-  assert by_run["dpinner"]["method"] == f"data-parallel inner {base * 2:g}"
+  assert by_run["d0inner"]["method"] == f"data-parallel inner {base * 2:g}"
   assert by_run["dp"]["method"] == "data-parallel"
   assert by_run["dpB2"]["method"] == "data-parallel B=16"
   assert rows.stats(list(by_run.values()))["data-parallel"]["mean"] == pytest.approx(2.0)
@@ -411,9 +411,9 @@ def test_inner_stage_scales_each_methods_m4_pick_and_reads_back_as_its_own_setti
       "optim.learning_rate") is None
   # ...and becomes the reference once it wins (the reference is tuned like every method);
   # the preset's rate then names itself, and seed 1 of the reference runs at the new rate.
-  fake_run(str(tmp_path), "dpinner", dp_cfg, 1.9)
+  fake_run(str(tmp_path), "d0inner", dp_cfg, 1.9)
   by_run = {r["run"]: r for r in rows.collect(str(tmp_path))}
-  assert by_run["dpinner"]["method"] == "data-parallel"
+  assert by_run["d0inner"]["method"] == "data-parallel"
   assert by_run["dp"]["method"] == f"data-parallel inner {base:g}"
   assert by_run["dpB2"]["method"] == "data-parallel B=16"
   assert rows.stats(list(by_run.values()))["data-parallel"]["mean"] == pytest.approx(1.9)
