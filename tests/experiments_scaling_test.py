@@ -436,3 +436,19 @@ def test_inner_stage_scales_each_methods_m4_pick_and_reads_back_as_its_own_setti
   assert f"| 1/0 inner {base * 0.5:g} |" in sweep and "1.5000*" in sweep  # the new M=4 pick
   with pytest.raises(ValueError, match="inner LR"):
     stages.parse_setting("overwrite outer 1/0 inner fast")
+
+
+def test_cross_stage_runs_each_method_at_the_others_pick_once(tmp_path):
+  with pytest.raises(ValueError, match="--stage=cross needs seed-0 runs of both methods at M = 2"):
+    stages.stage_cross([], STEPS, learners=(2,))
+  _stage_one(str(tmp_path), LOSSES)  # both methods pick outer 1/0 at every M
+  assert stages.stage_cross(rows.collect(str(tmp_path)), STEPS, learners=(2, 4)) == []
+  base = config.PRESET_INNER_LR["tiny"]
+  cfg = _cfg("diloco", 4, "outer 0.6/0.9")
+  cfg["optim"] = {"learning_rate": base * 2}
+  fake_run(str(tmp_path), "dil4inner", cfg, 1.5)  # synchronous DiLoCo's new M = 4 pick
+  planned = stages.stage_cross(rows.collect(str(tmp_path)), STEPS, learners=(2, 4))
+  # Synchronous DiLoCo already ran at Decoupled's pick (outer 1/0): only the other way round.
+  assert [r.method for r in planned] == [
+      f"tiny decoupled M=4 overwrite outer 0.6/0.9 inner {base * 2:g}"]
+  assert dict(planned[0].overrides)["optim.learning_rate"] == base * 2

@@ -19,7 +19,7 @@ inner: synchronous DiLoCo and Decoupled (overwrite) at their picks with the inne
 learning rate at 2, 1/2 and 1/4 times the preset's (a learner's batch is M times smaller), and
 data-parallel at the scales above 1. The data-parallel reference is tuned like every method:
 "data-parallel" is the inner rate of lowest seed-0 loss at batch 32, and stages two and three
-seed that one. The
+seed that one. Stage cross: each of the two at the other's pick, where not run yet. The
 second model size (`small`): data-parallel
 against the best Decoupled M = 4 of stage one, for `--small_steps` steps.
 

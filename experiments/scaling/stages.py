@@ -157,3 +157,27 @@ def stage_inner(rows: list[dict], steps: int, learners=(config.INNER_M,),
     runs += [method_run(kind, m, at_m[(kind, receipt)] + config.inner_label(base * scale), 0,
                         steps) for kind, receipt in wanted for scale in scales]
   return runs
+
+
+def stage_cross(rows: list[dict], steps: int, learners=config.LEARNERS) -> list[Run]:
+  """Seed 0 of synchronous DiLoCo and Decoupled (overwrite) at each M of `learners` at the
+  other method's pick (outer and inner rates), where that combination has not run: the two
+  are then compared at each other's best setting, not only at their own."""
+  group = _tiny(rows, steps)
+  names = {r["method"] for r in group}
+  runs = []
+  for m in learners:
+    at_m = mode_picks(group, m)
+    pair = {"diloco": at_m.get(("diloco", "overwrite")),
+            "decoupled": at_m.get(("decoupled", "overwrite"))}
+    if None in pair.values():
+      raise ValueError(f"--stage=cross needs seed-0 runs of both methods at M = {m} of the "
+                       f"tiny model at {steps} steps")
+    for kind, other in (("diloco", "decoupled"), ("decoupled", "diloco")):
+      _, outer = parse_setting(pair[other])
+      inner = inner_of(pair[other])
+      setting = ("overwrite " if kind == "decoupled" else "") + config.outer_label(*outer) + (
+          config.inner_label(inner) if inner is not None else "")
+      if f"{kind} M={m} {setting}" not in names:
+        runs.append(method_run(kind, m, setting, 0, steps))
+  return runs
