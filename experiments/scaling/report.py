@@ -221,13 +221,14 @@ def reference_note(group: list[dict]) -> list[str]:
   full = [r for r in group if r["kind"] == "data-parallel"
           and (r["method"] == "data-parallel" or " inner " in f" {r['method']}")
           and not r["method"].startswith("data-parallel B=")]
-  rates = sorted({stages.inner_of(r.get("setting", "")) or config.PRESET_INNER_LR.get(
-      r["model"], 0.0) for r in full})
+  def rate_of(r: dict) -> float:
+    return stages.inner_of(r.get("setting", "")) or config.PRESET_INNER_LR.get(r["model"], 0.0)
+
+  rates = sorted({rate_of(r) for r in full})
   if len(rates) < 2:
     return []
   chosen = [r for r in full if r["method"] == "data-parallel"]
-  rate = stages.inner_of(chosen[0].get("setting", "")) or config.PRESET_INNER_LR.get(
-      chosen[0]["model"], 0.0)
+  rate = rate_of(chosen[0])
   return [f"**The data-parallel reference** trains at inner learning rate {rate:g}, the lowest "
           "seed-0 eval loss at its batch among " + ", ".join(f"{x:g}" for x in rates)
           + " (the others are rows of their own below); the DiLoCo methods' rates are in "

@@ -129,16 +129,22 @@ def merged(outdir: str, results_path: str) -> list[dict]:
   return with_methods(local + carried(results_path, {r["run"] for r in local}))
 
 
-def reference_settings(rows: list[dict]) -> dict[tuple[str, int], str]:
-  """(model, steps) -> the inner-rate setting ("" for the preset's, or "inner LR") of the
-  data-parallel reference: among the runs at the group's largest data-parallel batch, the
-  setting of lowest seed-0 eval loss (the reference is tuned like every other method; a
-  setting without a seed-0 run competes on its lowest loss)."""
+def full_batches(rows: list[dict]) -> dict[tuple[str, int], int]:
+  """(model, steps) -> the group's largest data-parallel batch (the reference's)."""
   full: dict[tuple[str, int], int] = {}
   for r in rows:
     if r["kind"] == "data-parallel":
       key = (r["model"], r["steps"])
       full[key] = max(full.get(key, 0), r["batch"])
+  return full
+
+
+def reference_settings(rows: list[dict]) -> dict[tuple[str, int], str]:
+  """(model, steps) -> the inner-rate setting ("" for the preset's, or "inner LR") of the
+  data-parallel reference: among the runs at the group's largest data-parallel batch, the
+  setting of lowest seed-0 eval loss (the reference is tuned like every other method; a
+  setting without a seed-0 run competes on its lowest loss)."""
+  full = full_batches(rows)
   best: dict[tuple[str, int], tuple[tuple[int, float], str]] = {}
   for r in rows:
     key = (r["model"], r["steps"])
@@ -156,11 +162,7 @@ def with_methods(rows: list[dict]) -> list[dict]:
   largest data-parallel batch at its `reference_settings` inner rate ("data-parallel"), the
   others are "data-parallel B=<batch>" and "data-parallel [B=<batch>] inner <LR>" (the
   preset's rate, when another one is the reference, reads "inner <preset LR>")."""
-  full: dict[tuple[str, int], int] = {}
-  for r in rows:
-    if r["kind"] == "data-parallel":
-      key = (r["model"], r["steps"])
-      full[key] = max(full.get(key, 0), r["batch"])
+  full = full_batches(rows)
   chosen = reference_settings(rows)
   for r in rows:
     if r["kind"] == "data-parallel":
