@@ -246,6 +246,22 @@ def test_small_stage_takes_the_best_decoupled_m4_setting(tmp_path):
                                        "small decoupled M=4 keep_local outer 1/0"]
   assert all(dict(r.overrides)["train.steps"] == 100 for r in small)
   assert dict(small[1].overrides)["train.batch_size"] == 8
+  # Each run's config file and preset exist and build the `small` model.
+  from diloco import config_files
+  assert [config_files.load(r.config).model.name for r in small] == ["small", "small"]
+
+
+def test_small_stage_takes_each_methods_tuned_inner_rate(tmp_path):
+  _stage_one(str(tmp_path), LOSSES)
+  found = rows.collect(str(tmp_path))
+  reference = dict(next(r for r in found if r["method"] == "data-parallel"),
+                   setting="inner 0.006", eval_loss=0.5, run="dp_inner")
+  picked = next(r for r in found if r["method"] == "decoupled M=4 keep_local outer 1/0")
+  faster = dict(picked, setting="keep_local outer 1/0 inner 0.0015", eval_loss=0.5, run="d")
+  small = stages.stage_small(found + [reference, faster], STEPS, 100)
+  assert [r.method for r in small] == [
+      "small data-parallel inner 0.006", "small decoupled M=4 keep_local outer 1/0 inner 0.0015"]
+  assert [dict(r.overrides)["optim.learning_rate"] for r in small] == [0.006, 0.0015]
 
 
 def test_report_carries_rows_of_absent_runs_and_a_present_run_replaces_its_row(tmp_path):

@@ -63,11 +63,7 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
     return stages.stage_two(found, steps, learners)
   if stage == "3":
     return stages.stage_three(found, steps, learners)
-  picked = rows_lib.picks(rows_lib.groups(found).get(("tiny", steps), [])).get(("decoupled", 4))
-  if picked is None:
-    raise ValueError("--stage=small needs stage one's Decoupled M = 4 runs of the tiny model "
-                     f"at {steps} steps in {outdir}")
-  return config.small_runs(stages.method_run("decoupled", 4, picked, 0, steps), small_steps)
+  return stages.stage_small(found, steps, small_steps)
 
 
 def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,

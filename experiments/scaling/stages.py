@@ -181,3 +181,20 @@ def stage_cross(rows: list[dict], steps: int, learners=config.LEARNERS) -> list[
       if f"{kind} M={m} {setting}" not in names:
         runs.append(method_run(kind, m, setting, 0, steps))
   return runs
+
+
+def stage_small(rows: list[dict], steps: int, small_steps: int) -> list[Run]:
+  """The second model size, seed 0: data-parallel at the tiny reference's inner rate against
+  Decoupled M = 4 at its tiny pick (receipt, outer and inner rates): each method at the
+  setting tuned one size down, since a sweep at `small` does not fit the host."""
+  picked = rows_lib.picks(_tiny(rows, steps)).get(("decoupled", 4))
+  if picked is None:
+    raise ValueError("--stage=small needs stage one's Decoupled M = 4 runs of the tiny model "
+                     f"at {steps} steps")
+  receipt, outer = parse_setting(picked)
+  reference = _reference(rows, steps)
+  shape = dict(preset="small", seq_len=config.SMALL_SEQ_LEN, eval_every=config.SMALL_EVAL_EVERY)
+  return [config.dp(0, small_steps, inner_lr=inner_of(reference) if reference else None,
+                    **shape),
+          config.diloco("decoupled", 4, outer, 0, small_steps, receipt,
+                        inner_lr=inner_of(picked), **shape)]
