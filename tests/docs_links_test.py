@@ -77,3 +77,28 @@ def test_the_checks_find_what_they_should():
   assert _split("configs/dp.py:tiny") == ("configs/dp.py", None)
   assert _split("tests/outer_test.py::test_rda") == ("tests/outer_test.py", "test_rda")
   assert _split("diloco/syncer.py::Syncer.tick") == ("diloco/syncer.py", "Syncer")
+
+
+def test_ci_runs_the_readmes_test_command_and_every_marker_phase():
+  """CI runs each pytest phase of the README's test command, in the same order, and the phases'
+  markers together select every test once (no test falls between them)."""
+  readme = (REPO / "README.md").read_text()
+  command = next(line for line in readme.splitlines() if "python -m pytest" in line)
+  phases = [p.strip() for p in command.split("&&") if "python -m pytest" in p]
+  ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
+              if line.strip().startswith("python -m pytest")]
+  assert ci_lines[:len(phases)] == phases
+  markers = [re.search(r'pytest .* -m (?:"([^"]+)"|(\w+))', p).group(1, 2) for p in phases]
+  selections = [quoted or bare for quoted, bare in markers]
+  # Every combination of the two markers lands in exactly one phase.
+  for processes in (False, True):
+    for gloo in (False, True):
+      if gloo and not processes:
+        continue  # a gloo test always starts processes
+      hits = [s for s in selections
+              if eval(s, {}, {"processes": processes, "gloo": gloo})]  # pylint: disable=eval-used
+      assert len(hits) == 1, (processes, gloo, hits)
+  for path in (REPO / "tests").glob("*_test.py"):
+    text = path.read_text()
+    if "pytest.mark.gloo" in text:
+      assert "pytest.mark.processes" in text, path.name

@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-# These tests start a syncer and learners (some over two hosts joined by gloo): the README's
-# test command runs them on their own, after the parallel tests, so that another worker's load
-# never pushes a restarted host past gloo's 30 s initialisation deadline.
-pytestmark = [pytest.mark.slow, pytest.mark.processes]
+# These tests join a learner's two hosts by gloo: the README's test command runs them last and
+# alone, so that another worker's load never pushes a restarted host past gloo's 30 s
+# initialisation deadline.
+pytestmark = [pytest.mark.slow, pytest.mark.processes, pytest.mark.gloo]
 
 STEPS = 60
 _TIMEOUT_S = 420

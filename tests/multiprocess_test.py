@@ -17,9 +17,8 @@ import pytest
 
 from diloco.observe import report
 
-# These tests start a syncer and learners (some over two hosts joined by gloo): the README's
-# test command runs them on their own, after the parallel tests, so that another worker's load
-# never pushes a restarted host past gloo's 30 s initialisation deadline.
+# These tests start a syncer and learners: the README's test command runs them after the fast
+# tests, beside at most one other file of process tests.
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
