@@ -211,7 +211,8 @@ def _spawn(code: str) -> subprocess.Popen:
   return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 
 
-def test_forward_stops_children_kills_stragglers_and_their_helpers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_forward_stops_children_with_sigterm_kills_stragglers_and_their_helpers(tmp_path, sig):
   cfg = _config(1, platform="cpu")
   cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, stop_timeout_s=2.0))
   launcher = Launcher(cfg, str(tmp_path / "run"), config_json="unused.json")
@@ -236,7 +237,7 @@ def test_forward_stops_children_kills_stragglers_and_their_helpers(tmp_path, mon
   launcher.procs = {-1: Proc("syncer", -1, 1, popens=[polite]),
                     0: Proc("learner0", 0, 2, popens=[stubborn, stopped])}
   started = time.monotonic()
-  launcher.forward(signal.SIGTERM)
+  launcher.forward(sig)
   assert 1.5 < time.monotonic() - started < 30  # waited for stop_timeout_s, not forever
   assert polite.returncode == -signal.SIGTERM and stopped.returncode == -signal.SIGTERM
   assert stubborn.returncode == -signal.SIGKILL
@@ -277,3 +278,37 @@ def test_signal_to_a_real_launcher_leaves_no_process_behind(tmp_path, sig):
   assert launcher.returncode == 128 + sig, "".join(lines)[-3000:]
   assert f"launcher: {signal.Signals(sig).name}: " in out and " 0 killed" in out, out[-3000:]
   assert [pid for pid in seen if _alive(pid)] == []
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_sigint_to_a_learner_process_retires_it_as_sigterm_does(tmp_path):
+  """A Ctrl-C on a learner started by hand (beside its syncer): it finishes its step, says
+  goodbye and exits 0, with no KeyboardInterrupt raised into whatever line it was on."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+  def start(*args):
+    return subprocess.Popen(
+        [sys.executable, "-m", "diloco.main", "--config=configs/multiprocess.py:tiny",
+         f"--workdir={tmp_path}", f"--store={tmp_path / 'store'}", "--config.learners.count=1",
+         "--config.train.steps=100000", "--config.launch.chaos_faults=0", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+  syncer = start("--role=syncer")
+  learner = start("--role=learner", "--learner_id=0")
+  activity = tmp_path / "activity" / "l0.jsonl"
+  try:
+    deadline = time.monotonic() + 300
+    while '"kind": "step"' not in (activity.read_text() if activity.exists() else ""):
+      assert learner.poll() is None and time.monotonic() < deadline, learner.stdout.read()
+      time.sleep(0.1)
+    learner.send_signal(signal.SIGINT)
+    out, _ = learner.communicate(timeout=120)
+  finally:
+    for proc in (learner, syncer):
+      if proc.poll() is None:
+        proc.kill()
+    syncer.communicate()
+  assert learner.returncode == 0, out[-3000:]
+  assert "learner 0 incarnation 0: retired at local step " in out, out[-3000:]
+  assert "KeyboardInterrupt" not in out and "Traceback" not in out, out[-3000:]

@@ -13,7 +13,7 @@ the global evals as the syncer or the evaluator process records them.
 
 On a GPU host or TPU VM (`launch.platform`, `diloco.distributed.accelerators`) each learner
 gets its own group of the host's devices and the syncer stays on the CPU. SIGTERM or SIGINT to
-the launcher goes on to every process group it started; whatever has not exited after
+the launcher stops every process group it started with SIGTERM; whatever has not exited after
 `launch.stop_timeout_s` is SIGKILLed, and the launcher exits 128 + the signal number.
 
 With `sync.shards = S > 1` it starts S syncer processes, one per shard (`--role=syncer` with
@@ -311,15 +311,20 @@ class Launcher:
       raise Stopped(self._stop_signal)
 
   def forward(self, sig: int) -> None:
-    """Passes `sig` on to every live process, waits up to launch.stop_timeout_s for all of
-    them to exit (a learner checkpoints on SIGTERM), then SIGKILLs the stragglers.
+    """Stops every live process with SIGTERM, whichever of SIGTERM and SIGINT the launcher got
+    (`sig`, which the closing line names); waits up to launch.stop_timeout_s for all of them
+    to exit (a learner checkpoints on SIGTERM), then SIGKILLs the stragglers.
 
-    Each process leads its own process group (`start_new_session`), so a terminal's Ctrl-C
-    reaches only the launcher; the signal goes to the whole group, helpers included.
+    SIGTERM is the one stop every role handles as a stop: a learner sets a flag its loop reads,
+    a syncer or evaluator ends. A forwarded SIGINT would raise KeyboardInterrupt wherever the
+    child happens to be, e.g. inside the start of an I/O thread, whose half-started thread
+    then blocks the interpreter's exit until the SIGKILL. Each process leads its own process
+    group (`start_new_session`), so a terminal's Ctrl-C reaches only the launcher; the signal
+    goes to the whole group, helpers included.
     """
     live = [p for proc in self.procs.values() for p in proc.popens if p.poll() is None]
     for popen in live:
-      for s in (signal.SIGCONT, sig):  # a SIGSTOPped process could not act on it
+      for s in (signal.SIGCONT, signal.SIGTERM):  # a SIGSTOPped process could not act on it
         _signal_group(popen, s)
     deadline = time.monotonic() + self.cfg.launch.stop_timeout_s
     while any(p.poll() is None for p in live) and time.monotonic() < deadline:

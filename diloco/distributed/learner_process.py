@@ -87,7 +87,10 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
     raise ConfigError(f"--learner_id={learner_id} must be in [0, {shards}) (learners.count "
                       "plus the learners the chaos schedule adds, or launch.max_learners)")
   retiring = threading.Event()
-  signal.signal(signal.SIGTERM, lambda *_: retiring.set())
+  # SIGINT (a Ctrl-C on a learner started by hand) stops it the same way: a flag the loop
+  # reads, never an exception raised at whatever line the main thread is on.
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, lambda *_: retiring.set())
 
   store = shared_store(store_root, cfg.sync.shards)  # the run's records; shards: below
   hosts = hosts_lib.HostGroup()

@@ -72,7 +72,9 @@ INNER_M = 4
 INNER_SCALES = (2.0, 0.5, 0.25)
 # The second model size: data-parallel vs the best Decoupled M = 4 at `small_steps`.
 SMALL_SEQ_LEN = 128
-SMALL_STEPS = 2000  # ~2 h per run on an idle 2-core CPU (README: measured step times)
+# 1,750 steps: with the two runs side by side, one core each (`--parallel=2 --threads=1`), about
+# 1.5 h on the 2-core host (2.9 s per step data-parallel, 3.2 s Decoupled M = 4; usage.md).
+SMALL_STEPS = 1750
 SMALL_EVAL_EVERY = 250
 # The config preset of a model preset where the names differ: configs/diloco.py and
 # configs/decoupled.py call the `small` model's preset `cpu` (configs/dp.py has both).
