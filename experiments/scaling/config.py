@@ -20,8 +20,9 @@ learning rate at 2, 1/2 and 1/4 times the preset's (a learner's batch is M times
 data-parallel at the scales above 1. The data-parallel reference is tuned like every method:
 "data-parallel" is the inner rate of lowest seed-0 loss at batch 32, and stages two and three
 seed that one. Stage cross: each of the two at the other's pick, where not run yet. The
-second model size (`small`): data-parallel
-against the best Decoupled M = 4 of stage one, for `--small_steps` steps.
+second model size (`small`, one seed): data-parallel at the tuned reference's inner rate
+against Decoupled M = 4 at its tiny pick (receipt, outer and inner rates), for
+`--small_steps` steps.
 
 Targets: M = 1 at or below data-parallel; Decoupled M = 2 within 1.5 % and M = 4 within 3 %
 of data-parallel; Decoupled no worse than synchronous DiLoCo at the same M beyond the seeds'
