@@ -440,6 +440,23 @@ def test_inner_stage_scales_each_methods_m4_pick_and_reads_back_as_its_own_setti
   assert f"inner learning rate {base * 2:g}, the lowest" in note and f"among {base:g}, " in note
   seed1 = stages.stage_two(list(by_run.values()), STEPS)[0]
   assert seed1.seed == 1 and dict(seed1.overrides)["optim.learning_rate"] == base * 2
+  # One learner's batch is tuned the same way: a rate that wins at batch 16 takes its name,
+  # its row in the table and its second seed.
+  b16_cfg = _cfg("data-parallel", 2)
+  b16_cfg["optim"] = {"learning_rate": base * 2}
+  fake_run(str(tmp_path), "dpB2inner", b16_cfg, 2.2)  # the preset's rate: 2.3
+  by_run = {r["run"]: r for r in rows.collect(str(tmp_path))}
+  assert by_run["dpB2inner"]["method"] == "data-parallel B=16"
+  assert by_run["dpB2"]["method"] == f"data-parallel B=16 inner {base:g}"
+  assert by_run["dpB4"]["method"] == "data-parallel B=8"  # untouched: one rate only
+  picked = report.picked_stats(list(by_run.values()))
+  assert picked[("data-parallel", 2)]["mean"] == pytest.approx(2.2)
+  assert picked[("data-parallel", 4)]["mean"] == pytest.approx(2.3)
+  seed1 = {dict(r.overrides)["train.batch_size"]: r
+           for r in stages.stage_two(list(by_run.values()), STEPS) if r.method.startswith(
+               "tiny data-parallel")}
+  assert dict(seed1[16].overrides)["optim.learning_rate"] == base * 2
+  assert "optim.learning_rate" not in dict(seed1[8].overrides)
   # A finished inner run reads back under the same method name, beside the preset's.
   cfg = _cfg("decoupled", 4, "overwrite outer 1/0")
   cfg["optim"] = {"learning_rate": base * 0.5}

@@ -31,8 +31,8 @@ def picked_stats(group: list[dict]) -> dict[tuple[str, int], dict]:
   out = {(kind, m): stats[f"{kind} M={m} {s}"]
          for (kind, m), s in rows_lib.picks(group).items() if f"{kind} M={m} {s}" in stats}
   for s in stats.values():
-    # The reference ("data-parallel") and one learner's batch at the presets' inner rate
-    # ("data-parallel B=<batch>"); data-parallel at other inner rates has rows of its own.
+    # The reference ("data-parallel") and one learner's batch ("data-parallel B=<batch>"),
+    # each at its batch's tuned inner rate; other inner rates have rows of their own.
     if s["kind"] == "data-parallel" and " inner " not in f" {s['method']}":
       batch = next(r["batch"] for r in group if r["method"] == s["method"])
       full = max(r["batch"] for r in group if r["kind"] == "data-parallel")

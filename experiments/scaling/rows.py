@@ -139,17 +139,16 @@ def full_batches(rows: list[dict]) -> dict[tuple[str, int], int]:
   return full
 
 
-def reference_settings(rows: list[dict]) -> dict[tuple[str, int], str]:
-  """(model, steps) -> the inner-rate setting ("" for the preset's, or "inner LR") of the
-  data-parallel reference: among the runs at the group's largest data-parallel batch, the
-  setting of lowest seed-0 eval loss (the reference is tuned like every other method; a
-  setting without a seed-0 run competes on its lowest loss)."""
-  full = full_batches(rows)
-  best: dict[tuple[str, int], tuple[tuple[int, float], str]] = {}
+def batch_settings(rows: list[dict]) -> dict[tuple[str, int, int], str]:
+  """(model, steps, batch) -> the inner-rate setting ("" for the preset's, or "inner LR") of
+  data-parallel at that batch: the setting of lowest seed-0 eval loss (data-parallel is tuned
+  at every batch like every other method; a setting without a seed-0 run ranks after those
+  with one, by its lowest loss; a tie goes to the preset's rate)."""
+  best: dict[tuple[str, int, int], tuple[tuple[int, float], str]] = {}
   for r in rows:
-    key = (r["model"], r["steps"])
-    if r["kind"] != "data-parallel" or r["batch"] != full[key]:
+    if r["kind"] != "data-parallel":
       continue
+    key = (r["model"], r["steps"], r["batch"])
     rank = (0 if r["seed"] == 0 else 1, r["eval_loss"])
     setting = r.get("setting", "")
     if key not in best or rank < best[key][0] or (rank == best[key][0] and not setting):
@@ -157,21 +156,25 @@ def reference_settings(rows: list[dict]) -> dict[tuple[str, int], str]:
   return {key: setting for key, (_, setting) in best.items()}
 
 
+def reference_settings(rows: list[dict]) -> dict[tuple[str, int], str]:
+  """(model, steps) -> the `batch_settings` setting of the group's largest data-parallel
+  batch: the reference's inner rate."""
+  tuned = batch_settings(rows)
+  return {key: tuned[key + (batch,)] for key, batch in full_batches(rows).items()}
+
+
 def with_methods(rows: list[dict]) -> list[dict]:
-  """Names each row's method; the data-parallel reference of a (model, steps) group is its
-  largest data-parallel batch at its `reference_settings` inner rate ("data-parallel"), the
-  others are "data-parallel B=<batch>" and "data-parallel [B=<batch>] inner <LR>" (the
-  preset's rate, when another one is the reference, reads "inner <preset LR>")."""
+  """Names each row's method; data-parallel at a (model, steps) group's largest batch is
+  "data-parallel" (the reference), at a smaller one "data-parallel B=<batch>", each at its
+  batch's tuned inner rate (`batch_settings`); at another rate the name ends in
+  "inner <LR>" (the preset's rate, when another one is tuned, reads "inner <preset LR>")."""
   full = full_batches(rows)
-  chosen = reference_settings(rows)
+  tuned = batch_settings(rows)
   for r in rows:
     if r["kind"] == "data-parallel":
       key, setting = (r["model"], r["steps"]), r.get("setting", "")
-      if r["batch"] == full[key] and setting == chosen[key]:
-        r["method"] = "data-parallel"
-        continue
       r["method"] = "data-parallel" if r["batch"] == full[key] else f"data-parallel B={r['batch']}"
-      if setting or r["batch"] == full[key]:  # another inner rate than the reference's
+      if setting != tuned[key + (r["batch"],)]:  # not the inner rate its batch is tuned to
         rate = setting or config.inner_label(config.PRESET_INNER_LR.get(r["model"], 0.0)).strip()
         r["method"] += f" {rate}"
     else:

@@ -57,10 +57,12 @@ def _reference(rows: list[dict], steps: int) -> str:
 
 
 def stage_two(rows: list[dict], steps: int, learners=config.LEARNERS) -> list[Run]:
-  """Seed 1 of data-parallel (both batches) and of each (kind, M)'s picked setting."""
+  """Seed 1 of data-parallel (the full batch and each learner's, at each batch's tuned inner
+  rate) and of each (kind, M)'s picked setting."""
   picked = rows_lib.picks(_tiny(rows, steps))
-  runs = [method_run("data-parallel", 1, _reference(rows, steps), 1, steps)]
-  runs += [config.dp(1, steps, config.DP_BATCH // m) for m in learners if m > 1]
+  tuned = rows_lib.batch_settings(_tiny(rows, steps))
+  runs = [method_run("data-parallel", m, tuned.get(("tiny", steps, config.DP_BATCH // m), ""),
+                     1, steps) for m in (1, *(m for m in learners if m > 1))]
   runs += [method_run(kind, m, setting, 1, steps)
            for (kind, m), setting in picked.items() if m in learners]
   return runs
