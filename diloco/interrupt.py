@@ -5,7 +5,7 @@ close its writers and wait for the checkpoint being written; the learner threads
 running are then abandoned (their errors after that point are consequences of the stop,
 not news, so they are not printed). `stopped_line` says where the run stopped, read from its
 own files, and that rerunning the same command resumes it from its last checkpoint (both
-runtimes resume from the newest one in the workdir, DESIGN.md 2.5). A second signal exits at
+runtimes resume from the newest one in the workdir, docs/design.md 2.5). A second signal exits at
 once.
 """
 
