@@ -16,7 +16,8 @@ from experiments.scaling import config, rows as rows_lib, stages
 
 KIND_NAMES = {"diloco": "synchronous DiLoCo", "decoupled": "Decoupled DiLoCo"}
 ROW_NAMES = {"diloco": "synchronous DiLoCo (ours)", "decoupled": "Decoupled DiLoCo (ours)",
-             "data-parallel": "data-parallel at one learner's batch (ours; 1/M of the tokens)"}
+             "data-parallel": ("data-parallel at one learner's batch (ours; 1/M of the tokens, at "
+                               "that batch's tuned inner rate)")}
 
 
 def gap(loss: float, reference: float) -> float:
