@@ -19,6 +19,8 @@ SUBCOMMANDS = {
     "compare": ("diloco.compare", "finished runs side by side: a table and eval-loss curves"),
     "sample": ("diloco.sample", "generate text from a run's exported model"),
     "evaluate": ("diloco.evaluate", "score a run's exported model on held-out data"),
+    "to_safetensors": ("diloco.to_safetensors",
+                       "add model.safetensors and config.json to a run's export"),
 }
 _HELP = ("-h", "--help", "-help", "--helpshort", "help")
 

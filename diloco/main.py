@@ -158,16 +158,17 @@ def main(argv: list[str]) -> None:
     sys.exit(f"config error: {e}")
   except interrupt.Interrupted as e:
     interrupt.exit_stopped(_WORKDIR.value, e)
-  if not _printed_report(cfg):
+  if not _printed_report():
     print(f"done: {result}", flush=True)
   if isinstance(result, dict) and result.get("exit_code"):
     sys.exit(result["exit_code"])  # e.g. a preempted learner asks its supervisor for a restart
 
 
-def _printed_report(cfg: config_lib.Config) -> bool:
-  """Whether the run printed its end-of-run table (`diloco.observe.report`) itself; other
-  roles end with their result on a `done:` line."""
-  return _ROLE.value == "launch" or (_ROLE.value == "train" and cfg.learners.count > 0)
+def _printed_report() -> bool:
+  """Whether the run printed its end-of-run table (`diloco.observe.report`) itself, as a
+  launcher and every single-process run do; the processes of a launch (syncer, learner,
+  evaluator) end with their result on a `done:` line, which their logs keep."""
+  return _ROLE.value in ("launch", "train")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

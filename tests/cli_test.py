@@ -60,7 +60,7 @@ def test_help_lists_the_subcommands_and_only_the_projects_flags(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = proc.stdout.splitlines()
   assert len(lines) < 80  # absl's and JAX's ~700 lines of flags are not in it
-  for name in ("train", "compare", "sample", "evaluate"):
+  for name in ("train", "compare", "sample", "evaluate", "to_safetensors"):
     assert any(line.startswith(f"  {name} ") for line in lines), name
   assert "--workdir" in proc.stdout and "--config" in proc.stdout
   assert "jax_enable_x64" not in proc.stdout and "--only_check_args" not in proc.stdout

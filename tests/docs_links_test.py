@@ -118,3 +118,36 @@ def test_code_and_docs_cite_nothing_outside_the_repository():
            for path in files for n, line in enumerate(path.read_text().splitlines(), 1)
            if OUTSIDE.search(line) and path != pathlib.Path(__file__).resolve()]
   assert found == []
+
+
+def _setup_extras() -> dict[str, list[str]]:
+  import ast
+  setup = ast.parse((REPO / "setup.py").read_text())
+  call = next(n for n in ast.walk(setup) if isinstance(n, ast.Call)
+              and getattr(n.func, "id", None) == "setup")
+  return ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+
+
+INSTALL = re.compile(r"pip install (?:-e )?\"?\.\[([\w,${}]+)\]")
+NO_EXTRA = re.compile(r"\bno (GPU|CUDA|TPU|`cuda`|`tpu`) extra", re.IGNORECASE)
+
+
+def test_one_install_story_every_extra_named_exists():
+  """Every `pip install -e ".[...]"` that README, docs, scripts and CI name installs extras
+  that setup.py has, and no document says a platform has none (docs once disagreed on GPUs)."""
+  extras = _setup_extras()
+  assert {"test", "cuda", "tpu", "gcs"} <= set(extras)
+  files = [REPO / "README.md", REPO / "Dockerfile", REPO / ".ci" / "run",
+           *(REPO / "docs").glob("*.md"), *(REPO / "scripts").glob("*.py")]
+  named = 0
+  for path in files:
+    text = path.read_text()
+    assert not NO_EXTRA.search(text), (path.name, NO_EXTRA.search(text).group(0))
+    for group in INSTALL.findall(text):
+      if "$" in group:  # the Dockerfile's build argument, checked by jobset_test
+        continue
+      named += 1
+      assert set(group.split(",")) <= set(extras), (path.name, group)
+  assert named >= 10
+  assert INSTALL.findall('pip install -e ".[cuda,gcs]" and pip install ".[tpu]"') == [
+      "cuda,gcs", "tpu"]

@@ -1,10 +1,11 @@
 """The commands of docs/guide.md run as written (the tiny ones, shortened by flags).
 
 Each fenced bash block of the guide is split into commands; those that match `TINY` run in a
-temporary directory, in the guide's order (the comparison reads the runs before it), with
-`SHORT` appended to training commands so that they take seconds. A command the guide drops or
-renames fails `test_the_guide_still_has_its_tiny_commands`, so the list cannot go stale
-silently.
+temporary directory, in the guide's order (sampling, scoring, export and the comparison read
+the runs before them), training commands shortened to an eighth of their steps (`_shortened`)
+so that they take seconds and runs that the guide puts on equal tokens stay so. A command the
+guide drops or renames fails `test_the_guide_still_has_its_tiny_commands`, so the list cannot
+go stale silently.
 """
 
 import os
@@ -15,12 +16,16 @@ import sys
 
 import pytest
 
+from diloco import config_lib
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(REPO, "docs", "guide.md")
-# Commands cheap enough to run here: the tiny single-process runs and the comparison.
-TINY = (re.compile(r"^python -m diloco(\.main)? --config=configs/(decoupled|dp)\.py:tiny "),
-        re.compile(r"^python -m diloco compare "))
-SHORT = ("--config.train.steps=8", "--config.train.eval_every=4")
+# Commands cheap enough to run here: the tiny single-process runs, what reads their results
+# (sample, score, safetensors export) and the comparison.
+TRAIN = re.compile(r"^python -m diloco(\.main)? --config=configs/(decoupled|dp)\.py:tiny ")
+TINY = (TRAIN, re.compile(r"^python -m diloco compare "),
+        re.compile(r"^python -m diloco\.(sample|evaluate|to_safetensors) --workdir=runs/first"))
+SHORTEN = 8
 
 
 def commands(markdown: str) -> list[str]:
@@ -44,28 +49,50 @@ def test_commands_joins_continuations_and_drops_comments():
   assert commands(text) == ["python -m a --b=1", "ls"]
 
 
+def _shortened(argv: list[str]) -> list[str]:
+  """A training command with an eighth of its steps (the preset's, or its own override)."""
+  spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
+  steps = config_lib.load(os.path.join(REPO, spec)).train.steps
+  for a in argv:
+    if a.startswith("--config.train.steps="):
+      steps = int(a.split("=", 1)[1])
+  assert steps % SHORTEN == 0, argv
+  return argv + [f"--config.train.steps={steps // SHORTEN}",
+                 f"--config.train.eval_every={steps // SHORTEN // 2}"]
+
+
 def test_the_guide_still_has_its_tiny_commands():
   found = tiny_commands()
   assert any("configs/decoupled.py:tiny" in c for c in found)
   assert any("configs/dp.py:tiny" in c for c in found)
   assert any(c.startswith("python -m diloco compare ") for c in found)
+  for tool in ("sample", "evaluate", "to_safetensors"):
+    assert any(c.startswith(f"python -m diloco.{tool} ") for c in found), tool
 
 
 @pytest.mark.slow
 def test_the_guides_tiny_commands_run_as_written(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  os.symlink(os.path.join(REPO, "docs"), tmp_path / "docs")  # `--data=text:docs` (the root)
   for command in tiny_commands():
     argv = shlex.split(command)
     argv[0] = sys.executable
-    if "compare" not in argv:
-      argv += SHORT
+    if TRAIN.match(command):
+      argv = _shortened(argv)
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env,
                           timeout=600)
     assert proc.returncode == 0, (command, proc.stderr[-3000:])
     if "compare" in argv:
       assert "| first |" in proc.stdout and "| first_dp |" in proc.stdout, proc.stdout
+      assert "different numbers of tokens" not in proc.stdout  # the guide says "same tokens"
       assert (tmp_path / "runs" / "compare" / "eval.png").exists()
-    else:
+    elif TRAIN.match(command):
       workdir = next(a.split("=", 1)[1] for a in argv if a.startswith("--workdir="))
       assert (tmp_path / workdir / "export").is_dir(), command
+    elif "diloco.sample" in command:
+      assert proc.stdout.startswith("import "), proc.stdout
+    elif "diloco.evaluate" in command:
+      assert re.search(r"loss \d+\.\d+, perplexity \d+\.\d+", proc.stdout), proc.stdout
+    else:
+      assert (tmp_path / "runs" / "first" / "export" / "model.safetensors").is_file()

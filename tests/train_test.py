@@ -1,6 +1,7 @@
 """Train step numerics, golden values, NaN detection, learning and exact resumption."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -161,3 +162,14 @@ def test_cli_tiny_run_learns(tmp_path):
   config = json.loads((workdir / "config.json").read_text())
   assert config["model"]["name"] == "tiny"
   assert {"train/grad_norm", "train/lr", "train/tokens"} <= set(records[1])
+  # It ends with a short table, not a dict; the final eval is printed once, in its first row.
+  final = f"{evals[-1]:.4f}"
+  assert [line for line in proc.stdout.splitlines() if final in line] == [
+      f"  eval loss    {final} at step 60 (initial {evals[0]:.4f}), "
+      f"perplexity {math.exp(evals[-1]):.2f}"]
+  table = proc.stdout[proc.stdout.index("run summary"):].splitlines()
+  assert [line.split()[0] for line in table] == [
+      "run", "eval", "tokens/s", "plots", "tensorboard", "export"]
+  assert "done: {" not in proc.stdout and "{" not in "\n".join(table)
+  tokens = int(table[2].split("(")[1].split()[0].replace(",", ""))
+  assert tokens == 60 * 16 * 64 == config["train"]["steps"] * 16 * config["data"]["seq_len"]

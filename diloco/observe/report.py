@@ -122,7 +122,32 @@ def table(summary: Mapping[str, float | None], workdir: str, eval_step: int) -> 
       ("tensorboard", f"tensorboard --logdir {tb}" if os.path.isdir(tb) else "off"),
       ("export", export_dir if os.path.isdir(export_dir) else "none"),
   ]
+  return _format(f"run summary (every figure, unrounded: "
+                 f"{os.path.join(workdir, ACCOUNTING_FILE)})", rows)
+
+
+def data_parallel_table(workdir: str, *, eval_loss: float | None,
+                        initial_loss: float | None, eval_step: int, tokens: int,
+                        train_s: float) -> str:
+  """The data-parallel run's end (`diloco.train.data_parallel`): the same first row as
+  `table`, its throughput, and where its outputs are. It has no syncer, so no accounting."""
+  tb = os.path.join(workdir, tracking.TENSORBOARD_DIR)
+  export_dir = os.path.join(workdir, EXPORT_DIR)
+  perplexity = ("" if eval_loss is None or not math.isfinite(eval_loss)
+                else f", perplexity {math.exp(min(eval_loss, 50.0)):.2f}")
+  rows = [
+      ("eval loss", f"{_loss(eval_loss)} at step {eval_step} (initial {_loss(initial_loss)})"
+                    f"{perplexity}"),
+      ("tokens/s", f"{tokens / max(train_s, 1e-9):,.0f} ({tokens:,} tokens in {train_s:,.1f} s, "
+                   "compilation included)"),
+      ("plots", os.path.join(workdir, "loss.png")),
+      ("tensorboard", f"tensorboard --logdir {tb}" if os.path.isdir(tb) else "off"),
+      ("export", export_dir if os.path.isdir(export_dir) else "none"),
+  ]
+  return _format(f"run summary (every step's figures: "
+                 f"{os.path.join(workdir, metrics_lib.METRICS_FILE)})", rows)
+
+
+def _format(title: str, rows: Sequence[tuple[str, str]]) -> str:
   width = max(len(name) for name, _ in rows)
-  return "\n".join([f"run summary (every figure, unrounded: "
-                    f"{os.path.join(workdir, ACCOUNTING_FILE)})"]
-                   + [f"  {name:<{width}}  {value}" for name, value in rows])
+  return "\n".join([title] + [f"  {name:<{width}}  {value}" for name, value in rows])

@@ -22,6 +22,7 @@ from diloco import fragments as fragments_lib
 from diloco.config_lib import Config, ConfigError, check_in_process_eval
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
+from diloco.observe import report
 from diloco.observe import tracking
 from diloco.train import checkpoint as checkpoint_lib
 from diloco.train import data as data_lib
@@ -152,8 +153,9 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
           _finite_or_raise(step, last_eval)
           writer.write(step, last_eval)
           logging.info("step %d: eval/loss %.4f", step, last_eval["eval/loss"])
-          print(f"step {step}: eval/loss {last_eval['eval/loss']:.4f} "
-                f"(perplexity {last_eval['eval/perplexity']:.2f})", flush=True)
+          if step < total:  # the final one is the summary's first row
+            print(f"step {step}: eval/loss {last_eval['eval/loss']:.4f} "
+                  f"(perplexity {last_eval['eval/perplexity']:.2f})", flush=True)
         every = cfg.checkpoint.every_steps
         if every and (step % every == 0 or step == total):
           ckpt.save(step, state, data_iter, identity)
@@ -170,7 +172,12 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
     writer.close()
     ckpt.close()
   logging.info("trained steps %d..%d in %.1fs", start + 1, total, elapsed)
-  metrics_lib.plot_loss(metrics_lib.read_metrics(writer.path),
-                        os.path.join(workdir, "loss.png"),
+  records = metrics_lib.read_metrics(writer.path)
+  metrics_lib.plot_loss(records, os.path.join(workdir, "loss.png"),
                         title=f"data-parallel, {cfg.model.name}")
+  initial = next((r["eval/loss"] for r in records if r.get("step") == 0 and "eval/loss" in r),
+                 None)  # a resumed run evaluated step 0 in an earlier process
+  print(report.data_parallel_table(
+      workdir, eval_loss=last_eval.get("eval/loss"), initial_loss=initial, eval_step=total,
+      tokens=trained * cfg.train.batch_size * cfg.data.seq_len, train_s=elapsed), flush=True)
   return last_eval
