@@ -22,6 +22,8 @@ SUBCOMMANDS = {
     "to_safetensors": ("diloco.to_safetensors",
                        "add model.safetensors and config.json to a run's export"),
 }
+# Other names people type for a subcommand.
+ALIASES = {"eval": "evaluate", "safetensors": "to_safetensors"}
 _HELP = ("-h", "--help", "-help", "--helpshort", "help")
 
 
@@ -34,6 +36,7 @@ def help_text() -> str:
   width = max(map(len, SUBCOMMANDS))
   lines = ["usage: diloco [SUBCOMMAND] [FLAGS]", "", "subcommands:"]
   lines += [f"  {name:<{width}}  {about}" for name, (_, about) in SUBCOMMANDS.items()]
+  lines += [f"  ({', '.join(f'{a} = {n}' for a, n in ALIASES.items())})"]
   lines += ["", f"shipped configs (--config=NAME:PRESET): {', '.join(config_files.names())}",
             "`diloco SUBCOMMAND --help` shows a subcommand's flags; --config_help lists the "
             "config fields.", "", "training flags:",
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     _show(help_text())
     return
   name = args.pop(0) if args[:1] and not args[0].startswith("-") else "train"
+  name = ALIASES.get(name, name)
   if name not in SUBCOMMANDS:
     sys.exit(f"diloco: unknown subcommand {name!r}; subcommands: {', '.join(SUBCOMMANDS)} "
              "(see diloco --help)")

@@ -88,6 +88,14 @@ def test_train_help_is_the_training_flags(tmp_path):
   assert len(proc.stdout.splitlines()) < 80
 
 
+@pytest.mark.parametrize("alias", sorted(cli.ALIASES))
+def test_an_alias_runs_its_subcommand(tmp_path, alias):
+  proc = _diloco(alias, "--help", cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  module = cli.SUBCOMMANDS[cli.ALIASES[alias]][0]
+  assert module.rsplit(".", 1)[1] in proc.stdout and "--workdir" in proc.stdout
+
+
 def test_unknown_subcommand_is_one_line(tmp_path):
   proc = _diloco("trian", "--config=dp:tiny", cwd=tmp_path)
   assert proc.returncode != 0

@@ -101,8 +101,6 @@ def table(summary: Mapping[str, float | None], workdir: str, eval_step: int) -> 
   """A few headline figures of `summary` (an accounting.json), rounded, and where the run's
   outputs are."""
   a = lambda key: summary.get("accounting/" + key) or 0.0  # noqa: E731
-  tb = os.path.join(workdir, tracking.TENSORBOARD_DIR)
-  export_dir = os.path.join(workdir, EXPORT_DIR)
   rows = [
       ("eval loss", f"{_loss(summary.get('eval/loss'))} at step {eval_step} "
                     f"(initial {_loss(summary.get('eval/initial_loss'))})"),
@@ -119,8 +117,7 @@ def table(summary: Mapping[str, float | None], workdir: str, eval_step: int) -> 
                    f"of them the syncer's); faults {summary.get('chaos/applied', 0):.0f} of "
                    f"{summary.get('chaos/events', 0):.0f} applied"),
       ("plots", f"{os.path.join(workdir, 'loss.png')}, {os.path.join(workdir, 'timeline.png')}"),
-      ("tensorboard", f"tensorboard --logdir {tb}" if os.path.isdir(tb) else "off"),
-      ("export", export_dir if os.path.isdir(export_dir) else "none"),
+      *_output_rows(workdir),
   ]
   return _format(f"run summary (every figure, unrounded: "
                  f"{os.path.join(workdir, ACCOUNTING_FILE)})", rows)
@@ -131,8 +128,6 @@ def data_parallel_table(workdir: str, *, eval_loss: float | None,
                         train_s: float) -> str:
   """The data-parallel run's end (`diloco.train.data_parallel`): the same first row as
   `table`, its throughput, and where its outputs are. It has no syncer, so no accounting."""
-  tb = os.path.join(workdir, tracking.TENSORBOARD_DIR)
-  export_dir = os.path.join(workdir, EXPORT_DIR)
   perplexity = ("" if eval_loss is None or not math.isfinite(eval_loss)
                 else f", perplexity {math.exp(min(eval_loss, 50.0)):.2f}")
   rows = [
@@ -141,11 +136,18 @@ def data_parallel_table(workdir: str, *, eval_loss: float | None,
       ("tokens/s", f"{tokens / max(train_s, 1e-9):,.0f} ({tokens:,} tokens in {train_s:,.1f} s, "
                    "compilation included)"),
       ("plots", os.path.join(workdir, "loss.png")),
-      ("tensorboard", f"tensorboard --logdir {tb}" if os.path.isdir(tb) else "off"),
-      ("export", export_dir if os.path.isdir(export_dir) else "none"),
+      *_output_rows(workdir),
   ]
   return _format(f"run summary (every step's figures: "
                  f"{os.path.join(workdir, metrics_lib.METRICS_FILE)})", rows)
+
+
+def _output_rows(workdir: str) -> list[tuple[str, str]]:
+  """Where a run's TensorBoard logs and exported parameters are, if it wrote them."""
+  tb = os.path.join(workdir, tracking.TENSORBOARD_DIR)
+  export_dir = os.path.join(workdir, EXPORT_DIR)
+  return [("tensorboard", f"tensorboard --logdir {tb}" if os.path.isdir(tb) else "off"),
+          ("export", export_dir if os.path.isdir(export_dir) else "none")]
 
 
 def _format(title: str, rows: Sequence[tuple[str, str]]) -> str:
