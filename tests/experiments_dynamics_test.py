@@ -12,14 +12,23 @@ from experiments.scavenging import config as scav_config, run as scav_run
 
 def test_heterogeneous_runs_cover_every_policy_and_outer_setting_at_equal_tokens():
   runs = hetero_config.runs(seeds=(0, 1))
-  # 3 policies x (2 outer settings with overwrite, the design's outer with keep_local, and
-  # with keep_local and stale deliveries rebased).
-  assert len(runs) == 2 * 3 * (2 + 1 + 1) and len({r.name for r in runs}) == len(runs)
+  # 3 policies x (2 outer settings with overwrite at 2 inner rates, the design's outer with
+  # keep_local, and with keep_local and stale deliveries rebased).
+  assert len(runs) == 2 * 3 * (2 * 2 + 1 + 1) and len({r.name for r in runs}) == len(runs)
+  inner = [r for r in runs if "optim.learning_rate" in dict(r.overrides)]
+  assert len(inner) == 2 * 3 * 2 and all(
+      dict(r.overrides)["optim.learning_rate"] == 6e-3 and r.method.endswith(", inner 6e-3")
+      and dict(r.overrides)["sync.receipt"] == "overwrite" for r in inner)
+  # Each differs from its presets'-rate twin by the inner rate alone.
+  twins = {(r.method, r.seed): dict(r.overrides) for r in runs}
+  for r in inner:
+    twin = twins[(r.method.removesuffix(", inner 6e-3"), r.seed)]
+    assert {k: v for k, v in dict(r.overrides).items() if k != "optim.learning_rate"} == twin
   receipts = [(dict(r.overrides)["sync.receipt"], dict(r.overrides)["outer.stale"])
               for r in runs]
   assert receipts.count(("keep_local", "paper")) == 2 * 3
   assert receipts.count(("keep_local", "rebase")) == 2 * 3
-  assert receipts.count(("overwrite", "paper")) == 2 * 3 * 2
+  assert receipts.count(("overwrite", "paper")) == 2 * 3 * 2 * 2
   assert all(("keep_local" in r.method) == (receipt == "keep_local")
              and ("rebase" in r.method) == (stale == "rebase")
              for r, (receipt, stale) in zip(runs, receipts))

@@ -14,6 +14,11 @@ averaging (lr 1, no momentum; see the parity experiment), two seeds:
 - K = 1 + grace: the design default (gamma = 0.8): after quorum a round keeps admitting
   deliveries while tau leaves slack.
 
+Each policy and outer setting also runs at twice the presets' inner learning rate (6e-3, the
+rate the compute-optimal parity experiment found best for data-parallel and for one to eight
+learners once the outer step is swept with it, `experiments/scaling/`), to check whether that
+pick holds with learners of unequal speed before the presets move to it.
+
 Each policy also runs with the keep_local receipt (the design's outer optimiser): the columns
 `compute_goodput` (the paper's goodput: time spent computing), `goodput` (ours: work that
 reached G), `dropped_fraction` (step time never delivered: overwritten on receipt) and
@@ -43,6 +48,8 @@ OUTERS = (("outer 0.7/0.9", (0.7, 0.9)), ("outer 1.0/0.0", (1.0, 0.0)))
 # by 1 / (1 + staleness)), to test whether keep_local's loss under K = 1 comes from stale
 # deliveries undoing the rounds they missed.
 RECEIPTS = (("overwrite", "paper"), ("keep_local", "paper"), ("keep_local", "rebase"))
+# Inner learning rates of the overwrite runs: the presets' (no label) and the parity pick.
+INNERS = (("", None), (", inner 6e-3", 6e-3))
 COLUMNS = ("method", "seed", "tokens", "eval_loss", "goodput", "compute_goodput",
            "horizon_s", "mean_learners_per_round", "median_grace_s", "staleness_mean",
            "wait_fraction", "bytes_down")
@@ -52,12 +59,15 @@ def runs(seeds=SEEDS, steps: int = STEPS) -> list[Run]:
   out = []  # seed-major, so that an interrupted experiment still compares every method
   for seed in seeds:
     for receipt, stale in RECEIPTS:
-      for outer, (lr, momentum) in OUTERS[:1] if receipt != "overwrite" else OUTERS:
-        for policy, quorum, gamma in POLICIES:
-          label = f"{policy}, {outer}" + ("" if receipt == "overwrite" else f", {receipt}")
-          label += "" if stale == "paper" else f", stale={stale}"
-          out.append(Run(label, CONFIG, seed, SETTING + (
-              ("sync.quorum", quorum), ("sync.gamma", gamma), ("outer.learning_rate", lr),
-              ("outer.momentum", momentum), ("sync.receipt", receipt), ("outer.stale", stale),
-              ("train.steps", steps))))
+      overwrite = receipt == "overwrite"
+      for inner, inner_lr in INNERS if overwrite else INNERS[:1]:
+        for outer, (lr, momentum) in OUTERS if overwrite else OUTERS[:1]:
+          for policy, quorum, gamma in POLICIES:
+            label = f"{policy}, {outer}" + ("" if overwrite else f", {receipt}")
+            label += ("" if stale == "paper" else f", stale={stale}") + inner
+            out.append(Run(label, CONFIG, seed, SETTING + (
+                ("sync.quorum", quorum), ("sync.gamma", gamma), ("outer.learning_rate", lr),
+                ("outer.momentum", momentum), ("sync.receipt", receipt),
+                ("outer.stale", stale), ("train.steps", steps))
+                + ((("optim.learning_rate", inner_lr),) if inner_lr else ())))
   return out

@@ -28,8 +28,10 @@ def sections(folder: str):
                     if method.startswith(f"{p}, "))
       marker = "^" if method.endswith("keep_local") else "os"[config.OUTERS[1][0] in method]
       group = [r for r in rows if r["method"] == method]
+      hollow = method.endswith(config.INNERS[1][0])  # the higher inner rate: open markers
       ax.scatter([r["goodput"] for r in group], [r["eval_loss"] for r in group],
-                 color=f"C{policy}", marker=marker, label=method)
+                 edgecolors=f"C{policy}", facecolors="none" if hollow else f"C{policy}",
+                 marker=marker, label=method)
     ax.set_xlabel("goodput (useful / allocated device time)")
     ax.set_ylabel("final global eval loss")
     ax.grid(alpha=0.3)
