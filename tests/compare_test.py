@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from matplotlib import image
 
 from diloco import compare
+from diloco.observe import curves
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,3 +81,16 @@ def test_compare_command_works_outside_the_checkout(tmp_path):
                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
   assert bad_flag.returncode != 0 and len(bad_flag.stderr.strip().splitlines()) == 1
   assert "report_dri" in bad_flag.stderr
+
+
+def test_dozens_of_curves_stay_apart_and_the_legend_fits(tmp_path):
+  styles = [tuple(sorted(curves.line_style(i).items())) for i in range(40)]
+  assert len(set(styles)) == 40  # an experiment's runs: colour and dash together tell them apart
+  many = {f"run {i}": [{"tokens": 0, "time": 0.0, "eval_loss": 5.0},
+                       {"tokens": 10, "time": 1.0, "eval_loss": 5.0 - i / 40}] for i in range(36)}
+  few = dict(list(many.items())[:2])
+  for name, drawn in (("many.png", many), ("few.png", few)):
+    curves.plot_curves(drawn, str(tmp_path / name), "t", time_key="time")
+  # The figure grows with its legend, which sits below both panels rather than over them.
+  height = lambda name: image.imread(tmp_path / name).shape[0]  # noqa: E731
+  assert height("many.png") > height("few.png") + 100

@@ -75,25 +75,35 @@ def eval_curve(workdir: str, base: str = "") -> list[dict]:
   return points
 
 
+def line_style(i: int) -> dict[str, str]:
+  """The `i`-th line's colour and dash: 40 distinct ones, then they repeat."""
+  return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i // 10 % 4]}
+
+
 def plot_curves(curves: dict[str, list[dict]], path: str, title: str, *,
                 time_key: str = "wall", time_label: str = "wall clock since the run's start (s)"
                 ) -> None:
-  """Eval loss against tokens (left) and against `time_key` (right), one line per run."""
-  fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-  for label, points in sorted(curves.items()):
-    if not points:
-      continue
-    by_tokens.plot([p["tokens"] for p in points], [p["eval_loss"] for p in points], "o-",
-                   label=label, ms=3)
-    by_time.plot([p[time_key] for p in points], [p["eval_loss"] for p in points], "o-",
-                 label=label, ms=3)
+  """Eval loss against tokens (left) and against `time_key` (right), one line per run.
+
+  Past matplotlib's 10 colours the line style changes too, so that an experiment's dozens of
+  runs stay apart; the legend goes below both panels, and the figure grows to hold it."""
+  drawn = [(label, points) for label, points in sorted(curves.items()) if points]
+  columns = 1 if len(drawn) <= 4 else 3
+  legend_rows = -(-len(drawn) // columns)
+  fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4 + 0.2 * legend_rows),
+                                           layout="constrained")
+  for i, (label, points) in enumerate(drawn):
+    style = dict(line_style(i), marker="o", ms=3)
+    by_tokens.plot([p["tokens"] for p in points], [p["eval_loss"] for p in points],
+                   label=label, **style)
+    by_time.plot([p[time_key] for p in points], [p["eval_loss"] for p in points], **style)
   by_tokens.set_xlabel("tokens (all learners)")
   by_time.set_xlabel(time_label)
   for ax in (by_tokens, by_time):
     ax.set_ylabel("global eval loss")
     ax.grid(alpha=0.3)
-  by_tokens.legend(fontsize=7)
+  if drawn:
+    fig.legend(loc="outside lower center", ncol=columns, fontsize=7)
   fig.suptitle(title)
-  fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

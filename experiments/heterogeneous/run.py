@@ -26,7 +26,8 @@ def sections(folder: str):
     for method in methods:
       policy = next(i for i, (p, _, _) in enumerate(config.POLICIES)
                     if method.startswith(f"{p}, "))
-      marker = "^" if method.endswith("keep_local") else "os"[config.OUTERS[1][0] in method]
+      marker = ("v" if "rebase" in method else "^" if "keep_local" in method
+                else "os"[config.OUTERS[1][0] in method])
       group = [r for r in rows if r["method"] == method]
       hollow = method.endswith(config.INNERS[1][0])  # the higher inner rate: open markers
       ax.scatter([r["goodput"] for r in group], [r["eval_loss"] for r in group],
