@@ -99,9 +99,20 @@ def targets(group: list[dict]) -> list[dict]:
     single = min(len(dec["seeds"]), len(syn["seeds"])) < 2
     add(f"Decoupled no worse than synchronous DiLoCo at M = {m}",
         f"{dec['mean'] - syn['mean']:+.4f} (" + ("one seed: spread not measured)" if single
-                                                 else f"seed spread {noise:.4f})"),
+                                                 else f"seed spread {noise:.4f}"
+                                                 f"{paired_differences(dec, syn)})"),
         dec["mean"] - syn["mean"] <= noise)
   return out
+
+
+def paired_differences(a: dict, b: dict) -> str:
+  """"; by seed +x, +y" (a - b at each seed both ran: the same initialisation and data
+  order, so a difference of one sign at every seed says more than the means and spreads do);
+  "" with fewer than two shared seeds."""
+  shared = sorted(set(a["by_seed"]) & set(b["by_seed"]))
+  if len(shared) < 2:
+    return ""
+  return "; by seed " + ", ".join(f"{a['by_seed'][s] - b['by_seed'][s]:+.4f}" for s in shared)
 
 
 def sweep_table(group: list[dict]) -> str:

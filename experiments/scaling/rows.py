@@ -191,7 +191,8 @@ def groups(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
 
 
 def stats(rows: list[dict]) -> dict[str, dict]:
-  """Per method: mean eval loss over seeds, spread (max - min), seeds, mean goodput."""
+  """Per method: mean eval loss over seeds, spread (max - min), seeds, each seed's loss,
+  mean goodput."""
   by: dict[str, list[dict]] = {}
   for r in rows:
     by.setdefault(r["method"], []).append(r)
@@ -202,6 +203,7 @@ def stats(rows: list[dict]) -> dict[str, dict]:
     out[method] = {"method": method, "kind": group[0]["kind"], "M": group[0]["M"],
                    "mean": sum(losses) / len(losses), "spread": max(losses) - min(losses),
                    "seeds": sorted(r["seed"] for r in group),
+                   "by_seed": {r["seed"]: r["eval_loss"] for r in group},
                    "goodput": sum(goodputs) / len(goodputs) if goodputs else None}
   return out
 
