@@ -17,7 +17,7 @@ averaging (lr 1, no momentum; see the parity experiment), two seeds:
 Each policy and outer setting also runs at twice the presets' inner learning rate (6e-3, the
 rate the compute-optimal parity experiment found best for data-parallel and for one to eight
 learners once the outer step is swept with it, `experiments/scaling/`), to check whether that
-pick holds with learners of unequal speed before the presets move to it.
+pick holds with learners of unequal speed (docs/design.md 5.1: why the presets keep 3e-3).
 
 Each policy also runs with the keep_local receipt (the design's outer optimiser): the columns
 `compute_goodput` (the paper's goodput: time spent computing), `goodput` (ours: work that
