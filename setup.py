@@ -37,7 +37,7 @@ setup(
         "ml-dtypes>=0.5,<1",
         "PyYAML>=6,<7",
         "scipy>=1.14,<2",
-        # The export's optional model.safetensors (diloco/train/export.py), read without JAX.
+        # The export's optional model.safetensors (diloco/artifacts/export.py), read without JAX.
         "safetensors>=0.4,<1",
     ],
     extras_require={
@@ -64,8 +64,8 @@ setup(
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],
     },
     # `diloco [train] --config=... --workdir=...` is `python -m diloco.main ...`; `diloco compare`,
-    # `sample` and `evaluate` are the tools around a run (diloco/cli.py, `diloco --help`).
-    entry_points={"console_scripts": ["diloco = diloco.cli:main"]},
+    # `sample` and `evaluate` are the tools around a run (diloco/cli/commands.py, `diloco --help`).
+    entry_points={"console_scripts": ["diloco = diloco.cli.commands:main"]},
     classifiers=[
         "Programming Language :: Python :: 3.11",
         "Programming Language :: Python :: 3.12",

@@ -12,7 +12,7 @@ gemma_9b / moe_2_8b / moe_3_8b with 8 learners, one slice each (devices are grou
 by slice_index), reading pre-tokenised shards (`--config.data.path=gs://...`).
 """
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 
 _TPU = ("gemma_2b", "gemma_5b", "gemma_9b", "moe_2_8b", "moe_3_8b")
 

@@ -8,7 +8,7 @@ with configs/decoupled.py's. Presets as in configs/decoupled.py.
 
 import os
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 
 
 def get_config(preset: str = "cpu"):

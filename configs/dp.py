@@ -10,7 +10,7 @@ gemma_2b / gemma_5b / gemma_9b / moe_2_8b / moe_3_8b, which expect pre-tokenised
 shards (`--config.data.path=gs://.../shards`, see scripts/prepare_data.py).
 """
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 
 _CPU = {
     "tiny": dict(seq_len=64, batch_size=16, steps=60, eval_every=30, lr=3e-3, warmup=10),

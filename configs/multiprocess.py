@@ -13,7 +13,7 @@ docs/scale_out.md and scripts/make_jobset.py.
 
 import os
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 
 def get_config(preset: str = "tiny"):
   cfg = config_lib.load(os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)

@@ -1,5 +1,5 @@
 """`python -m diloco` is the `diloco` command: training by default, and its subcommands."""
 
-from diloco.cli import main
+from diloco.cli.commands import main
 
 main()

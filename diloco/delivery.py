@@ -1,7 +1,7 @@
 """`Delivery`: one learner's delivery of one fragment, the one message both the transports and
 the syncer's pure policy speak of (docs/design.md 2.3).
 
-No NumPy or JAX here: `diloco.policy` is pure and the goodput simulator (`diloco.sim`) builds
+No NumPy or JAX here: `diloco.sync.policy` is pure and the goodput simulator (`diloco.sim`) builds
 deliveries without tensors.
 """
 

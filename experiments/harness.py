@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from absl import flags
 
-from diloco.compare import table  # noqa: F401  (the experiments' tables)
+from diloco.cli.compare import table  # noqa: F401  (the experiments' tables)
 from diloco.observe import curves
 from diloco.observe.accounting import read_jsonl
 from diloco.observe.curves import plot_curves  # noqa: F401  (the experiments' plots)

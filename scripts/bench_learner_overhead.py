@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 from diloco.model.sharding import batch_sharding
 from diloco.runtime.core import Runtime
 from diloco.runtime.drivers import ThreadedDriver

@@ -26,10 +26,10 @@ import numpy as np
 from absl import app, flags
 
 from diloco import fragments, outer
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.outer import kernels
-from diloco.syncer import Syncer
+from diloco.sync.syncer import Syncer
 from diloco.transport import Heartbeat
 
 flags.DEFINE_integer("learners", 8, "Payloads per round (M).")

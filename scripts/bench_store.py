@@ -38,12 +38,12 @@ import numpy as np
 from absl import app, flags, logging
 
 from diloco import fragments
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import store_transport
 from diloco.distributed import syncer_process
 from diloco.distributed.store import Store, payload_name
-from diloco.syncer import Syncer
+from diloco.sync.syncer import Syncer
 from diloco.transport import Heartbeat
 
 flags.DEFINE_integer("fragment_mib", 64, "Throughput fragment, MiB.")

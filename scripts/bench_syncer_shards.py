@@ -43,7 +43,9 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from diloco import config_lib, fragments, syncer_shards
+from diloco.config import run_config as config_lib
+from diloco import fragments
+from diloco.sync import ownership as syncer_shards
 from diloco.delivery import Delivery
 from diloco.distributed import store as store_lib
 from diloco.distributed import store_transport

@@ -31,7 +31,7 @@ from absl import app, flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 from diloco.errors import ConfigError
 from diloco.model import transformer as model
 from diloco.model.sharding import batch_sharding

@@ -1,5 +1,5 @@
 """Renders a GKE JobSet that runs Decoupled DiLoCo (one slice or GPU node group per learner,
-one CPU syncer); the logic and the flags are in `diloco.distributed.jobset`.
+one CPU syncer); the logic and the flags are in `diloco.deploy.jobset`.
 
   python scripts/make_jobset.py --name=dd-2b --image=IMAGE --store=gs://BUCKET/dd-2b \\
       --config=configs/decoupled.py:gemma_2b --learners=8 --tpu_type=v5p-128 [--output=FILE]
@@ -10,7 +10,7 @@ Without --output (or with --dry_run) only the YAML goes to stdout, so
 
 from absl import app, flags
 
-from diloco.distributed import jobset
+from diloco.deploy import jobset
 
 
 def _main(argv: list[str]) -> int:

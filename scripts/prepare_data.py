@@ -16,7 +16,7 @@ copied into OUT so that the shards say how to decode them:
       --path='corpus/*.parquet' --tokenizer=/models/gemma/tokenizer.model --seq_len=1024 \
       --max_bytes=0 --workers=16
 
-The corpus streams through (`diloco.train.shards`): chunks of `--chunk_mb` are tokenised by
+The corpus streams through (`diloco.train.array_records`): chunks of `--chunk_mb` are tokenised by
 `--workers` processes and their windows written as they come, so memory stays bounded
 whatever the corpus size (`--max_bytes=0` reads all of it). `--path` may be a URL
 (gs://bucket/corpus/*.jsonl.gz); OUT is a local directory (copy it to a bucket afterwards).
@@ -32,8 +32,8 @@ import shutil
 
 from absl import app, flags, logging
 
-from diloco.config_lib import DATA_SOURCES, ConfigError, DataConfig, validate_data
-from diloco.train import corpus, shards, tokenizers
+from diloco.config.run_config import DATA_SOURCES, ConfigError, DataConfig, validate_data
+from diloco.train import corpus, array_records as shards, tokenizers
 from diloco.train import data as data_lib
 
 _OUT = flags.DEFINE_string("out", None, "Output directory (created).")

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from diloco import cli, config_files, config_lib, interrupt, preflight
-from diloco.config_lib import ConfigError
+from diloco.cli import commands as cli, interrupt, preflight
+from diloco.config import files as config_files, run_config as config_lib
+from diloco.config.run_config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

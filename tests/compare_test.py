@@ -9,7 +9,7 @@ import sys
 import pytest
 from matplotlib import image
 
-from diloco import compare
+from diloco.cli import compare
 from diloco.observe import curves
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +66,7 @@ def test_different_token_counts_are_flagged(tmp_path, steps_b, warned):
 def test_compare_command_works_outside_the_checkout(tmp_path):
   a = _run(tmp_path / "a", evals=[(0, 100.0, 5.0), (10, 110.0, 2.0)])
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  for command in (["-m", "diloco", "compare"], ["-m", "diloco.compare"]):
+  for command in (["-m", "diloco", "compare"], ["-m", "diloco.cli.compare"]):
     proc = subprocess.run([sys.executable, *command, a, a, f"--report_dir={tmp_path}/r"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -77,7 +77,7 @@ def test_compare_command_works_outside_the_checkout(tmp_path):
   assert missing.returncode != 0
   assert missing.stderr.strip().splitlines() == [
       f"diloco compare: error: {tmp_path / 'nope'}: no config.json; is it the workdir of a run?"]
-  bad_flag = subprocess.run([sys.executable, "-m", "diloco.compare", a, "--report_dri=x"],
+  bad_flag = subprocess.run([sys.executable, "-m", "diloco.cli.compare", a, "--report_dri=x"],
                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
   assert bad_flag.returncode != 0 and len(bad_flag.stderr.strip().splitlines()) == 1
   assert "report_dri" in bad_flag.stderr

@@ -9,8 +9,10 @@ import sys
 import pytest
 
 from configs import diloco, dp, multiprocess, streaming
-from diloco import config_cli, config_lib, policy
-from diloco.config_lib import ConfigError
+from diloco.cli import config_flags as config_cli
+from diloco.config import run_config as config_lib
+from diloco.sync import policy
+from diloco.config.run_config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 

@@ -7,8 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco import config_lib, config_rules, policy
-from diloco.config_lib import ConfigError, SyncConfig
+from diloco.config import run_config as config_lib
+from diloco import settings as config_rules
+from diloco.sync import policy
+from diloco.config.run_config import ConfigError, SyncConfig
 
 
 def _config_accepts(field, value):

@@ -8,10 +8,10 @@ import jax
 import pytest
 
 from configs import dp
-from diloco import config_lib
-from diloco.config_lib import ConfigError
+from diloco.config import run_config as config_lib
+from diloco.config.run_config import ConfigError
 from diloco.model import presets as model_presets
-from diloco.train import data_parallel as train
+from diloco.runtime import data_parallel as train
 from diloco.train import mesh as mesh_lib
 
 REPO = os.path.dirname(os.path.dirname(__file__))

@@ -29,7 +29,7 @@ flags.FLAGS.mark_as_parsed()
 def tiny_config():
   """The tiny data-parallel config as frozen dataclasses (fast: 2 layers, seq 64)."""
   from configs import dp
-  from diloco import config_lib
+  from diloco.config import run_config as config_lib
   return config_lib.from_config_dict(dp.get_config("tiny"))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from script_import import import_script
 
-from diloco.config_lib import ConfigError, DataConfig
+from diloco.config.run_config import ConfigError, DataConfig
 from diloco.train import data
 from diloco.train import tokenizers
 
@@ -250,7 +250,7 @@ def test_bad_tokenizer_files_name_the_field(tmp_path):
 
 
 def test_vocab_check_names_model_and_tokenizer(tiny_config, replace, tmp_path):
-  from diloco.train import data_parallel
+  from diloco.runtime import data_parallel
   path = _train_bpe_json(tmp_path / "tokenizer.json", vocab_size=300)
   assert tokenizers.make(path).vocab_size == 300
   cfg = replace(replace(tiny_config, "data", tokenizer=path), "model", vocab_size=299)
@@ -261,7 +261,7 @@ def test_vocab_check_names_model_and_tokenizer(tiny_config, replace, tmp_path):
   data_parallel.check_vocab(replace(cfg, "model", vocab_size=300))
   # The multi-process launcher checks before it starts any process.
   from configs import multiprocess
-  from diloco import config_lib
+  from diloco.config import run_config as config_lib
   from diloco.distributed import launcher
   mp = config_lib.from_config_dict(multiprocess.get_config("tiny"))
   mp = replace(replace(mp, "data", tokenizer=path), "model", vocab_size=299)
@@ -436,7 +436,7 @@ def test_record_source_errors_name_the_field(records, tmp_path):
 
 
 def test_config_validation_of_record_sources(tiny_config, replace, records):
-  from diloco import config_lib
+  from diloco.config import run_config as config_lib
   with pytest.raises(ConfigError, match=r"data.path: is required when data.source='jsonl'"):
     config_lib.validate(replace(tiny_config, "data", source="jsonl"))
   with pytest.raises(ConfigError, match=r"data.text_key: must name"):
@@ -526,7 +526,7 @@ def opens(monkeypatch):
 
 def test_url_corpora_are_checked_by_listing_and_read_like_local_ones(corpus, records, opens,
                                                                      tmp_path):
-  from diloco.config_lib import validate_data
+  from diloco.config.run_config import validate_data
   url = _upload(corpus, f"memory://{tmp_path.name}/corpus")
   opens.clear()                                     # the upload wrote them
   for path in (url, url + "/doc00*.txt"):
@@ -550,7 +550,7 @@ def test_url_corpora_are_checked_by_listing_and_read_like_local_ones(corpus, rec
 
 
 def test_array_record_shards_behind_urls(corpus, tmp_path, monkeypatch):
-  from diloco.config_lib import validate_data
+  from diloco.config.run_config import validate_data
   out = tmp_path / "shards"
   proc = subprocess.run(
       [sys.executable, "scripts/prepare_data.py", f"--out={out}", "--source=text",
@@ -620,7 +620,7 @@ def test_streaming_reads_a_bounded_number_of_chunks_ahead():
   """An endless corpus: the pipeline still yields, having read only `in_flight` chunks ahead."""
   import itertools
 
-  from diloco.train import shards
+  from diloco.train import array_records as shards
   pulled = []
 
   def endless():
@@ -639,7 +639,7 @@ def test_streaming_reads_a_bounded_number_of_chunks_ahead():
 
 
 def test_window_cutter_matches_the_whole_stream():
-  from diloco.train import shards
+  from diloco.train import array_records as shards
   rng = np.random.default_rng(0)
   stream = rng.integers(0, 258, size=5000).astype(np.int32)
   cutter, rows, start = shards.WindowCutter(33), [], 0

@@ -13,8 +13,8 @@ from diloco.model.sharding import batch_sharding
 from diloco.runtime import decoupled
 from diloco.runtime.core import Recorder
 from diloco.train import data as data_lib
-from diloco.train import data_parallel as train
-from diloco.train import island
+from diloco.runtime import data_parallel as train
+from diloco.learner import island
 from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step

@@ -23,7 +23,7 @@ def _links(text: str) -> list[str]:
 
 
 def _paths(text: str) -> list[str]:
-  """Repository paths named in code spans: `diloco/syncer.py`, `configs/dp.py:tiny`,
+  """Repository paths named in code spans: `diloco/sync/syncer.py`, `configs/dp.py:tiny`,
   `tests/x_test.py::test_y`, `experiments/sweep/` (the first word of a span only)."""
   found = []
   for span in CODE.findall(text):
@@ -69,14 +69,15 @@ def test_named_paths_and_symbols_exist(doc):
 
 
 def test_the_checks_find_what_they_should():
-  text = ("see [design](design.md#2-the-algorithm), [web](https://x.org), `diloco/syncer.py`, "
+  text = ("see [design](design.md#2-the-algorithm), [web](https://x.org), `diloco/sync/syncer.py`, "
           "`configs/dp.py:tiny`, `tests/outer_test.py::test_rda`, `runs/x/`, `<WORKDIR>/a`, "
           "`diloco/{a,b}.py`")
   assert _links(text) == ["design.md#2-the-algorithm"]
-  assert _paths(text) == ["diloco/syncer.py", "configs/dp.py:tiny", "tests/outer_test.py::test_rda"]
+  assert _paths(text) == [
+      "diloco/sync/syncer.py", "configs/dp.py:tiny", "tests/outer_test.py::test_rda"]
   assert _split("configs/dp.py:tiny") == ("configs/dp.py", None)
   assert _split("tests/outer_test.py::test_rda") == ("tests/outer_test.py", "test_rda")
-  assert _split("diloco/syncer.py::Syncer.tick") == ("diloco/syncer.py", "Syncer")
+  assert _split("diloco/sync/syncer.py::Syncer.tick") == ("diloco/sync/syncer.py", "Syncer")
 
 
 def test_ci_runs_the_readmes_test_command_and_every_marker_phase():

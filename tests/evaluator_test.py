@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 from diloco.runtime import decoupled
-from diloco.train import data_parallel
+from diloco.runtime import data_parallel
 
 import run_config
 

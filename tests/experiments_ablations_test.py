@@ -7,7 +7,7 @@ import os
 import pytest
 
 from configs import decoupled
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 from experiments import harness
 from experiments.ablations import config, figures, run
 

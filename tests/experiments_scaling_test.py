@@ -193,7 +193,7 @@ def test_runner_end_to_end_with_real_short_runs(tmp_path):
 
 
 def test_share_devices_refuses_a_device_list():
-  from diloco import config_lib
+  from diloco.config import run_config as config_lib
   from diloco.errors import ConfigError
   raw = config_lib.load("configs/decoupled.py:tiny").to_dict()
   raw["learners"].update(share_devices=True, devices="1,1,1,1")
@@ -261,7 +261,7 @@ def test_small_stage_takes_the_best_decoupled_m4_setting(tmp_path):
   assert all(dict(r.overrides)["train.steps"] == 100 for r in small)
   assert dict(small[1].overrides)["train.batch_size"] == 8
   # Each run's config file and preset exist and build the `small` model.
-  from diloco import config_files
+  from diloco.config import files as config_files
   assert [config_files.load(r.config).model.name for r in small] == ["small", "small"]
 
 
@@ -408,7 +408,7 @@ def test_progress_section_reports_stopped_runs_against_data_parallel_at_equal_to
 
 @pytest.mark.parametrize("preset", sorted(config.PRESET_INNER_LR))
 def test_preset_inner_learning_rates_are_the_configs_own(preset):
-  from diloco import config_files
+  from diloco.config import files as config_files
   for kind in ("dp", "diloco", "decoupled"):
     if kind == "dp" and preset == "m35" or kind != "dp" and preset == "small":
       continue  # presets a config does not define

@@ -12,8 +12,9 @@ import os
 import numpy as np
 import pytest
 
-from diloco import fragments, syncer as syncer_lib
-from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
+from diloco import fragments
+from diloco.sync import syncer as syncer_lib
+from diloco.config.run_config import ConfigError, OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.observe import accounting
 from diloco.runtime import decoupled

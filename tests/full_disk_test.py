@@ -14,8 +14,8 @@ import object_store
 import pytest
 
 from diloco import fragments
-from diloco import syncer as syncer_lib
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.sync import syncer as syncer_lib
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.store import WRITE_FAILED, Store, StoreError

@@ -17,9 +17,10 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco import fragments, intake
-from diloco import syncer as syncer_lib
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco import fragments
+from diloco.sync import intake
+from diloco.sync import syncer as syncer_lib
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.store import Store

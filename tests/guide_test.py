@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(REPO, "docs", "guide.md")
@@ -90,9 +90,9 @@ def test_the_guides_tiny_commands_run_as_written(tmp_path):
     elif TRAIN.match(command):
       workdir = next(a.split("=", 1)[1] for a in argv if a.startswith("--workdir="))
       assert (tmp_path / workdir / "export").is_dir(), command
-    elif "diloco.sample" in command:
+    elif "diloco.cli.sample" in command:
       assert proc.stdout.startswith("import "), proc.stdout
-    elif "diloco.evaluate" in command:
+    elif "diloco.cli.evaluate" in command:
       assert re.search(r"loss \d+\.\d+, perplexity \d+\.\d+", proc.stdout), proc.stdout
     else:
       assert (tmp_path / "runs" / "first" / "export" / "model.safetensors").is_file()

@@ -20,21 +20,21 @@ def _imports(module):
 
 
 def test_learner_does_not_know_the_syncer():
-  imported = _imports("learner")
+  imported = _imports("learner/learner")
   assert not {n for n in imported if "syncer" in n or "policy" in n or "runtime" in n}
   assert "diloco.transport" in imported
 
 
 def test_the_learner_loop_does_not_know_the_syncer_or_a_runtime():
   """The loop every runtime shares: it drives a learner through hooks, never a runtime."""
-  imported = _imports("learner_loop")
+  imported = _imports("learner/loop")
   assert not {n for n in imported if "syncer" in n or "policy" in n or "runtime" in n
               or "distributed" in n}
-  assert "diloco.learner" in imported
+  assert "diloco.learner.learner" in imported
 
 
 def test_syncer_does_not_know_the_learner():
-  imported = _imports("syncer")
+  imported = _imports("sync/syncer")
   assert not {n for n in imported
               if "learner" in n or n.startswith("diloco.train") or n.startswith("jax")}
 
@@ -102,14 +102,14 @@ def test_the_model_does_not_import_the_run_configuration():
   graph = _module_graph()
   for module, deps in graph.items():
     if module.startswith("diloco.model"):
-      assert "diloco.config_lib" not in deps, module
+      assert "diloco.config.run_config" not in deps, module
 
 
 def test_modules_are_imported_normally():
   """Code is imported by name, never executed from a path behind Python's back: the only
   loaders by path are the two that take a user's file (a config file and a model module)."""
   root = os.path.dirname(PACKAGE)
-  allowed = {os.path.join("diloco", "config_files.py"), os.path.join("diloco", "model",
+  allowed = {os.path.join("diloco", "config", "files.py"), os.path.join("diloco", "model",
                                                                     "registry.py")}
   tricks = ("spec_from_file_location", "module_from_spec", "sys.modules[", "SourceFileLoader")
   found = []

@@ -1,4 +1,4 @@
-"""diloco.distributed.jobset (scripts/make_jobset.py): the rendered JobSet parses and has the structure GKE needs.
+"""diloco.deploy.jobset (scripts/make_jobset.py): the rendered JobSet parses and has the structure GKE needs.
 
 Nothing here talks to a cluster; these checks guard the manifest's shape (one job per
 learner, hosts per slice, selectors, commands) and that bad flags fail with their name.
@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from diloco.distributed import jobset as make_jobset
+from diloco.deploy import jobset as make_jobset
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from configs import multiprocess
-from diloco import config_lib
-from diloco.distributed import accelerators
+from diloco.config import run_config as config_lib
+from diloco.deploy import accelerators
 from diloco.distributed.launcher import Launcher, Proc
 from diloco.errors import ConfigError
 

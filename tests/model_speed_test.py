@@ -16,7 +16,7 @@ import pytest
 from script_import import import_script
 from flax import nnx
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 from diloco import fragments as fragments_lib
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets

@@ -7,13 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from diloco import config_lib, fragments
+from diloco.config import run_config as config_lib
+from diloco import fragments
 from diloco.model import registry
 from diloco.model import sharding as sharding_lib
 from diloco.runtime import core
 from diloco.runtime import decoupled
-from diloco.train import data_parallel as train
-from diloco.train import export
+from diloco.runtime import data_parallel as train
+from diloco.artifacts import export
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state

@@ -16,12 +16,13 @@ import numpy as np
 import optax
 import pytest
 
-from diloco import config_lib, fragments
-from diloco import learner as learner_lib
-from diloco import syncer as syncer_lib
+from diloco.config import run_config as config_lib
+from diloco import fragments
+from diloco.learner import learner as learner_lib
+from diloco.sync import syncer as syncer_lib
 from diloco import transport as transport_lib
 from diloco.runtime import decoupled
-from diloco.train import island
+from diloco.learner import island
 
 import run_config
 

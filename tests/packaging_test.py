@@ -81,7 +81,7 @@ def test_console_command_is_the_cli():
   module, function = target.split(":")
   assert name == "diloco"
   assert getattr(importlib.import_module(module), function) is importlib.import_module(
-      "diloco.cli").main
+      "diloco.cli.commands").main
   # What pip's generated `diloco` script does: call it with argv[0] = "diloco".
   code = (f"import sys; from {module} import {function}; "
           f"sys.argv = ['diloco', '--config=configs/diloco.py:tiny', '--config_help=quorum']; "

@@ -1,11 +1,11 @@
-"""Closed-form checks of the syncer policy (diloco/policy.py)."""
+"""Closed-form checks of the syncer policy (diloco/sync/policy.py)."""
 
 import dataclasses
 
 import pytest
 
-from diloco import policy
-from diloco.config_lib import SyncConfig
+from diloco.sync import policy
+from diloco.config.run_config import SyncConfig
 from diloco.delivery import Delivery
 
 CFG = policy.PolicyConfig(quorum=1, tau=2, gamma=0.8, heartbeat_timeout_s=10.0, max_staleness=2)

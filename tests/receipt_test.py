@@ -8,10 +8,11 @@ carried by the next delivery; a final-sync delivery's round waits for every live
 import numpy as np
 import pytest
 
-from diloco import fragments, policy
-from diloco import syncer as syncer_lib
+from diloco import fragments
+from diloco.sync import policy
+from diloco.sync import syncer as syncer_lib
 from diloco import transport as transport_lib
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 
 import options_test as helpers

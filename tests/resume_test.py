@@ -1,4 +1,4 @@
-"""Durable single-controller runs (diloco/runtime/checkpoint.py): snapshot, restore, kill,
+"""Durable single-controller runs (diloco/runtime/run_checkpoint.py): snapshot, restore, kill,
 resume."""
 
 import dataclasses
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from diloco import fragments
-from diloco.config_lib import ConfigError, OuterConfig, SyncConfig
-from diloco.learner import Resume
-from diloco.runtime import checkpoint as run_checkpoint
+from diloco.config.run_config import ConfigError, OuterConfig, SyncConfig
+from diloco.learner.learner import Resume
+from diloco.runtime import run_checkpoint
 from diloco.runtime import decoupled
-from diloco.syncer_group import SyncerGroup
+from diloco.sync.group import SyncerGroup
 
 import run_config
 

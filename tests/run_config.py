@@ -4,7 +4,7 @@ field such as `seed`)."""
 
 import os
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from diloco.config_lib import ConfigError, MeshConfig, OptimConfig
+from diloco.config.run_config import ConfigError, MeshConfig, OptimConfig
 from diloco.model import presets as model_presets
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib

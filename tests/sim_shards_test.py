@@ -1,10 +1,10 @@
-"""The shard planner (`diloco.sim.shards`) against closed forms."""
+"""The shard planner (`diloco.sim.capacity`) against closed forms."""
 
 import math
 
 import pytest
 
-from diloco.sim import shards
+from diloco.sim import capacity as shards
 
 
 def test_gemma_9b_rates_match_the_hand_count():

@@ -12,9 +12,10 @@ import pytest
 from etils import epath
 from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 
-from diloco import fragments, outer, syncer_shards
-from diloco import syncer as syncer_lib
-from diloco.config_lib import ConfigError, OuterConfig, StoreConfig, SyncConfig
+from diloco import fragments, outer
+from diloco.sync import ownership as syncer_shards
+from diloco.sync import syncer as syncer_lib
+from diloco.config.run_config import ConfigError, OuterConfig, StoreConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import chaos
 from diloco.distributed import store as store_lib
@@ -569,7 +570,7 @@ def test_a_shard_recovers_only_its_own_fragments(tmp_path):
 def test_init_from_a_store_assembles_g_from_every_shards_newest_version(tmp_path, num_shards):
   """`train.init_from=STORE`: each fragment's newest committed version, from its own shard's
   folder (here fragment 0 at version 2, the others at 0), checked against the values written."""
-  from diloco.train import export  # pylint: disable=import-outside-toplevel
+  from diloco.artifacts import export  # pylint: disable=import-outside-toplevel
   root = str(tmp_path / "store")
   owner = syncer_shards.assign(PLAN.num_elements, num_shards)
   stores = store_lib.shard_stores(root, num_shards)

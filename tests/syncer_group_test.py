@@ -1,4 +1,4 @@
-"""S syncer shards in one process (diloco/syncer_group.py) against one syncer: the same G.
+"""S syncer shards in one process (diloco/sync/group.py) against one syncer: the same G.
 
 One scripted run of heartbeats and deliveries (several learners and fragments, stale
 deliveries, rejected ones, a learner that leaves after its final-sync deliveries) is fed to a
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from diloco import fragments, intake, policy, syncer as syncer_lib, syncer_group, syncer_shards
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco import fragments
+from diloco.sync import (intake, policy, syncer as syncer_lib, group as syncer_group, ownership as syncer_shards)
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.errors import ConfigError
 from diloco.transport import Heartbeat

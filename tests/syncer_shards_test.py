@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from diloco import fragments, intake, syncer as syncer_lib, syncer_shards
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco import fragments
+from diloco.sync import intake, syncer as syncer_lib, ownership as syncer_shards
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.errors import ConfigError
 from diloco.transport import Heartbeat

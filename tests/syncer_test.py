@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from diloco import fragments, syncer as syncer_lib
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco import fragments
+from diloco.sync import syncer as syncer_lib
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.transport import Heartbeat
 

@@ -9,9 +9,9 @@ import struct
 
 import pytest
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 from diloco.runtime import decoupled
-from diloco.train import data_parallel as train
+from diloco.runtime import data_parallel as train
 
 import run_config
 
@@ -177,7 +177,7 @@ def test_multiprocess_run_logs_every_process_and_exports(tmp_path):
     assert _finite(scalars.get(tag)), (tag, sorted(scalars))
   assert scalars["accounting/rounds"][0][1] > 0
   assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")
-  from diloco.train import export
+  from diloco.artifacts import export
   params, meta = export.load(workdir)
   assert meta["runtime"] == "multiprocess" and meta["outer/rounds"] > 0
   assert params["embedder"]["embedding"].shape == (384, 64)  # the tiny preset's table

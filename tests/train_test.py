@@ -14,7 +14,7 @@ import pytest
 from diloco.errors import ConfigError
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
-from diloco.train import data_parallel as train
+from diloco.runtime import data_parallel as train
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state

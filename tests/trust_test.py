@@ -16,9 +16,10 @@ import time
 import numpy as np
 import pytest
 
-from diloco import fragments, intake, policy
-from diloco import syncer as syncer_lib
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco import fragments
+from diloco.sync import intake, policy
+from diloco.sync import syncer as syncer_lib
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.lease import Lease, LeaseHeld

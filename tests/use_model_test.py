@@ -1,4 +1,4 @@
-"""Using a trained run: `diloco.sample`, `diloco.evaluate`, the portable export and its
+"""Using a trained run: `diloco.cli.sample`, `diloco.cli.evaluate`, the portable export and its
 safetensors copy. The runs are made directly (a random tiny model exported with the run's
 config), so that no training is needed."""
 
@@ -17,10 +17,12 @@ import optax
 import pytest
 from flax import nnx
 
-from diloco import evaluate, fragments, sample, to_safetensors, trained
+from diloco.cli import evaluate, sample, to_safetensors
+from diloco import fragments
+from diloco.artifacts import trained
 from diloco.model import registry
 from diloco.train import data as data_lib
-from diloco.train import export
+from diloco.artifacts import export
 
 import run_config
 
@@ -190,7 +192,7 @@ def test_bad_input_fails_in_one_line_naming_the_flag(run, tmp_path, module, args
 @pytest.mark.slow
 def test_the_commands_exit_1_with_one_line_on_stderr(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO)
-  for module in ("diloco.sample", "diloco.evaluate"):
+  for module in ("diloco.cli.sample", "diloco.cli.evaluate"):
     done = subprocess.run([sys.executable, "-m", module, f"--workdir={tmp_path / 'none'}",
                            "--prompt=a" if module.endswith("sample") else "--json"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -275,7 +277,7 @@ def test_safetensors_hold_the_exported_tensors(run, tmp_path, capsys):
 
 
 def test_export_copies_the_tokenizer_that_prepared_shards_name(tmp_path):
-  from diloco.config_lib import DataConfig
+  from diloco.config.run_config import DataConfig
   shards = tmp_path / "shards"
   tokenizer = _word_tokenizer(str(shards))
   with open(shards / "meta.json", "w") as f:

@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from diloco.config_lib import ConfigError, parse_events
+from diloco.config.run_config import ConfigError, parse_events
 
 ANY = -1
 _TARGET = r"(\d+|\*)"

@@ -23,7 +23,8 @@ from typing import Any
 
 from etils import epath
 
-from diloco import intake, outer
+from diloco.sync import intake
+from diloco import outer
 
 UNREADABLE = "unreadable"
 BAD_COUNTERS = "bad_counters"

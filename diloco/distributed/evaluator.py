@@ -36,7 +36,7 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.config_lib import Config
+from diloco.config.run_config import Config
 from diloco.distributed.global_view import read_global, stopped
 from diloco.distributed.store import Store, global_index, shard_stores
 from diloco.model.sharding import batch_sharding
@@ -46,7 +46,7 @@ from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step
-from diloco.train.island import initial_global
+from diloco.learner.island import initial_global
 
 # How often the evaluator process looks at the store's heartbeats and registry.
 _POLL_S = 0.5

@@ -11,7 +11,7 @@ and writes the same report as the single-controller runtime (`diloco.observe.rep
 accounting.json, loss.png, timeline.png, a short table). While the run goes on it prints
 the global evals as the syncer or the evaluator process records them.
 
-On a GPU host or TPU VM (`launch.platform`, `diloco.distributed.accelerators`) each learner
+On a GPU host or TPU VM (`launch.platform`, `diloco.deploy.accelerators`) each learner
 gets its own group of the host's devices and the syncer stays on the CPU. SIGTERM or SIGINT to
 the launcher stops every process group it started with SIGTERM; whatever has not exited after
 `launch.stop_timeout_s` is SIGKILLed, and the launcher exits 128 + the signal number.
@@ -38,8 +38,9 @@ import time
 import numpy as np
 from absl import logging
 
-from diloco.config_lib import Config, ConfigError
-from diloco.distributed import accelerators, chaos
+from diloco.config.run_config import Config, ConfigError
+from diloco.deploy import accelerators
+from diloco.distributed import chaos
 from diloco.distributed.store import Store, shard_stores, shared_store
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib

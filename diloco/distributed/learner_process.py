@@ -33,18 +33,19 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco import learner_loop, syncer_shards
-from diloco.config_lib import Config, ConfigError
+from diloco.learner import loop as learner_loop
+from diloco.sync import ownership as syncer_shards
+from diloco.config.run_config import Config, ConfigError
 from diloco.distributed import chaos
 from diloco.distributed import hosts as hosts_lib
 from diloco.distributed import wan
 from diloco.distributed.store import Store, global_index, shard_stores, shared_store
 from diloco.distributed.store_transport import DONE, RETIRED
-from diloco.learner import Learner, Resume
+from diloco.learner.learner import Learner, Resume
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
 from diloco.train import checkpoint as checkpoint_lib
-from diloco.train import island
+from diloco.learner import island
 from diloco.train import optim
 from diloco.transport import Heartbeat
 

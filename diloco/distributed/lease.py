@@ -46,7 +46,7 @@ from collections.abc import Callable
 
 from absl import logging
 
-from diloco import intake
+from diloco.sync import intake
 from diloco.distributed.store import Store, StoreError
 
 # A generation of any length (canonical ASCII digits, matched whole); 240 digits keep a

@@ -66,7 +66,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from diloco import intake, outer
+from diloco.sync import intake
+from diloco import outer
 from diloco.delivery import Delivery
 from diloco.distributed import entry_check, npy_handler
 from diloco.distributed.entry_check import StoreError

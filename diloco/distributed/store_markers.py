@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco import intake
-from diloco import ledger as ledger_lib
+from diloco.sync import intake
+from diloco.sync import ledger as ledger_lib
 
 _ADMITTED_IDS = ("learner", "incarnation", "local_step")
 

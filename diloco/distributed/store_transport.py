@@ -22,7 +22,7 @@ from typing import Callable
 from absl import logging
 
 from diloco.distributed import wan
-from diloco import intake
+from diloco.sync import intake
 from diloco.delivery import Delivery
 from diloco.distributed.store import (GONE, NON_FINITE, WRITE_FAILED, Store, StoreError,
                                       parse_payload_name)

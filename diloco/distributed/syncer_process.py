@@ -37,8 +37,8 @@ import jax
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco import intake, syncer_shards
-from diloco.config_lib import Config
+from diloco.sync import intake, ownership as syncer_shards
+from diloco.config.run_config import Config
 from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.lease import Lease
 from diloco.distributed import chaos, global_view, store_markers
@@ -46,9 +46,9 @@ from diloco.distributed.store import (WRITE_FAILED, Store, StoreError, merged_na
                                       shard_stores)
 from diloco.distributed.store_transport import DONE, RETIRED, SyncerStoreLink
 from diloco.observe import metrics as metrics_lib
-from diloco.syncer import Syncer
-from diloco.train import export
-from diloco.train.island import fragment_plan, initial_global
+from diloco.sync.syncer import Syncer
+from diloco.artifacts import export
+from diloco.learner.island import fragment_plan, initial_global
 from diloco.transport import Merged
 
 TAPE_FILE = "tape.jsonl"

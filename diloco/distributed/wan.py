@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from diloco.config_lib import StoreConfig
+from diloco.config.run_config import StoreConfig
 
 
 class Link:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from diloco.config_rules import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, OneOf, require, setting
+from diloco.settings import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, OneOf, require, setting
 
 # How much of each layer's forward pass is kept for the backward pass (`jax.checkpoint`):
 # "none" keeps everything (no remat), "full" keeps only the layer's inputs and recomputes the

@@ -21,7 +21,7 @@ from diloco.observe import timeline
 from diloco.observe import tracking
 
 ACCOUNTING_FILE = "accounting.json"
-EXPORT_DIR = "export"  # where the final global parameters go (diloco/train/export.py)
+EXPORT_DIR = "export"  # where the final global parameters go (diloco/artifacts/export.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def table(summary: Mapping[str, float | None], workdir: str, eval_step: int) -> 
 def data_parallel_table(workdir: str, *, eval_loss: float | None,
                         initial_loss: float | None, eval_step: int, tokens: int,
                         train_s: float) -> str:
-  """The data-parallel run's end (`diloco.train.data_parallel`): the same first row as
+  """The data-parallel run's end (`diloco.runtime.data_parallel`): the same first row as
   `table`, its throughput, and where its outputs are. It has no syncer, so no accounting."""
   perplexity = ("" if eval_loss is None or not math.isfinite(eval_loss)
                 else f", perplexity {math.exp(min(eval_loss, 50.0)):.2f}")

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from absl import logging
 
-from diloco import config_rules
+from diloco import settings as config_rules
 from diloco.errors import ConfigError
 
 TENSORBOARD_DIR = "tensorboard"

@@ -1,6 +1,6 @@
 """Single-controller (Pathways-style) runtime: M learner meshes, one syncer, one process.
 
-The syncer is `sync.shards` independent shards in that process (`diloco.syncer_group`).
+The syncer is `sync.shards` independent shards in that process (`diloco.sync.group`).
 
 `jax.devices()` is split into disjoint learner groups (by slice when devices have a
 `slice_index`). Two drivers (`diloco.runtime.drivers`) move time over the learners and the syncer:
@@ -26,12 +26,13 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco import intake, learner_loop
-from diloco.config_lib import Config, ConfigError
-from diloco.learner import Learner, Resume
+from diloco.sync import intake
+from diloco.learner import loop as learner_loop
+from diloco.config.run_config import Config, ConfigError
+from diloco.learner.learner import Learner, Resume
 from diloco.runtime import faults as faults_lib
-from diloco.syncer_group import SyncerGroup
-from diloco.train import island
+from diloco.sync.group import SyncerGroup
+from diloco.learner import island
 from diloco.train import mesh as mesh_lib
 from diloco.train import state as train_state
 from diloco.train import step as train_step
@@ -167,7 +168,7 @@ class Runtime:
   """Builds the slots, the syncer and the transport; drivers move time."""
 
   def __init__(self, cfg: Config, workdir: str, devices=None, resume: bool = False):
-    """`resume`: a run restored from a checkpoint (`diloco.runtime.checkpoint.restore` follows)."""
+    """`resume`: a run restored from a checkpoint (`run_checkpoint.restore` follows)."""
     self.cfg, self.workdir = cfg, workdir
     devices = list(devices if devices is not None else jax.devices())
     if cfg.learners.share_devices:  # time-shared on the virtual clock

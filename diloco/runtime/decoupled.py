@@ -4,7 +4,7 @@
 a live status, evaluates the global parameters on schedule, and leaves in `workdir`:
 metrics.jsonl, tape.jsonl (one record per merged round), activity.jsonl, loss.png,
 timeline.png, accounting.json (goodput, uptime, bandwidth ledger, ...), tensorboard/ (learner_<m>
-and syncer runs) and export/ (the final global parameters, diloco/train/export.py). The end of
+and syncer runs) and export/ (the final global parameters, diloco/artifacts/export.py). The end of
 the run is `diloco.observe.report`, shared with the launcher.
 """
 
@@ -19,17 +19,17 @@ import time
 import jax
 from absl import logging
 
-from diloco.config_lib import Config, check_in_process_eval
+from diloco.config.run_config import Config, check_in_process_eval
 from diloco.model.sharding import batch_sharding
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import report as report_lib
 from diloco.observe import tracking
-from diloco.runtime import checkpoint as run_checkpoint
+from diloco.runtime import run_checkpoint
 from diloco.runtime.core import Runtime, Slot
 from diloco.runtime.drivers import ThreadedDriver, VirtualDriver
 from diloco.train import data as data_lib
-from diloco.train import export
+from diloco.artifacts import export
 
 
 class Status:
@@ -78,7 +78,8 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
   """`run`, also returning the runtime (syncer state, records) for tests and notebooks.
 
   Resumes from `workdir`'s newest committed run checkpoint if it has one (see
-  `diloco.runtime.checkpoint`); checkpoints every `checkpoint.every_rounds` rounds and at the end.
+  `diloco.runtime.run_checkpoint`); checkpoints every `checkpoint.every_rounds` rounds and at
+  the end.
   """
   os.makedirs(workdir, exist_ok=True)
   ckpt = run_checkpoint.RunCheckpointer(workdir, cfg)
@@ -122,7 +123,7 @@ def _prepare(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
     os.remove(os.path.join(workdir, metrics_lib.METRICS_FILE))  # a run that never checkpointed
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=2)
-  from diloco.train import data_parallel as train  # pylint: disable=import-outside-toplevel
+  from diloco.runtime import data_parallel as train  # pylint: disable=import-outside-toplevel
   train.check_vocab(cfg)
   return snapshot
 

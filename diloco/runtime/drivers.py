@@ -18,8 +18,8 @@ from typing import Any
 
 from absl import logging
 
-from diloco import learner_loop
-from diloco.learner import NonFiniteMetrics
+from diloco.learner import loop as learner_loop
+from diloco.learner.learner import NonFiniteMetrics
 from diloco.runtime import faults as faults_lib
 from diloco.runtime.core import Runtime, Slot
 from diloco.transport import Heartbeat
@@ -207,7 +207,7 @@ class VirtualDriver:
 class _ThreadHooks:
   """`learner_loop.LoopHooks` of a learner thread: the wall clock, its stop event (a fault or
   the end of the run) and the runtime's recorder; the run checkpoint
-  (`diloco.runtime.checkpoint.Periodic`) covers its state, so it saves none of its own."""
+  (`diloco.runtime.run_checkpoint.Periodic`) covers its state, so it saves none of its own."""
 
   def __init__(self, driver: ThreadedDriver, slot: Slot, stop: threading.Event):
     self._driver, self._slot, self._stop = driver, slot, stop

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from diloco.config_lib import parse_events
+from diloco.config.run_config import parse_events
 
 _PATTERNS = {
     "down": re.compile(r"^down:(\d+)@([0-9.]+)\+([0-9.]+)$"),

@@ -6,6 +6,6 @@
 
 from diloco.sim.engine import simulate
 from diloco.sim.params import FailureModel, SimConfig
-from diloco.sim.report import SimResult
+from diloco.sim.result import SimResult
 
 __all__ = ["FailureModel", "SimConfig", "SimResult", "simulate"]

@@ -12,7 +12,7 @@ and comes back `repair_s` later. Jobs ("units") own slices:
   are absorbed by it); afterwards it runs on every healthy slice.
 - `decoupled`: M units, each an elastic job of chips / M. Between events, the useful rate of
   each stepping learner is `chips * step_efficiency * coverage`, taken from a sampled round window
-  (`diloco.sim.rounds`, which drives `diloco.policy`) for the current set of stepping learners,
+  (`diloco.sim.rounds`, which drives `diloco.sync.policy`) for the current set of stepping learners,
   cached per set. A paused learner stays alive for the syncer until its heartbeat times out, so
   while fewer learners step than `required_quorum(K, alive)`, nobody makes progress.
 
@@ -30,10 +30,10 @@ import time
 
 import numpy as np
 
-from diloco import policy
+from diloco.sync import policy
 from diloco.sim import params as params_lib
 from diloco.sim import rounds
-from diloco.sim.report import SimResult
+from diloco.sim.result import SimResult
 
 _REPAIR, _PAUSE_END, _HB_EXPIRE, _SCHEDULE = 0, 1, 2, 3
 _CHUNK = 8192

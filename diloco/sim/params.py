@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from diloco import policy
-from diloco.config_lib import SyncConfig
+from diloco.sync import policy
+from diloco.config.run_config import SyncConfig
 
 YEAR_S = 365.0 * 86400.0
 DAY_S = 86400.0
@@ -71,7 +71,7 @@ class SimConfig:
     seed: seeds failures, step jitter and sampled rounds.
     quorum: K of the syncer (capped by the number of alive learners; 0 = all of them).
     grace: use the adaptive grace window (gamma below) or not (gamma = 0).
-    gamma, tau, heartbeat_timeout_s, max_staleness: the syncer policy (`diloco.policy`); these
+    gamma, tau, heartbeat_timeout_s, max_staleness: the syncer policy (`diloco.sync.policy`); these
       and P, H default to the config's `sync` group (`config_lib.SyncConfig`).
     fragments, inner_steps: P and H; fragment p is due every H steps at offset p * H // P.
     speeds: per-learner step-time factors (cycled if shorter than the number of learners).

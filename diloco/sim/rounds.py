@@ -1,4 +1,4 @@
-"""Sampled syncer rounds: step-level simulation of a short window, driving `diloco.policy`.
+"""Sampled syncer rounds: step-level simulation of a short window, driving `diloco.sync.policy`.
 
 The goodput engine cannot afford every inner step of a 30-day, million-chip run (billions of
 learner-steps), but the syncer's effect on goodput depends only on *which* learners are stepping
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diloco import policy
+from diloco.sync import policy
 from diloco.delivery import Delivery
 
 _STEP_END, _DEADLINE, _PUBLISH = 0, 1, 2

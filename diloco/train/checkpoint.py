@@ -14,7 +14,7 @@ from typing import Any
 import grain
 import orbax.checkpoint as ocp
 
-from diloco.config_lib import CheckpointConfig, ConfigError
+from diloco.config.run_config import CheckpointConfig, ConfigError
 from diloco.model import config as model_config
 
 PyTree = Any

@@ -26,7 +26,7 @@ import grain
 import numpy as np
 from absl import logging
 
-from diloco.config_lib import ConfigError, DataConfig
+from diloco.config.run_config import ConfigError, DataConfig
 from diloco.train import corpus, storage, tokenizers
 
 META_FILE = "meta.json"

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from diloco.config_lib import ConfigError, MeshConfig
+from diloco.config.run_config import ConfigError, MeshConfig
 from diloco.model.sharding import MESH_AXES
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diloco.config_lib import OptimConfig
+from diloco.config.run_config import OptimConfig
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco.config_lib import ConfigError, ModelConfig
+from diloco.config.run_config import ConfigError, ModelConfig
 from diloco.model import registry
 from diloco.model.sharding import DEFAULT_RULES
 

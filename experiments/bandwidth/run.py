@@ -11,7 +11,7 @@ import os
 import numpy as np
 from absl import app, flags
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 from diloco.distributed import launcher
 from diloco.observe.accounting import read_jsonl
 from diloco.sim import bandwidth as sim_bandwidth

@@ -27,7 +27,7 @@ absolute seconds depend on the machine's load, as these runs are real-time.
 
 import os
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 from diloco.sim.params import FailureModel
 from experiments.chaos import faults
 from experiments.harness import REPO, Run

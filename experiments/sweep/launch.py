@@ -1,7 +1,7 @@
 """Launch files of the TPU points: JobSet manifests from scripts/make_jobset.py, and commands.
 
 These points are rendered, never run here: a DiLoCo-family point becomes a JobSet (one TPU
-slice per learner, a CPU syncer, the store on GCS) built by `diloco.distributed.jobset`, so
+slice per learner, a CPU syncer, the store on GCS) built by `diloco.deploy.jobset`, so
 the manifests pass its checks (config builds, mesh fits the slice); a `dp` point is the one
 command that every host of a single slice runs. `commands.sh` lists how to reproduce and
 apply each file.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from diloco.distributed import jobset
+from diloco.deploy import jobset
 from experiments.sweep import config
 from experiments.sweep.grid import Point
 

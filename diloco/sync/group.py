@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from diloco import fragments as fragments_lib
-from diloco import intake, syncer_shards
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.sync import intake, ownership as syncer_shards
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.errors import ConfigError
-from diloco.syncer import Syncer
+from diloco.sync.syncer import Syncer
 from diloco.transport import Merged
 
 

@@ -53,7 +53,7 @@ from collections.abc import Sequence
 import yaml
 from absl import flags
 
-from diloco import config_lib
+from diloco.config import run_config as config_lib
 
 # The repository: the image carries it, so a config must be one of its files.
 ROOT = pathlib.Path(__file__).resolve().parents[2]

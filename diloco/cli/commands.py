@@ -15,11 +15,12 @@ import sys
 
 # name: (module, what it does). Training is the default subcommand.
 SUBCOMMANDS = {
-    "train": ("diloco.main", "train a model (the default): --config=NAME:PRESET --workdir=DIR"),
-    "compare": ("diloco.compare", "finished runs side by side: a table and eval-loss curves"),
-    "sample": ("diloco.sample", "generate text from a run's exported model"),
-    "evaluate": ("diloco.evaluate", "score a run's exported model on held-out data"),
-    "to_safetensors": ("diloco.to_safetensors",
+    "train": ("diloco.cli.train",
+              "train a model (the default): --config=NAME:PRESET --workdir=DIR"),
+    "compare": ("diloco.cli.compare", "finished runs side by side: a table and eval-loss curves"),
+    "sample": ("diloco.cli.sample", "generate text from a run's exported model"),
+    "evaluate": ("diloco.cli.evaluate", "score a run's exported model on held-out data"),
+    "to_safetensors": ("diloco.cli.to_safetensors",
                        "add model.safetensors and config.json to a run's export"),
 }
 # Other names people type for a subcommand.
@@ -31,8 +32,8 @@ def help_text() -> str:
   """The subcommands, then the training flags (the `diloco.main` module's own)."""
   from absl import flags  # pylint: disable=import-outside-toplevel
 
-  from diloco import config_files  # pylint: disable=import-outside-toplevel
-  from diloco import main as train  # pylint: disable=import-outside-toplevel
+  from diloco.config import files as config_files  # pylint: disable=import-outside-toplevel
+  from diloco.cli import train  # pylint: disable=import-outside-toplevel
   width = max(map(len, SUBCOMMANDS))
   lines = ["usage: diloco [SUBCOMMAND] [FLAGS]", "", "subcommands:"]
   lines += [f"  {name:<{width}}  {about}" for name, (_, about) in SUBCOMMANDS.items()]
@@ -72,11 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in _HELP for a in args):  # absl's --help describes the __main__ module: not this
       from absl import flags  # pylint: disable=import-outside-toplevel
 
-      from diloco import main as train  # pylint: disable=import-outside-toplevel
+      from diloco.cli import train  # pylint: disable=import-outside-toplevel
       _show(f"{train.__doc__.strip()}\n\n{flags.FLAGS.module_help(train)}")
       return
     sys.argv = [f"diloco {name}", *args]
-    from diloco import main as train  # pylint: disable=import-outside-toplevel
+    from diloco.cli import train  # pylint: disable=import-outside-toplevel
     train.run_cli()
     return
   importlib.import_module(module).main([f"diloco {name}", *args])

@@ -48,7 +48,7 @@ REJECT_UNEARNED = "unearned"
 # A learner id at or beyond the configured number of learners (no such data shard exists).
 REJECT_LEARNER_RANGE = "learner_out_of_range"
 # A delivery identity (learner, incarnation, fragment, local step) already merged, or older
-# than one already merged from the same incarnation (`diloco.ledger`).
+# than one already merged from the same incarnation (`diloco.sync.ledger`).
 REJECT_REPLAYED = "replayed"
 # A delivery or heartbeat of an incarnation that left for good or was superseded.
 REJECT_DEPARTED = "departed"

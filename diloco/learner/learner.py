@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from diloco import fragments as fragments_lib
 from diloco import outer
-from diloco.config_lib import Config
+from diloco.config.run_config import Config
 from diloco.delivery import Delivery
 from diloco.model.sharding import batch_sharding
 from diloco.train import data as data_lib
@@ -121,7 +121,7 @@ class Learner:
 
   def _apply(self, merged: Merged, mode: str | None = None) -> None:
     """Takes merged fragment p by the receipt `mode` (default `sync.receipt`; the modes are
-    defined in `diloco/receipt.py`)."""
+    defined in `diloco/learner/receipt.py`)."""
     mode = mode or self.cfg.sync.receipt
     p = merged.fragment
     flat = fragments_lib.flatten_tree(self.state["params"])

@@ -1,7 +1,7 @@
 """The syncer: collects fragment deliveries, runs rounds under the policy, merges, steps G.
 
 Host-only NumPy (never a learner's device). Every decision goes through the pure
-functions of `diloco.policy` with times passed in, so the same code runs on the wall
+functions of `diloco.sync.policy` with times passed in, so the same code runs on the wall
 clock (threads) and on a virtual clock (deterministic runs, the goodput simulator).
 `tick(now)` ingests messages, closes every round that is due and returns the merged
 fragments to publish plus the next time it wants to be called.
@@ -20,9 +20,10 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco import durable_state, intake, outer, policy
-from diloco import ledger as ledger_lib
-from diloco.config_lib import OuterConfig, SyncConfig
+from diloco.sync import durable_state, intake, policy
+from diloco import outer
+from diloco.sync import ledger as ledger_lib
+from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.transport import Heartbeat, Merged
 
@@ -273,7 +274,7 @@ class Syncer:
 
   def _replayed(self, payload: Delivery, now: float) -> bool:
     """Rejects (True) a delivery that G (or the open round) already holds from the same
-    incarnation, or a newer one of it (`diloco.ledger`)."""
+    incarnation, or a newer one of it (`diloco.sync.ledger`)."""
     m, i, p, t = payload.learner, payload.incarnation, payload.fragment, payload.local_step
     waiting = self._pending.get(p, {}).get(m)
     if self.ledger.replayed(m, i, p, t) or (

@@ -1,4 +1,4 @@
-"""Score a trained run on text: `python -m diloco.evaluate --workdir=RUN [--data=SOURCE:PATH]`.
+"""Score a trained run on text: `python -m diloco.cli.evaluate --workdir=RUN [--data=SOURCE:PATH]`.
 
 Reports the mean next-token cross-entropy (nats per token) and its perplexity exp(loss) of
 the run's final export (or checkpoint `--step`) over windows of `--seq_len + 1` tokens, cut
@@ -26,11 +26,13 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from diloco import command, trained
-from diloco.config_lib import DATA_SOURCES, DataConfig
+from diloco.cli import command
+from diloco.artifacts import trained
+from diloco.config.run_config import DATA_SOURCES, DataConfig
 from diloco.errors import ConfigError
 from diloco.train import data as data_lib
-from diloco.train import export, storage
+from diloco.artifacts import export
+from diloco.train import storage
 from diloco.train.step import chunked_token_losses, token_losses
 
 FLAGS = flags.FlagValues()

@@ -1,7 +1,7 @@
 """Compares finished runs side by side: a table and the eval-loss curves, from their own files.
 
     diloco compare runs/dp_cpu runs/decoupled_cpu [--report_dir=runs/compare]
-    python -m diloco.compare ...                       (the same)
+    python -m diloco.cli.compare ...                       (the same)
 
 Each argument is a run's workdir (any runtime: data-parallel, single-controller or
 multi-process). The table has its final and initial global eval loss, tokens, time and, for

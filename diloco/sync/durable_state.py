@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from diloco import intake
+from diloco.sync import intake
 
 
 def _finite(x: Any) -> float | None:

@@ -15,7 +15,7 @@ import ml_collections
 
 from diloco.errors import ConfigError
 
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def names() -> list[str]:

@@ -6,7 +6,7 @@ after `validate()`, so every bad value fails at start with a message that names
 the field and what it may be.
 
 Each rule lives in one place (docs/architecture.md, "Where a config rule lives"): a field's own
-rule is declared beside it (`setting(default, rule)`, diloco/config_rules.py), a rule relating
+rule is declared beside it (`setting(default, rule)`, diloco/settings.py), a rule relating
 fields of one group is that group's `check` method, and a rule across groups is in
 `_check_across_groups`. Lists of allowed values are imported from the module that acts on them.
 """
@@ -19,8 +19,9 @@ from typing import Any
 
 import ml_collections
 
-from diloco import fragments, policy
-from diloco.config_rules import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, OneOf, Range,
+from diloco import fragments
+from diloco.sync import policy
+from diloco.settings import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, OneOf, Range,
                                  check_fields, require, setting)
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
@@ -28,7 +29,7 @@ from diloco.model.config import ModelConfig
 from diloco.observe import tracking
 from diloco.outer import merge as merge_lib
 from diloco.outer.quantize import QUANT_BITS
-from diloco.receipt import RECEIPT_MODES
+from diloco.learner.receipt import RECEIPT_MODES
 from diloco.train import corpus, storage
 
 # The config's own choices (the modules that act on them read the field's value).
@@ -152,7 +153,7 @@ class CheckpointConfig:
   every_steps: int = setting(50, NON_NEGATIVE, "0 = off")
   # Single-controller Decoupled DiLoCo: checkpoint the syncer (G, momentum, versions, registry)
   # and the learners' resume points every this many merged rounds, and at the end, so that
-  # rerunning the command resumes (diloco/runtime/checkpoint.py); 0 disables them.
+  # rerunning the command resumes (diloco/runtime/run_checkpoint.py); 0 disables them.
   every_rounds: int = setting(0, NON_NEGATIVE, "0 = off")
   # Both kinds keep the newest `max_to_keep` checkpoints.
   max_to_keep: int = setting(2, AT_LEAST_ONE)
@@ -226,8 +227,8 @@ class SyncConfig:
   send_queue: int = setting(8, AT_LEAST_ONE)
   # S: the syncer is split into this many shards, each owning a byte-balanced subset of the
   # fragments with its own G, momentum, rounds, lease, store folder and tape
-  # (docs/design.md 3.1, `diloco/syncer_shards.py`). 1 = one syncer. The single-controller
-  # runtime runs the S shards in its process (`diloco/syncer_group.py`).
+  # (docs/design.md 3.1, `diloco/sync/ownership.py`). 1 = one syncer. The single-controller
+  # runtime runs the S shards in its process (`diloco/sync/group.py`).
   shards: int = setting(1, AT_LEAST_ONE)
   # Which shard a syncer process is (`--role=syncer --config.sync.shard=s`); learners and the
   # single-controller runtime ignore it.
@@ -438,7 +439,7 @@ _GROUPS = {
     "sync": SyncConfig, "outer": OuterConfig, "learners": LearnersConfig,
     "store": StoreConfig, "launch": LaunchConfig,
 }
-GROUPS = _GROUPS  # read by the command line's help (diloco/config_cli.py)
+GROUPS = _GROUPS  # read by the command line's help (diloco/cli/config_flags.py)
 # `sync.quorum` = ALL_LEARNERS: every live learner (K = M), following learners.count.
 ALL_LEARNERS = 0
 
@@ -455,11 +456,11 @@ def base_config(model_preset: str) -> ml_collections.ConfigDict:
 
 def load(spec: str) -> ml_collections.ConfigDict:
   """`get_config(preset)` of a config file given as `path/to/file.py[:preset]` or by the name of
-  a shipped one (`decoupled:tiny`, see `diloco.config_files`).
+  a shipped one (`decoupled:tiny`, see `diloco.config.files`).
 
   The same syntax as `--config=`, for scripts and notebooks that do not parse flags.
   """
-  from diloco import config_files  # pylint: disable=import-outside-toplevel
+  from diloco.config import files as config_files  # pylint: disable=import-outside-toplevel
   return config_files.load(spec)
 
 

@@ -42,7 +42,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
-from diloco import config_rules
+from diloco import settings as config_rules
 from diloco.delivery import Delivery
 
 # Reasons returned by `check_delivery` for rejected deliveries (stable strings, used as counter

@@ -19,7 +19,7 @@ import re
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 
-from diloco.config_lib import LAUNCH_PLATFORMS as PLATFORMS
+from diloco.config.run_config import LAUNCH_PLATFORMS as PLATFORMS
 from diloco.errors import ConfigError
 
 _EMULATED_FLAG = "--xla_force_host_platform_device_count"

@@ -1,6 +1,6 @@
 """One learner's life around its steps, shared by every runtime (docs/architecture.md).
 
-A learner (`diloco.learner.Learner`) knows how to step, deliver and apply merged fragments;
+A learner (`diloco.learner.learner.Learner`) knows how to step, deliver and apply merged fragments;
 this module decides when: step, pace to the configured speed, record step and wait spans,
 apply what is due (`sync_point`), wait for a late round with heartbeats and give up on it
 after `sync.heartbeat_timeout_s`, and, when the learner finishes or retires on purpose,
@@ -25,10 +25,10 @@ from typing import Protocol
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.config_lib import Config
-from diloco.learner import Learner
+from diloco.config.run_config import Config
+from diloco.learner.learner import Learner
 from diloco.observe.accounting import span_record
-from diloco.train.island import pacing_wait
+from diloco.learner.island import pacing_wait
 from diloco.transport import Heartbeat
 
 # How long one wait for a late round's publication lasts before the learner heartbeats

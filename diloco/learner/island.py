@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from diloco import fragments as fragments_lib
-from diloco.config_lib import Config, ConfigError
+from diloco.config.run_config import Config, ConfigError
 from diloco.model import registry
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib
@@ -71,7 +71,7 @@ def initial_global(init_fn, seed: int, cfg: Config | None = None,
   """The global parameters at version 0, flattened: learner init with the run's seed, or the
   parameters of `cfg.train.init_from` (shape-checked against `abstract_params`)."""
   if cfg is not None and cfg.train.init_from:
-    from diloco.train import export  # pylint: disable=import-outside-toplevel
+    from diloco.artifacts import export  # pylint: disable=import-outside-toplevel
     params = export.load_init(cfg.train.init_from, abstract_params)
     return {k: np.asarray(v) for k, v in fragments_lib.flatten_tree(params).items()}
   init = init_fn(jax.random.key(seed))

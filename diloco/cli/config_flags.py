@@ -20,7 +20,7 @@ from typing import Any
 
 import ml_collections
 
-from diloco import config_files, config_lib
+from diloco.config import files as config_files, run_config as config_lib
 
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=\s]+)")
 _SPEC = re.compile(r"^--?config(?:=(.*))?$")
@@ -111,7 +111,7 @@ def unknown_override(argv: list[str]) -> str | None:
 
 def with_config_resolved(argv: list[str]) -> list[str]:
   """`argv` with its `--config=SPEC` made a path that exists (`decoupled:tiny` names a shipped
-  file, see `diloco.config_files`), after loading it once: a missing file, a file that fails
+  file, see `diloco.config.files`), after loading it once: a missing file, a file that fails
   to load or an unknown preset is a one-line ConfigError here, not a traceback in the flag
   parser."""
   for i, arg in enumerate(argv):

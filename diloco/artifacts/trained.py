@@ -3,8 +3,8 @@
 `load(workdir)` reads the run's final export (WORKDIR/export, or an export folder itself);
 `load(workdir, step=N)` reads checkpoint N of the run instead (WORKDIR/run_checkpoints/N of a
 Decoupled DiLoCo run, else WORKDIR/checkpoints/N of a data-parallel one), with the model and
-tokenizer of WORKDIR/config.json. Used by `diloco.sample`, `diloco.evaluate` and
-`diloco.to_safetensors`; every failure is a one-line ConfigError naming the flag.
+tokenizer of WORKDIR/config.json. Used by `diloco.cli.sample`, `diloco.cli.evaluate` and
+`diloco.cli.to_safetensors`; every failure is a one-line ConfigError naming the flag.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from flax import nnx
 from diloco import fragments as fragments_lib
 from diloco.errors import ConfigError
 from diloco.model.config import ModelConfig
-from diloco.train import export, tokenizers
+from diloco.artifacts import export
+from diloco.train import tokenizers
 
 
 @dataclasses.dataclass

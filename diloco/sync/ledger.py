@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco import intake
+from diloco.sync import intake
 
 # Incarnations kept per learner; when a newer one merges, the oldest kept is superseded (its
 # floor rises past it): a learner has one live incarnation, a few more are late messages.

@@ -1,5 +1,5 @@
 """Add model.safetensors and config.json to a run's export:
-`python -m diloco.to_safetensors --workdir=RUN`.
+`python -m diloco.cli.to_safetensors --workdir=RUN`.
 
 The same tensors as the Orbax export under their "/"-joined names (e.g.
 "layers/0/attn/q_DNH"), and a config.json with the model's fields, the vocabulary size and
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from absl import flags
 
-from diloco import command
+from diloco.cli import command
 from diloco.errors import ConfigError
-from diloco.train import export
+from diloco.artifacts import export
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("workdir", None, "The run's workdir, or an export folder.", flag_values=FLAGS)

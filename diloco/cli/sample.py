@@ -1,4 +1,4 @@
-"""Generate text from a trained run: `python -m diloco.sample --workdir=RUN --prompt=TEXT`.
+"""Generate text from a trained run: `python -m diloco.cli.sample --workdir=RUN --prompt=TEXT`.
 
 Reads the run's final export (or checkpoint `--step`), encodes the prompt with the run's
 tokenizer after its BOS (as every training document starts), and decodes `--max_tokens` new
@@ -18,7 +18,8 @@ import time
 import numpy as np
 from absl import flags
 
-from diloco import command, trained
+from diloco.cli import command
+from diloco.artifacts import trained
 from diloco.errors import ConfigError
 from diloco.model import decode
 

@@ -1,6 +1,6 @@
 """How many syncer shards a run needs: the capacity planner of the sharded syncer.
 
-    python -m diloco.sim.shards --params=9e9 --learners=8 --fragments=24 --H=24 \
+    python -m diloco.sim.capacity --params=9e9 --learners=8 --fragments=24 --H=24 \
         --step_time=2 --bits=32 --net_gbps=100 --merge_gbytes_s=5 [--json]
 
 Assumptions (docs/design.md 3.1, "Sharded syncer"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from diloco.config_lib import Config
+from diloco.config.run_config import Config
 from diloco.errors import ConfigError
 from diloco.train import corpus, data, storage, tokenizers
 

@@ -1,0 +1,1 @@
+"""What a run leaves behind for use: the export and the trained-model loader."""

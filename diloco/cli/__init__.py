@@ -1,0 +1,1 @@
+"""The `diloco` command: training and the tools around a run."""

@@ -1,0 +1,1 @@
+"""The run's configuration: the groups composed, validated, read from files."""

@@ -1,0 +1,1 @@
+"""How processes reach machines: GKE JobSets and the accelerators of a host."""

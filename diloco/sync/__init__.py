@@ -1,0 +1,1 @@
+"""The syncer: collects deliveries, decides rounds (quorum, grace), merges, steps G."""
