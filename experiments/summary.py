@@ -1,11 +1,12 @@
-"""Writes the top-level README's table of experiment results from their own results.json.
+"""Writes the experiments' results tables from their own results.json files.
 
     python -m experiments.summary [--check]
 
-One row per experiment folder with a results.json: what it compares, its headline figures
-computed from the rows (never typed), the commit it was measured at and a link to its
-README. The table replaces what lies between the README's `experiments:begin` and
-`experiments:end` markers; `--check` exits 1 if the README is out of date instead.
+One row per experiment folder with a results.json: its headline figures computed from the rows
+(never typed), the commit it was measured at and a link to its README. The long table (every
+method's figure) goes to docs/results.md and a short one (the first figures of each headline)
+to the top-level README, each between the file's `experiments:begin` and `experiments:end`
+markers; `--check` exits 1 if either file is out of date instead.
 """
 
 from __future__ import annotations
@@ -100,41 +101,88 @@ HEADLINES: dict[str, Callable[[Sequence[dict]], str]] = {
     "scaling": scaling}
 
 
-def table(root: str) -> str:
-  lines = ["| experiment | headline (from results.json) | runs | commit |", "|---|---|---|---|"]
+def _results(root: str) -> list[tuple[str, dict]]:
+  out = []
   for name in sorted(os.listdir(root)):
     path = os.path.join(root, name, "results.json")
-    if not os.path.exists(path):
-      continue
-    with open(path, encoding="utf-8") as f:
-      results = json.load(f)
-    headline = HEADLINES.get(results["experiment"], _by_method)(results["rows"])
-    lines.append(f"| [`{name}`](experiments/{name}/README.md) | {headline} | "
-                 f"{len(results['rows'])} | `{results['commit'][:8]}` |")
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        out.append((name, json.load(f)))
+  return out
+
+
+def _headline(results: dict) -> str:
+  return HEADLINES.get(results["experiment"], _by_method)(results["rows"])
+
+
+def table(root: str, link_prefix: str = "") -> str:
+  """Every experiment's whole headline; links relative to a file `link_prefix` away."""
+  lines = ["| experiment | headline (from results.json) | runs | commit |", "|---|---|---|---|"]
+  for name, results in _results(root):
+    lines.append(f"| [`{name}`]({link_prefix}experiments/{name}/README.md) | "
+                 f"{_headline(results)} | {len(results['rows'])} | `{results['commit'][:8]}` |")
   return "\n".join(lines)
 
 
-def update(readme: str, root: str) -> str:
-  """`readme` with the table between the markers replaced; ValueError if a marker is missing."""
+# What each experiment asks, for the README's short table.
+QUESTIONS = {
+    "ablations": "which design choice matters (receipt, precision, merge, fragments, tau)",
+    "bandwidth": "training over a slow link, synchronous against decoupled",
+    "chaos": "quality under real process faults",
+    "heterogeneous": "learners of unequal speed: quorum K = M, K = 1, K = 1 + grace",
+    "parity": "Decoupled against data-parallel at equal tokens (`small`)",
+    "scaling": "the gap to data-parallel at compute-optimal length, M = 1 to 8",
+    "scavenging": "adding learners for a while shortens the time to a loss",
+    "stale": "stale deliveries: the paper's anchor against rebasing",
+    "sweep": "best point per method over M, K and H",
+}
+SHORT_CLAUSES = 3
+# The scaling headline's fourth clause holds the tiny model's gaps, the row's point.
+SHORT_CLAUSES_OF = {"scaling": 4}
+
+
+def short_table(root: str) -> str:
+  """One readable row per experiment: its question and the first clauses of its headline."""
+  lines = ["| experiment | question | headline (first figures; all in docs/results.md) |",
+           "|---|---|---|"]
+  for name, results in _results(root):
+    clauses = _headline(results).split("; ")
+    keep = SHORT_CLAUSES_OF.get(name, SHORT_CLAUSES)
+    short = "; ".join(clauses[:keep]) + ("; ..." if len(clauses) > keep else "")
+    lines.append(f"| [`{name}`](experiments/{name}/README.md) | {QUESTIONS.get(name, '')} | "
+                 f"{short} |")
+  return "\n".join(lines)
+
+
+def update(readme: str, root: str, render: Callable[[str], str] = table) -> str:
+  """`readme` with `render(root)` between the markers; ValueError if a marker is missing."""
   if BEGIN not in readme or END not in readme:
-    raise ValueError(f"README.md: no {BEGIN} ... {END} markers to put the table between")
+    raise ValueError(f"no {BEGIN} ... {END} markers to put the table between")
   head, rest = readme.split(BEGIN, 1)
   _, tail = rest.split(END, 1)
-  return f"{head}{BEGIN}\n{table(root)}\n{END}{tail}"
+  return f"{head}{BEGIN}\n{render(root)}\n{END}{tail}"
 
 
 def main(argv: list[str]) -> int:
-  readme_path = os.path.join(harness.REPO, "README.md")
-  with open(readme_path, encoding="utf-8") as f:
-    readme = f.read()
-  new = update(readme, os.path.join(harness.REPO, "experiments"))
-  if "--check" in argv:
-    if new != readme:
-      print("README.md's experiment table is out of date: python -m experiments.summary")
-      return 1
-    return 0
-  with open(readme_path, "w", encoding="utf-8") as f:
-    f.write(new)
+  root = os.path.join(harness.REPO, "experiments")
+  targets = [("README.md", short_table), (os.path.join("docs", "results.md"),
+                                          lambda r: table(r, link_prefix="../"))]
+  stale = []
+  for relative, render in targets:
+    path = os.path.join(harness.REPO, relative)
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    new = update(text, root, render)
+    if new == text:
+      continue
+    if "--check" in argv:
+      stale.append(relative)
+    else:
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(new)
+  if stale:
+    print(f"{', '.join(stale)}: experiment table out of date: python -m experiments.summary")
+    return 1
   return 0
 
 

@@ -24,7 +24,8 @@ GUIDE = os.path.join(REPO, "docs", "guide.md")
 # (sample, score, safetensors export) and the comparison.
 TRAIN = re.compile(r"^python -m diloco(\.main)? --config=configs/(decoupled|dp)\.py:tiny ")
 TINY = (TRAIN, re.compile(r"^python -m diloco compare "),
-        re.compile(r"^python -m diloco\.(sample|evaluate|to_safetensors) --workdir=runs/first"))
+        re.compile(r"^python -m diloco\.cli\.(sample|evaluate|to_safetensors) "
+                   r"--workdir=runs/first"))
 SHORTEN = 8
 
 
@@ -67,7 +68,7 @@ def test_the_guide_still_has_its_tiny_commands():
   assert any("configs/dp.py:tiny" in c for c in found)
   assert any(c.startswith("python -m diloco compare ") for c in found)
   for tool in ("sample", "evaluate", "to_safetensors"):
-    assert any(c.startswith(f"python -m diloco.{tool} ") for c in found), tool
+    assert any(c.startswith(f"python -m diloco.cli.{tool} ") for c in found), tool
 
 
 @pytest.mark.slow
