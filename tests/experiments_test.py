@@ -188,6 +188,18 @@ def test_summary_table_is_generated_from_results_files(tmp_path):
     summary.update("no markers", str(tmp_path))
 
 
+def test_short_table_keeps_the_first_clauses_of_each_headline(tmp_path):
+  rows = [{"method": m, "seed": 0, "eval_loss": v}
+          for m, v in (("a", 2.0), ("b", 2.1), ("c", 2.2), ("d", 2.3))]
+  os.makedirs(tmp_path / "toy")
+  with open(tmp_path / "toy" / "results.json", "w") as f:
+    json.dump({"experiment": "toy", "commit": "cd" * 20, "rows": rows}, f)
+  short = summary.short_table(str(tmp_path))
+  assert "| [`toy`](experiments/toy/README.md) |  | a 2.000; b 2.100; c 2.200; ... |" in short
+  assert "d 2.300" in summary.table(str(tmp_path)) and "d 2.300" not in short
+  assert "](../experiments/toy/README.md)" in summary.table(str(tmp_path), link_prefix="../")
+
+
 def test_readme_results_table_is_up_to_date():
   assert summary.main(["--check"]) == 0, "run: python -m experiments.summary"
 
