@@ -133,7 +133,7 @@ class Launcher:
     os.makedirs(os.path.join(self.workdir, "activity"), exist_ok=True)
     self._activity = open(os.path.join(self.workdir, "activity", LAUNCHER_ACTIVITY), "a",
                           encoding="utf-8")
-    self.origin = self.store.run_start(create=True)
+    self.origin = self.store.run.start(create=True)
     self.started = time.monotonic()
     self.applied: list[dict] = []
     # The global evals as the syncer or the evaluator process records them, for the console.
@@ -394,7 +394,7 @@ class Launcher:
           last_status = now
           print(self.status_line(), flush=True)
         time.sleep(0.1)
-      self.store.request_stop({"at": self.now()})
+      self.store.run.request_stop({"at": self.now()})
       self._wait_for_syncers()
       self._wait_for_evaluator()
     finally:
@@ -435,11 +435,11 @@ class Launcher:
       time.sleep(0.1)
 
   def _all_stepping(self) -> bool:
-    beats = self.store.heartbeats()
+    beats = self.store.learners.heartbeats()
     return all(beats.get(m, {}).get("local_step", 0) >= 1 for m in range(self.cfg.learners.count))
 
   def status_line(self) -> str:
-    beats = self.store.heartbeats()
+    beats = self.store.learners.heartbeats()
     parts = []
     for m, proc in sorted(self.procs.items()):
       if m < 0 or proc.state == "idle":
@@ -449,7 +449,7 @@ class Launcher:
     syncers = []
     for proc, store in zip(self._syncers(), self._shard_stores()):
       try:
-        reg = store.read_json("registry.json") or {}
+        reg = store.blobs.read_json("registry.json") or {}
       except Exception:  # a status line never fails the run
         reg = {}
       syncers.append(f"{proc.name} {proc.state} r{proc.restarts}: rounds {reg.get('rounds', 0)}, "
