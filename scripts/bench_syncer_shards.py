@@ -50,7 +50,7 @@ from diloco.delivery import Delivery
 from diloco.distributed import store as store_lib
 from diloco.distributed import learner_registry
 from diloco.distributed import store_names
-from diloco.distributed.launcher import param_shapes
+from diloco.distributed.launch_report import param_shapes
 
 flags.DEFINE_string("config", "configs/multiprocess.py:cpu", "The run config (model shapes).")
 flags.DEFINE_integer("learners", 8, "Learners delivering every fragment each round (M = K).")
