@@ -92,9 +92,9 @@ class MergedVersions:
     paths = sorted(merged.tensors)
     try:
       self.blobs.save_tree(f"merged/{data}/params",
-                      {tensor_key(i): merged.tensors[k] for i, k in enumerate(paths)})
+                           {tensor_key(i): merged.tensors[k] for i, k in enumerate(paths)})
       self.blobs.save_tree(f"merged/{data}/outer",
-                      {tensor_key(i): momentum[k] for i, k in enumerate(paths)})
+                           {tensor_key(i): momentum[k] for i, k in enumerate(paths)})
       if self.blobs.local:
         fsync_dir(self.blobs.root / "merged")  # the data folder's name, before the marker's
       if fence is not None:

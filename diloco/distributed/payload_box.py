@@ -46,7 +46,7 @@ class Payloads:
       if isinstance(tensor, outer.QuantizedTensor):
         quant = {"bits": tensor.bits, "block": tensor.block}
         tree[tensor_key(i)] = ({"values": tensor.values} if tensor.bits == 16 else
-                                {"values": tensor.values, "scales": tensor.scales})
+                               {"values": tensor.values, "scales": tensor.scales})
       else:
         tree[tensor_key(i)] = np.asarray(tensor)
     started = time.monotonic()
@@ -185,7 +185,7 @@ class Payloads:
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / f"{name}.reason.json").exists():  # a half-moved entry keeps its first why
       self.blobs.write_json(f"quarantine/{name}.reason.json",
-                      {"reason": reason, "detail": detail[:2000], "time": time.time()})
+                            {"reason": reason, "detail": detail[:2000], "time": time.time()})
     for rel in (name, f"{name}.json"):
       source, target = self.blobs.root / "payloads" / rel, folder / rel
       if not source.exists():
