@@ -36,17 +36,17 @@ def _attack(store_root: str, workdir: str, stop: threading.Event, counts: dict) 
   while not stop.wait(0.5):
     try:
       store = Store(store_root)
-      index = store.merged_index()
+      index = store.merged.index()
       with open(os.path.join(store_root, "heartbeats", "l1.json"), encoding="utf-8") as f:
         incarnation = json.load(f)["incarnation"]
       for p, version in sorted(index.items())[:2]:
-        values = store.read_merged(p, version)[0].tensors
+        values = store.merged.read(p, version)[0].tensors
         far = {k: v + 10.0 * rng.standard_normal(v.shape).astype(np.float32)
                for k, v in values.items()}
         step += 1
-        store.put_payload(Delivery(learner=1, incarnation=incarnation, fragment=p, local_step=step,
-                                   steps=1, tokens=2**53, base_version=version, kind="values",
-                                   tensors=far, transit_s=0.0))
+        store.payloads.put(Delivery(learner=1, incarnation=incarnation, fragment=p, local_step=step,
+                                    steps=1, tokens=2**53, base_version=version, kind="values",
+                                    tensors=far, transit_s=0.0))
         counts["lies"] += 1
       tape = os.path.join(workdir, "tape.jsonl")
       with open(tape, encoding="utf-8") as f:
@@ -57,14 +57,14 @@ def _attack(store_root: str, workdir: str, stop: threading.Event, counts: dict) 
           if key in replayed or r["fragment"] not in index:
             continue
           replayed.add(key)
-          values = store.read_merged(r["fragment"], index[r["fragment"]])[0].tensors
+          values = store.merged.read(r["fragment"], index[r["fragment"]])[0].tensors
           far = {k: v + 10.0 * rng.standard_normal(v.shape).astype(np.float32)
                  for k, v in values.items()}
-          store.put_payload(Delivery(learner=a["learner"], incarnation=a["incarnation"],
-                                     fragment=r["fragment"], local_step=a["local_step"],
-                                     steps=a["steps"], tokens=a["tokens"],
-                                     base_version=index[r["fragment"]], kind="values", tensors=far,
-                                     transit_s=0.0))
+          store.payloads.put(Delivery(learner=a["learner"], incarnation=a["incarnation"],
+                                      fragment=r["fragment"], local_step=a["local_step"],
+                                      steps=a["steps"], tokens=a["tokens"],
+                                      base_version=index[r["fragment"]], kind="values", tensors=far,
+                                      transit_s=0.0))
           counts["replays"] += 1
     except (OSError, ValueError, KeyError, RuntimeError):
       continue

@@ -1,13 +1,13 @@
 """Benchmark: store round trips over raw NumPy files, and delivery-to-visible merge latency.
 
 1. Throughput. One round trip of a float32 fragment through the store, as a delivery lives:
-   `Store.put_payload` (Orbax entry + commit marker), then `Store.read_payload` (the syncer's
+   `Payloads.put` (Orbax entry + commit marker), then `Payloads.read` (the syncer's
    checked read). The baseline is what a user would write by hand in the same directory:
    `np.save` of each tensor to its own `.npy` file (the store also keeps one array per
    tensor), then `np.load` of them. The two alternate in one run (the order flips every
    repetition); ratio = baseline write+read time / store write+read time (best, and the
    median of the per-repetition ratios). Goal: ratio >= 0.7. Deleting the entry
-   (`Store.remove_payload` vs `os.remove`) is timed apart (`ratio_with_remove`): the syncer
+   (`Payloads.remove` vs `os.remove`) is timed apart (`ratio_with_remove`): the syncer
    deletes on a background thread, off its loop. The default fragment is 64 MiB, the
    fragment size of `bench_merge.py` (a 1B-parameter model in P = 16 fragments is ~250 MB
    each); at a few MiB, Orbax's fixed cost per entry (~5-10 ms) dominates.
@@ -41,8 +41,12 @@ from diloco import fragments
 from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import store_transport
+from diloco.distributed import syncer_link
 from diloco.distributed import syncer_process
-from diloco.distributed.store import Store, payload_name
+from diloco.distributed.merged_versions import MergedVersions
+from diloco.distributed.payload_box import Payloads
+from diloco.distributed.store import Store
+from diloco.distributed.store_names import payload_name
 from diloco.sync.syncer import Syncer
 from diloco.transport import Heartbeat
 
@@ -63,33 +67,49 @@ flags.DEFINE_integer("seed", 0, "Seeds the payloads.")
 FLAGS = flags.FLAGS
 
 
-class _TimedStore(Store):
-  """A `Store` that notes when each delivery and each merged version became committed."""
+class _TimedPayloads(Payloads):
+  """`Payloads` that note when each delivery became committed."""
 
-  def __init__(self, root: str, committed: dict, published: dict):
-    super().__init__(root)
-    self._committed, self._published = committed, published
+  def __init__(self, blobs, committed: dict):
+    super().__init__(blobs)
+    self._committed = committed
 
-  def put_payload(self, payload: Delivery) -> int:
-    nbytes = super().put_payload(payload)
+  def put(self, payload: Delivery) -> int:
+    nbytes = super().put(payload)
     self._committed[payload_name(payload.fragment, payload.learner, payload.incarnation,
                                  payload.local_step)] = time.time()
     return nbytes
 
-  def put_merged(self, merged, momentum, marker, *, fence=None) -> None:
-    super().put_merged(merged, momentum, marker, fence=fence)
+
+class _TimedMerged(MergedVersions):
+  """`MergedVersions` that note when each merged version became committed."""
+
+  def __init__(self, blobs, published: dict):
+    super().__init__(blobs)
+    self._published = published
+
+  def put(self, merged, momentum, marker, *, fence=None) -> None:
+    super().put(merged, momentum, marker, fence=fence)
     self._published[(merged.fragment, merged.version)] = time.time()
+
+
+def _timed_store(root: str, committed: dict, published: dict) -> Store:
+  """A `Store` that notes when each delivery and each merged version became committed."""
+  store = Store(root)
+  store.payloads = _TimedPayloads(store.blobs, committed)
+  store.merged = _TimedMerged(store.blobs, published)
+  return store
 
 
 # Throughput.
 def _store_trip(store: Store, payload: Delivery, expected: dict) -> tuple[dict, list[float]]:
   t0 = time.perf_counter()
-  store.put_payload(payload)
+  store.payloads.put(payload)
   t1 = time.perf_counter()
   name = payload_name(payload.fragment, payload.learner, payload.incarnation, payload.local_step)
-  got = store.read_payload(name, expected).tensors
+  got = store.payloads.read(name, expected).tensors
   t2 = time.perf_counter()
-  store.remove_payload(name)
+  store.payloads.remove(name)
   return got, [t1 - t0, t2 - t1, time.perf_counter() - t2]
 
 
@@ -165,10 +185,10 @@ def _syncer_loop(store: Store, syncer: Syncer, link, records: list, poll_s: floa
       _, deadline = syncer_process.sync_once(store, syncer, link, records, tape, keep, now)
       if now - last_registry >= 1.0:
         last_registry = now
-        store.write_json("registry.json", dict(syncer.state_summary(), time=now,
-                                               versions=syncer.versions,
-                                               alive=syncer.alive(now)))
-      if store.exists("stop.json"):
+        store.blobs.write_json("registry.json", dict(syncer.state_summary(), time=now,
+                                                     versions=syncer.versions,
+                                                     alive=syncer.alive(now)))
+      if store.blobs.exists("stop.json"):
         break
       stop.wait(poll_s if deadline is None else min(poll_s, max(deadline - time.time(), 0.0)))
 
@@ -176,7 +196,7 @@ def _syncer_loop(store: Store, syncer: Syncer, link, records: list, poll_s: floa
 def _learner_loop(m: int, store: Store, args, num_fragments: int, admitted: dict,
                   ready: threading.Event, barrier: threading.Barrier, out: list) -> None:
   """Registers, then per round: deliver, wait until the version that admitted it is visible."""
-  incarnation = store.next_incarnation(m)
+  incarnation = store.learners.next_incarnation(m)
   link = store_transport.LearnerStoreLink(store, m, incarnation, poll_s=args.poll_s)
   rng = np.random.default_rng(args.seed + 1 + m)
   try:
@@ -219,7 +239,7 @@ def _latency(root: str, args) -> dict:
             for i in range(num_fragments * args.tensors)}
   plan = fragments.plan_fragments({k: v.shape for k, v in params.items()}, num_fragments)
   committed, published, admitted = {}, {}, {}
-  store = _TimedStore(root, committed, published)
+  store = _timed_store(root, committed, published)
   sync = SyncConfig(num_fragments=num_fragments, quorum=args.quorum)
   records: list[dict] = []
 
@@ -230,9 +250,9 @@ def _latency(root: str, args) -> dict:
 
   syncer = Syncer(params, plan, sync, OuterConfig(), on_round=on_round)
   for merged in syncer.initial(time.time()):
-    store.put_merged(merged, syncer.momentum, {"round": None, "state": syncer.export_state()})
+    store.merged.put(merged, syncer.momentum, {"round": None, "state": syncer.export_state()})
   expected = {p: {k: params[k].shape for k in paths} for p, paths in enumerate(plan.fragments)}
-  link = store_transport.SyncerStoreLink(store, expected)
+  link = syncer_link.SyncerStoreLink(store, expected)
   link.poll(time.time())  # the syncer's first poll, before any learner (it ignores payloads)
   stop, ready = threading.Event(), threading.Event()
   barrier = threading.Barrier(learners, timeout=args.wait_s + 5)
@@ -249,7 +269,7 @@ def _latency(root: str, args) -> dict:
   threads = [threading.Thread(target=guarded, name="syncer", daemon=True, args=(
       _syncer_loop, store, syncer, link, records, args.poll_s, sync.max_staleness + 2, stop))]
   threads += [threading.Thread(target=guarded, name=f"learner{m}", daemon=True, args=(
-      _learner_loop, m, _TimedStore(root, committed, published), args,
+      _learner_loop, m, _timed_store(root, committed, published), args,
       num_fragments, admitted, ready, barrier, samples)) for m in range(learners)]
   end = time.monotonic() + args.timeout_s
   for t in threads:
@@ -261,7 +281,7 @@ def _latency(root: str, args) -> dict:
     ready.set()
   for t in threads[1:]:
     t.join(max(end - time.monotonic(), 0.0))
-  store.write_json("stop.json", {"time": time.time()})
+  store.blobs.write_json("stop.json", {"time": time.time()})
   stop.set()
   threads[0].join(30)
   link.close()

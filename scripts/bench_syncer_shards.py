@@ -48,8 +48,9 @@ from diloco import fragments
 from diloco.sync import ownership as syncer_shards
 from diloco.delivery import Delivery
 from diloco.distributed import store as store_lib
-from diloco.distributed import store_transport
-from diloco.distributed.launcher import param_shapes
+from diloco.distributed import learner_registry
+from diloco.distributed import store_names
+from diloco.distributed.launch_report import param_shapes
 
 flags.DEFINE_string("config", "configs/multiprocess.py:cpu", "The run config (model shapes).")
 flags.DEFINE_integer("learners", 8, "Learners delivering every fragment each round (M = K).")
@@ -131,18 +132,18 @@ def _stage(staging: store_lib.Store, cfg, shapes: dict, plan, r: int,
   for m in range(FLAGS.learners):
     for p, paths in enumerate(plan.fragments):
       tensors = {k: rng.standard_normal(shapes[k], dtype=np.float32) * 0.02 for k in paths}
-      nbytes += staging.put_payload(Delivery(
+      nbytes += staging.payloads.put(Delivery(
           learner=m, incarnation=0, fragment=p, local_step=steps, steps=period,
           tokens=period * cfg.train.batch_size * cfg.data.seq_len,
           base_version=r - 1, kind="values", tensors=tensors))
-      names.append(store_lib.payload_name(p, m, 0, steps))
+      names.append(store_names.payload_name(p, m, 0, steps))
   return names, nbytes
 
 
 def _publish(staging_root: str, stores, owner, names: list[str]) -> None:
   """Renames staged entries into their shard's payloads/ (the entry, then its marker)."""
   for name in names:
-    p = store_lib.parse_payload_name(name)[0]
+    p = store_names.parse_payload_name(name)[0]
     target = os.path.join(os.fspath(stores[owner[p]].root), "payloads")
     os.rename(os.path.join(staging_root, "payloads", name), os.path.join(target, name))
     os.rename(os.path.join(staging_root, "payloads", name + ".json"),
@@ -154,10 +155,10 @@ def _heartbeats(shared: store_lib.Store, local_step: int) -> None:
   written here once per round: a link's own threads would download every merged version and
   compete with the syncers for the cores being measured."""
   for m in range(FLAGS.learners):
-    shared.put_heartbeat(m, {"learner": m, "incarnation": 0, "seq": local_step + 1,
-                             "state": store_transport.UP, "local_step": local_step,
-                             "step_time": 0.0, "sent_at": time.time(), "bytes_up": 0,
-                             "bytes_down": 0})
+    shared.learners.put_heartbeat(m, {"learner": m, "incarnation": 0, "seq": local_step + 1,
+                                      "state": learner_registry.UP, "local_step": local_step,
+                                      "step_time": 0.0, "sent_at": time.time(), "bytes_up": 0,
+                                      "bytes_down": 0})
 
 
 def _measure(shards: int, top: str) -> dict:
@@ -185,7 +186,7 @@ def _measure(shards: int, top: str) -> dict:
       seconds.append(_wait_versions(stores, owner, r, FLAGS.round_timeout_s, procs, top) - t0)
       merged += nbytes
   finally:
-    shared.request_stop({"time": time.time(), "reason": "benchmark done"})
+    shared.run.request_stop({"time": time.time(), "reason": "benchmark done"})
     for proc in procs:
       try:
         proc.wait(timeout=120)

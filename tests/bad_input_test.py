@@ -23,7 +23,7 @@ from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.store import Store
-from diloco.distributed.store_transport import SyncerStoreLink
+from diloco.distributed.syncer_link import SyncerStoreLink
 from diloco.transport import Heartbeat
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
@@ -249,12 +249,12 @@ def _store_with_link(tmp_path):
   store = Store(tmp_path)
   link = SyncerStoreLink(store, EXPECTED)
   link.poll(0.0)  # the first poll only takes a baseline
-  store.put_heartbeat(0, {"incarnation": 0, "seq": 1, "local_step": 4, "step_time": 0.1})
+  store.learners.put_heartbeat(0, {"incarnation": 0, "seq": 1, "local_step": 4, "step_time": 0.1})
   return store, link
 
 
 def _put(store, tmp_path, step, tensors=None):
-  store.put_payload(_good(step=step, tensors=tensors or _params(step)))
+  store.payloads.put(_good(step=step, tensors=tensors or _params(step)))
   return tmp_path / "payloads" / f"f0_l0_i0_s{step}"
 
 
@@ -320,14 +320,14 @@ def test_bad_store_entry_is_quarantined_with_its_reason_before_orbax_reads_it(tm
   entry = _put(store, tmp_path, 4)
   edit(entry)
   good = _put(store, tmp_path, 8)
-  store.put_heartbeat(0, {"incarnation": 0, "seq": 2, "local_step": 8, "step_time": 0.1})
+  store.learners.put_heartbeat(0, {"incarnation": 0, "seq": 2, "local_step": 8, "step_time": 0.1})
   tape = io.StringIO()
   syncer_process.sync_once(store, s, link, records, tape, keep=3, now=1.0)
   link.flush()
   assert s.rejections == {reason: 1} and s.versions == [1] and _finite(s)
   assert json.loads(tape.getvalue())["rejected"][0]["reason"] == reason
-  assert store.quarantined()[entry.name]["reason"] == reason
-  assert store.committed_payloads() == [] and not os.path.exists(good)
+  assert store.payloads.quarantined()[entry.name]["reason"] == reason
+  assert store.payloads.committed() == [] and not os.path.exists(good)
   assert os.path.isdir(tmp_path / "quarantine" / entry.name)
   # A restarted syncer never sees it again.
   link.close()
@@ -344,12 +344,12 @@ def test_a_delivery_the_syncer_refuses_is_quarantined_by_the_runtime(tmp_path):
   s, records = _syncer()
   entry = _put(store, tmp_path, 4, tensors={k: np.full(sh, 3e38, np.float32)
                                             for k, sh in SHAPES.items()})
-  store.put_heartbeat(0, {"incarnation": 0, "seq": 2, "local_step": 4, "step_time": 0.1})
+  store.learners.put_heartbeat(0, {"incarnation": 0, "seq": 2, "local_step": 4, "step_time": 0.1})
   syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=1.0)
   link.close()
   assert s.rejections == {"too_large": 1} and s.versions == [0] and _finite(s)
-  assert store.quarantined()[entry.name]["reason"] == "too_large"
-  assert store.committed_payloads() == []
+  assert store.payloads.quarantined()[entry.name]["reason"] == "too_large"
+  assert store.payloads.committed() == []
 
 
 def test_an_entry_whose_read_raises_is_quarantined_and_the_link_survives(tmp_path, monkeypatch):
@@ -357,20 +357,20 @@ def test_an_entry_whose_read_raises_is_quarantined_and_the_link_survives(tmp_pat
   poison pill: quarantined as `read_error`, and the next entry is still read."""
   store, link = _store_with_link(tmp_path)
   bad, good = _put(store, tmp_path, 4), _put(store, tmp_path, 8)
-  real_read = store.read_payload
+  real_read = store.payloads.read
 
   def read(name, expected):
     if name == bad.name:
       raise RecursionError("crafted nesting")
     return real_read(name, expected)
 
-  monkeypatch.setattr(store, "read_payload", read)
-  store.put_heartbeat(0, {"incarnation": 0, "seq": 2, "local_step": 8, "step_time": 0.1})
+  monkeypatch.setattr(store.payloads, "read", read)
+  store.learners.put_heartbeat(0, {"incarnation": 0, "seq": 2, "local_step": 8, "step_time": 0.1})
   _, payloads, rejected, _ = link.poll(1.0)
   link.close()
   assert [p.local_step for p in payloads] == [8] and os.path.exists(good)
   assert [(r.name, r.reason) for r in rejected] == [(bad.name, "read_error")]
-  assert "RecursionError" in store.quarantined()[bad.name]["detail"]
+  assert "RecursionError" in store.payloads.quarantined()[bad.name]["detail"]
 
 
 def test_a_quarantine_cut_short_by_a_crash_is_finished_and_keeps_its_first_reason(tmp_path):
@@ -378,14 +378,14 @@ def test_a_quarantine_cut_short_by_a_crash_is_finished_and_keeps_its_first_reaso
   without data: the next syncer quarantines it again, keeping the original reason."""
   store, link = _store_with_link(tmp_path)
   entry = _put(store, tmp_path, 4)
-  # The first two steps of `Store.quarantine_payload`, as the dead syncer left them.
+  # The first two steps of `Payloads.quarantine`, as the dead syncer left them.
   os.mkdir(tmp_path / "quarantine")
-  store.write_json(f"quarantine/{entry.name}.reason.json",
-                   {"reason": "too_large", "detail": "", "time": 0.0})
+  store.blobs.write_json(f"quarantine/{entry.name}.reason.json",
+                         {"reason": "too_large", "detail": "", "time": 0.0})
   os.rename(entry, tmp_path / "quarantine" / entry.name)
   _, payloads, rejected, _ = link.poll(1.0)
   link.close()
   assert payloads == [] and [r.reason for r in rejected] == ["unreadable"]
-  assert store.quarantined()[entry.name]["reason"] == "too_large"
-  assert store.committed_payloads() == []
+  assert store.payloads.quarantined()[entry.name]["reason"] == "too_large"
+  assert store.payloads.committed() == []
   assert os.path.exists(tmp_path / "quarantine" / f"{entry.name}.json")

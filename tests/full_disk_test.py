@@ -18,7 +18,9 @@ from diloco.sync import syncer as syncer_lib
 from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
-from diloco.distributed.store import WRITE_FAILED, Store, StoreError
+from diloco.distributed.entry_check import StoreError
+from diloco.distributed.store import Store
+from diloco.distributed.store_names import WRITE_FAILED
 from diloco.distributed.store_transport import LearnerStoreLink
 from diloco.transport import Heartbeat, Merged
 
@@ -105,20 +107,20 @@ def test_a_full_disk_fails_a_delivery_cleanly_and_the_next_one_works(where):
   root, disk = where
   store = Store(root)
   before = disk.written
-  store.put_payload(_payload(1))
+  store.payloads.put(_payload(1))
   total = disk.written - before
-  store.remove_payload("f0_l0_i0_s1")
+  store.payloads.remove("f0_l0_i0_s1")
   for i, budget in enumerate(_budgets(total)):
     disk.left = budget
     step = 10 + i
     with pytest.raises(StoreError, match=f"f0_l0_i0_s{step}.*the disk is full") as e:
-      store.put_payload(_payload(step))
+      store.payloads.put(_payload(step))
     assert e.value.reason == WRITE_FAILED
-    assert store.committed_payloads() == []  # no reader ever sees it
-    assert store.uncommitted_payloads() == []  # and nothing is left for the GC
+    assert store.payloads.committed() == []  # no reader ever sees it
+    assert store.payloads.uncommitted() == []  # and nothing is left for the GC
   disk.left = None  # space freed
-  store.put_payload(_payload(99))
-  got = store.read_payload("f0_l0_i0_s99", EXPECTED)
+  store.payloads.put(_payload(99))
+  got = store.payloads.read("f0_l0_i0_s99", EXPECTED)
   for k, v in _payload(99).tensors.items():
     np.testing.assert_array_equal(got.tensors[k], v)
 
@@ -139,28 +141,28 @@ def test_a_full_disk_fails_a_merged_round_cleanly_and_the_next_write_works(where
   s = _syncer()
   values = {k: np.full(shape, 7.0, np.float32) for k, shape in SHAPES.items()}
   probe = Store(f"{root}_probe")  # the same writes elsewhere, to measure them
-  probe.put_merged(s.initial(0.0)[0], s.momentum, {"round": None})
+  probe.merged.put(s.initial(0.0)[0], s.momentum, {"round": None})
   before = disk.written
-  probe.put_merged(Merged(0, 1, values, 1.0), s.momentum, {"round": 0})
+  probe.merged.put(Merged(0, 1, values, 1.0), s.momentum, {"round": 0})
   total = disk.written - before
   store = Store(root)
-  store.put_merged(s.initial(0.0)[0], s.momentum, {"round": None})
+  store.merged.put(s.initial(0.0)[0], s.momentum, {"round": None})
   for budget in _budgets(total):
     disk.left = budget
     with pytest.raises(StoreError, match=r"merged f0_v1\b.*the disk is full") as e:
-      store.put_merged(Merged(0, 1, values, 1.0), s.momentum, {"round": 0})
+      store.merged.put(Merged(0, 1, values, 1.0), s.momentum, {"round": 0})
     assert e.value.reason == WRITE_FAILED
-    assert store.merged_index() == {0: 0}  # learners still see version 0, whole
-    np.testing.assert_array_equal(store.read_merged(0, 0)[0].tensors["a"], np.zeros((16, 8)))
+    assert store.merged.index() == {0: 0}  # learners still see version 0, whole
+    np.testing.assert_array_equal(store.merged.read(0, 0)[0].tensors["a"], np.zeros((16, 8)))
     if budget == total - 1:  # the last byte is the index's: committed, not yet published
-      assert store.merged_versions(0) == [0, 1] and "index.json" in str(e.value)
+      assert store.merged.versions(0) == [0, 1] and "index.json" in str(e.value)
     else:
-      assert store.merged_versions(0) == [0]
-      assert store.collect_uncommitted_merged() == 0  # the failed write removed its data
+      assert store.merged.versions(0) == [0]
+      assert store.merged.collect_uncommitted() == 0  # the failed write removed its data
   disk.left = None
-  store.put_merged(Merged(0, 1, values, 1.0), s.momentum, {"round": 0})
-  assert store.merged_index() == {0: 1}
-  np.testing.assert_array_equal(store.read_merged(0, 1)[0].tensors["a"], values["a"])
+  store.merged.put(Merged(0, 1, values, 1.0), s.momentum, {"round": 0})
+  assert store.merged.index() == {0: 1}
+  np.testing.assert_array_equal(store.merged.read(0, 1)[0].tensors["a"], values["a"])
 
 
 def test_the_syncer_retries_a_commit_until_space_is_freed(where, tmp_path):
@@ -170,7 +172,7 @@ def test_the_syncer_retries_a_commit_until_space_is_freed(where, tmp_path):
   records = []
   store, s = Store(root), _syncer(on_round=records.append)
   for m in s.initial(0.0):
-    store.put_merged(m, s.momentum, {"round": None, "state": s.export_state()})
+    store.merged.put(m, s.momentum, {"round": None, "state": s.export_state()})
   merged, _ = s.tick(1.0, [Heartbeat(0, 0, 4, 0.1, 1.0)], [_payload(4)])
   assert [m.version for m in merged] == [1]
   disk.left = 0
@@ -178,7 +180,7 @@ def test_the_syncer_retries_a_commit_until_space_is_freed(where, tmp_path):
 
   def sleep(seconds):  # the store stays full for three tries, then space is freed
     waits.append(seconds)
-    assert store.merged_index() == {0: 0}  # nothing published meanwhile
+    assert store.merged.index() == {0: 0}  # nothing published meanwhile
     if len(waits) == 3:
       disk.left = None
 
@@ -186,7 +188,7 @@ def test_the_syncer_retries_a_commit_until_space_is_freed(where, tmp_path):
     commit = syncer_process._commit  # pylint: disable=protected-access
     commit(store, s, merged, records, tape, sleep=sleep)
   assert waits == [0.1, 0.2, 0.4]
-  assert store.merged_index() == {0: 1} and store.merged_versions(0) == [0, 1]
+  assert store.merged.index() == {0: 1} and store.merged.versions(0) == [0, 1]
   assert len((tmp_path / "tape.jsonl").read_text().splitlines()) == 1
 
 
@@ -204,11 +206,11 @@ def test_a_learner_retries_its_delivery_until_space_is_freed(where):
     while link.write_failures < 2 and time.monotonic() < deadline:
       time.sleep(0.01)
     assert link.write_failures >= 2  # failed, and was tried again
-    assert store.committed_payloads() == []  # nothing half-written is visible meanwhile
+    assert store.payloads.committed() == []  # nothing half-written is visible meanwhile
     disk.left = None  # space freed
     link.flush(timeout=60)
-    assert store.committed_payloads() == ["f0_l0_i0_s4"]
-    got = store.read_payload("f0_l0_i0_s4", EXPECTED)
+    assert store.payloads.committed() == ["f0_l0_i0_s4"]
+    got = store.payloads.read("f0_l0_i0_s4", EXPECTED)
     for k, v in _payload(4).tensors.items():
       np.testing.assert_array_equal(got.tensors[k], v)
   finally:

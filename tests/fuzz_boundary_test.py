@@ -24,7 +24,7 @@ from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.store import Store
-from diloco.distributed.store_transport import SyncerStoreLink
+from diloco.distributed.syncer_link import SyncerStoreLink
 from diloco.transport import Heartbeat
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
@@ -164,7 +164,7 @@ def _plant(root, store, kind, field, value):
     with open(path, "wb") as f:
       f.write(value)
   elif kind == "entry_kind":
-    store.remove("payloads/f0_l0_i0_s8")
+    store.blobs.remove("payloads/f0_l0_i0_s8")
     if field == "file":
       open(entry, "wb").close()
     elif field == "fifo":
@@ -172,9 +172,9 @@ def _plant(root, store, kind, field, value):
     elif field == "symlink":
       os.symlink(os.path.join(root, "merged"), entry)
   else:  # a heartbeat record with one field of another type
-    store.put_heartbeat(0, dict({"incarnation": 0, "seq": 2, "local_step": 8,
-                                 "step_time": 0.1, "state": "up", "sent_at": 0.0},
-                                **{field: value.tolist() if isinstance(value, np.generic)
+    store.learners.put_heartbeat(0, dict({"incarnation": 0, "seq": 2, "local_step": 8,
+                                          "step_time": 0.1, "state": "up", "sent_at": 0.0},
+                                         **{field: value.tolist() if isinstance(value, np.generic)
                                    else value}))
 
 
@@ -186,11 +186,11 @@ def test_a_planted_store_entry_never_raises_out_of_sync_once(plant):
     records = []
     s = _syncer(records)
     for merged in s.initial(0.0):
-      store.put_merged(merged, s.momentum, {"round": None, "state": s.export_state()})
+      store.merged.put(merged, s.momentum, {"round": None, "state": s.export_state()})
     link = SyncerStoreLink(store, EXPECTED)
     link.poll(0.0)
-    store.put_heartbeat(0, {"incarnation": 0, "seq": 1, "local_step": 8, "step_time": 0.1})
-    store.put_payload(_valid(8))
+    store.learners.put_heartbeat(0, {"incarnation": 0, "seq": 1, "local_step": 8, "step_time": 0.1})
+    store.payloads.put(_valid(8))
     _plant(root, store, *plant)
     before = _state(s)
     syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=1.0)
@@ -198,15 +198,17 @@ def test_a_planted_store_entry_never_raises_out_of_sync_once(plant):
     if s.versions == [0]:
       assert _same(_state(s), before)
     # A valid delivery of learner 1 still merges, exactly once.
-    store.put_heartbeat(1, {"incarnation": 0, "seq": 1, "local_step": 12, "step_time": 0.1})
+    store.learners.put_heartbeat(1, {"incarnation": 0, "seq": 1, "local_step": 12,
+                                     "step_time": 0.1})
     syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=2.0)
     version = s.versions[0]
-    store.put_payload(_valid(12, learner=1, base_version=version))
-    store.put_heartbeat(1, {"incarnation": 0, "seq": 2, "local_step": 12, "step_time": 0.1})
+    store.payloads.put(_valid(12, learner=1, base_version=version))
+    store.learners.put_heartbeat(1, {"incarnation": 0, "seq": 2, "local_step": 12,
+                                     "step_time": 0.1})
     syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=3.0)
     link.flush()
     assert s.versions == [version + 1] and _finite(s)
-    store.put_payload(_valid(12, learner=1, base_version=version))
+    store.payloads.put(_valid(12, learner=1, base_version=version))
     syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=4.0)
     link.close()
     assert s.versions == [version + 1]

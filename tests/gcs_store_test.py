@@ -38,7 +38,7 @@ def _payload(learner: int, step: int) -> Delivery:
 def test_emulator_ignores_generation_preconditions(gcs_emulator):
   """The emulator (gcp-storage-emulator) accepts `ifGenerationMatch=0` on an object that
   exists and overwrites it, where Cloud Storage answers 412. So the lease's create-only write
-  (`Store.create_json`) cannot be tested here: `lease_test.py` tests it on a local disk and
+  (`Blobs.create_json`) cannot be tested here: `lease_test.py` tests it on a local disk and
   on the in-memory emulation (`tests/object_store.py`). If this fails, the emulator learned
   preconditions: move `test_only_one_contender_takes_a_generation` onto it."""
   url = (f"{gcs_emulator.host}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&"
@@ -57,8 +57,8 @@ def test_emulator_ignores_generation_preconditions(gcs_emulator):
 def test_what_the_store_writes_is_on_the_emulator(gcs_root, gcs_emulator):
   """The store's objects are real objects on the emulator, read back over plain HTTP."""
   store = Store(gcs_root)
-  store.write_json("run.json", {"start": 12.5})
-  store.put_payload(_payload(0, 4))
+  store.blobs.write_json("run.json", {"start": 12.5})
+  store.payloads.put(_payload(0, 4))
   prefix = gcs_root.removeprefix(f"gs://{BUCKET}/")
   query = urllib.parse.urlencode({"prefix": f"{prefix}/"})
   with urllib.request.urlopen(f"{gcs_emulator.host}/storage/v1/b/{BUCKET}/o?{query}") as r:
@@ -73,20 +73,20 @@ def test_objects_another_client_writes_or_deletes_are_seen(gcs_root):
   second delivery, written by another client after the first listing, was never listed, and a
   deleted one stayed listed (and `exists`): a syncer would have waited for ever."""
   store, other = Store(gcs_root), _other_client()
-  store.put_payload(_payload(0, 4))
+  store.payloads.put(_payload(0, 4))
   scratch = f"{gcs_root}-scratch"  # the second delivery's objects, copied in by `other`
-  Store(scratch).put_payload(_payload(1, 8))
-  Store(scratch).put_heartbeat(1, {"seq": 1})
-  assert store.committed_payloads() == ["f0_l0_i0_s4"]
-  assert store.heartbeats() == {} and store.exists("payloads/f0_l0_i0_s4.json")
+  Store(scratch).payloads.put(_payload(1, 8))
+  Store(scratch).learners.put_heartbeat(1, {"seq": 1})
+  assert store.payloads.committed() == ["f0_l0_i0_s4"]
+  assert store.learners.heartbeats() == {} and store.blobs.exists("payloads/f0_l0_i0_s4.json")
   for source in other.find(scratch.removeprefix("gs://")):
     rel = source.removeprefix(scratch.removeprefix("gs://") + "/")
     other.pipe_file(_key(gcs_root, rel), other.cat_file(source))
   other.rm(_key(gcs_root, "payloads/f0_l0_i0_s4.json"))
-  assert store.committed_payloads() == ["f0_l1_i0_s8"]
-  assert not store.exists("payloads/f0_l0_i0_s4.json")
-  assert store.heartbeats() == {1: {"seq": 1}}
-  got = store.read_payload("f0_l1_i0_s8", {0: {"w": (2, 3)}})
+  assert store.payloads.committed() == ["f0_l1_i0_s8"]
+  assert not store.blobs.exists("payloads/f0_l0_i0_s4.json")
+  assert store.learners.heartbeats() == {1: {"seq": 1}}
+  got = store.payloads.read("f0_l1_i0_s8", {0: {"w": (2, 3)}})
   np.testing.assert_array_equal(got.tensors["w"], _payload(1, 8).tensors["w"])
 
 

@@ -110,7 +110,7 @@ def test_only_host_0_writes_to_the_store(pair, tmp_path):
                           transit_s=0.0))
   leader.inner.flush(timeout=30)
   follower.inner.flush(timeout=30)
-  assert Store(tmp_path).committed_payloads() == ["f0_l0_i0_s1"]
+  assert Store(tmp_path).payloads.committed() == ["f0_l0_i0_s1"]
   assert leader.bytes_up > 0 and follower.bytes_up == 0
 
 

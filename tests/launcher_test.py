@@ -18,7 +18,8 @@ import pytest
 from configs import multiprocess
 from diloco.config import run_config as config_lib
 from diloco.deploy import accelerators
-from diloco.distributed.launcher import Launcher, Proc
+from diloco.distributed.launcher import Launcher
+from diloco.distributed.supervision import Proc
 from diloco.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -31,6 +31,8 @@ def main() -> int:
     os.environ[object_store.ENV] = args.object_dir
     object_store.register()
   from diloco.distributed import store as store_lib  # pylint: disable=import-outside-toplevel
+  from diloco.distributed import store_names  # pylint: disable=import-outside-toplevel
+  from diloco.distributed.entry_check import StoreError  # pylint: disable=import-outside-toplevel
   from diloco.distributed.lease import Lease, LeaseLost  # pylint: disable=import-outside-toplevel
   from diloco.transport import Merged  # pylint: disable=import-outside-toplevel
 
@@ -45,17 +47,17 @@ def main() -> int:
     while True:
       # From the commit markers, as a recovering syncer does: a holder killed between its
       # marker and its index write leaves the index one version behind.
-      version = max(store.merged_versions(0), default=-1) + 1
+      version = max(store.merged.versions(0), default=-1) + 1
       tensors = {"w": np.full(4, version, np.float32)}
-      store.put_merged(Merged(0, version, tensors, time.time()), {"w": np.zeros(4, np.float32)},
+      store.merged.put(Merged(0, version, tensors, time.time()), {"w": np.zeros(4, np.float32)},
                        {"holder": args.name, "generation": generation, "time": time.time()},
                        fence=lease.check)
       time.sleep(0.02)
   except LeaseLost as e:
     print(f"{args.name}: {e}", flush=True)
     return LOST
-  except store_lib.StoreError as e:
-    if e.reason != store_lib.CONFLICT:
+  except StoreError as e:
+    if e.reason != store_names.CONFLICT:
       raise
     print(f"{args.name}: {e}", flush=True)
     return CONFLICT

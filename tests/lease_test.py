@@ -16,7 +16,9 @@ import pytest
 from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 
 from diloco.distributed.lease import Lease, LeaseHeld, LeaseLost
-from diloco.distributed.store import CONFLICT, Store, StoreError
+from diloco.distributed.entry_check import StoreError
+from diloco.distributed.store import Store
+from diloco.distributed.store_names import CONFLICT
 from diloco.transport import Merged
 
 HOLDER = os.path.join(os.path.dirname(__file__), "lease_holder.py")
@@ -74,23 +76,23 @@ def test_a_second_syncer_waits_for_expiry_then_the_first_can_never_write_again(w
     b.acquire(timeout_s=0)
   clock.t += 5
   assert a.renew()  # expires at 1015 now
-  store.put_merged(_merged(0), MOMENTUM, {"by": "a"}, fence=a.check)
+  store.merged.put(_merged(0), MOMENTUM, {"by": "a"}, fence=a.check)
   clock.t += 9  # the first record's expiry (1010) has passed, not the renewed one's
   with pytest.raises(LeaseHeld):
     b.acquire(timeout_s=0)
   clock.t += 3.6  # past the renewed expiry and the allowed clock skew (2.5 s)
   assert b.acquire(timeout_s=0) == 1
-  record = store.read_json("lease/g1.json")
+  record = store.blobs.read_json("lease/g1.json")
   assert record["holder"] == "b" and record["after"]["holder"] == "a"
   assert record["taken_at"] > record["after"]["expires"] + b.skew_s
   with pytest.raises(LeaseLost, match="a lost the lease"):
     a.check()
   assert not a.renew()  # lost for good
   with pytest.raises(LeaseLost):
-    store.put_merged(_merged(1), MOMENTUM, {"by": "a"}, fence=a.check)
-  store.put_merged(_merged(1), MOMENTUM, {"by": "b"}, fence=b.check)
-  assert store.merged_marker(0, 1)["by"] == "b" and store.merged_index() == {0: 1}
-  assert store.collect_uncommitted_merged() == 0  # a's refused write left nothing
+    store.merged.put(_merged(1), MOMENTUM, {"by": "a"}, fence=a.check)
+  store.merged.put(_merged(1), MOMENTUM, {"by": "b"}, fence=b.check)
+  assert store.merged.marker(0, 1)["by"] == "b" and store.merged.index() == {0: 1}
+  assert store.merged.collect_uncommitted() == 0  # a's refused write left nothing
 
 
 def test_a_holder_stopped_past_its_lease_stops_even_if_nobody_took_it(where):
@@ -103,7 +105,7 @@ def test_a_holder_stopped_past_its_lease_stops_even_if_nobody_took_it(where):
   with pytest.raises(LeaseLost, match="ran out"):
     a.check()
   assert not a.renew()  # never revived, although generation 1 does not exist
-  assert not store.exists("lease/g1.json")
+  assert not store.blobs.exists("lease/g1.json")
 
 
 def test_a_released_lease_or_a_dead_holder_on_this_host_is_taken_at_once(where):
@@ -112,16 +114,16 @@ def test_a_released_lease_or_a_dead_holder_on_this_host_is_taken_at_once(where):
   a = _lease(store, clock, "a")
   a.acquire()
   a.release()
-  assert store.read_json("lease/g0.json")["released"]
+  assert store.blobs.read_json("lease/g0.json")["released"]
   b = _lease(store, clock, "b")
-  assert b.acquire(timeout_s=0) == 1 and store.read_json("lease/g1.json")["after"]["released"]
+  assert b.acquire(timeout_s=0) == 1 and store.blobs.read_json("lease/g1.json")["after"]["released"]
   clock.t += 1
-  assert b.renew() and store.read_json("lease/g1.json")["after"]["holder"] == "a"  # kept
+  assert b.renew() and store.blobs.read_json("lease/g1.json")["after"]["holder"] == "a"  # kept
   # b's process dies (its record names a pid that no longer exists on this host).
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
-  record = store.read_json("lease/g1.json")
-  store.write_json("lease/g1.json", dict(record, pid=dead.pid))
+  record = store.blobs.read_json("lease/g1.json")
+  store.blobs.write_json("lease/g1.json", dict(record, pid=dead.pid))
   with pytest.raises(LeaseHeld):  # across hosts, only the expiry tells
     _lease(store, clock, "c", same_host=False).acquire(timeout_s=0)
   assert _lease(store, clock, "c").acquire(timeout_s=0) == 2
@@ -133,27 +135,27 @@ def test_only_one_contender_takes_a_generation(create_only_where):
   """On the in-memory emulation and a local disk only (see `create_only_where`)."""
   root, _ = create_only_where
   store = Store(root)
-  assert store.create_json("lease/g0.json", {"holder": "a"})
-  assert not store.create_json("lease/g0.json", {"holder": "b"})
-  assert store.read_json("lease/g0.json") == {"holder": "a"}
+  assert store.blobs.create_json("lease/g0.json", {"holder": "a"})
+  assert not store.blobs.create_json("lease/g0.json", {"holder": "b"})
+  assert store.blobs.read_json("lease/g0.json") == {"holder": "a"}
 
 
 def test_a_version_is_committed_once_and_its_data_never_overwritten(where):
   root, _ = where
   store, other = Store(root), Store(root)  # two syncers' views of one store
-  store.put_merged(_merged(0, 1.0), MOMENTUM, {"by": "a"})
+  store.merged.put(_merged(0, 1.0), MOMENTUM, {"by": "a"})
   with pytest.raises(StoreError, match="already committed") as e:
-    other.put_merged(_merged(0, 2.0), MOMENTUM, {"by": "b"})
+    other.merged.put(_merged(0, 2.0), MOMENTUM, {"by": "b"})
   assert e.value.reason == CONFLICT
-  store.put_merged(_merged(0, 1.0), MOMENTUM, {"by": "a"})  # its own retry: the index only
-  assert store.merged_marker(0, 0)["by"] == "a"
-  np.testing.assert_array_equal(store.read_merged(0, 0)[0].tensors["w"], np.full(3, 1.0))
-  assert store.collect_uncommitted_merged() == 0  # the refused write removed its data
+  store.merged.put(_merged(0, 1.0), MOMENTUM, {"by": "a"})  # its own retry: the index only
+  assert store.merged.marker(0, 0)["by"] == "a"
+  np.testing.assert_array_equal(store.merged.read(0, 0)[0].tensors["w"], np.full(3, 1.0))
+  assert store.merged.collect_uncommitted() == 0  # the refused write removed its data
 
 
 def _writers(store):
   """(version, holder) of every committed version of fragment 0, in version order."""
-  return [(v, store.merged_marker(0, v)["holder"]) for v in store.merged_versions(0)]
+  return [(v, store.merged.marker(0, v)["holder"]) for v in store.merged.versions(0)]
 
 
 def _wait(predicate, what, timeout=120.0):
@@ -226,10 +228,10 @@ def test_two_real_syncers_one_store_stop_kill_and_takeover(create_only_where, tm
   assert blocks == ["a", "b", "c"], order  # exactly one writer at a time, in lease order
   versions = [v for v, _ in _writers(store)]
   assert versions == list(range(len(versions)))  # no version lost or written twice
-  generations = {store.merged_marker(0, v)["holder"]: store.merged_marker(0, v)["generation"]
+  generations = {store.merged.marker(0, v)["holder"]: store.merged.marker(0, v)["generation"]
                  for v in versions}
   assert generations == {"a": 0, "b": 1, "c": 2}
-  c_record = store.read_json("lease/g2.json")
+  c_record = store.blobs.read_json("lease/g2.json")
   assert c_record["after"]["holder"] == "b" and not c_record["after"]["released"]
   assert c_record["taken_at"] > c_record["after"]["expires"]  # c waited out b's lease
   assert re.search(r"b: holds generation 1", (tmp_path / "b.log").read_text())

@@ -43,8 +43,8 @@ def _plant(store_root):
   """Writes one bad delivery of each kind as learner 0's current incarnation; returns
   {entry name: expected reason} and the run-clock time of the planting."""
   store = Store(store_root)
-  version = store.merged_index()[0]
-  values = store.read_merged(0, version)[0].tensors
+  version = store.merged.index()[0]
+  values = store.merged.read(0, version)[0].tensors
   with open(os.path.join(store_root, "heartbeats", "l0.json")) as f:
     incarnation = json.load(f)["incarnation"]
   planted, step = {}, 10**6
@@ -55,7 +55,7 @@ def _plant(store_root):
     payload = Delivery(learner=0, incarnation=incarnation, fragment=0, local_step=step, steps=steps,
                        tokens=tokens, base_version=version, kind="values", tensors=tensors,
                        transit_s=0.0)
-    store.put_payload(payload)
+    store.payloads.put(payload)
     name = f"f0_l0_i{incarnation}_s{step}"
     if edit is not None:
       edit(os.path.join(store_root, "payloads", name))
@@ -100,11 +100,12 @@ def _replay(store_root, workdir):
     record = json.loads(f.readline())
   old = record["admitted"][0]
   p = record["fragment"]
-  version = store.merged_index()[p]
-  values = store.read_merged(p, version)[0].tensors
-  store.put_payload(Delivery(learner=old["learner"], incarnation=old["incarnation"], fragment=p,
-                             local_step=old["local_step"], steps=old["steps"], tokens=old["tokens"],
-                             base_version=version, kind="values", tensors=values, transit_s=0.0))
+  version = store.merged.index()[p]
+  values = store.merged.read(p, version)[0].tensors
+  store.payloads.put(Delivery(learner=old["learner"], incarnation=old["incarnation"], fragment=p,
+                              local_step=old["local_step"], steps=old["steps"],
+                              tokens=old["tokens"], base_version=version, kind="values",
+                              tensors=values, transit_s=0.0))
   return (f"f{p}_l{old['learner']}_i{old['incarnation']}_s{old['local_step']}",
           (p, old["learner"], old["incarnation"], old["local_step"]))
 
@@ -128,7 +129,7 @@ def test_planted_bad_entries_are_quarantined_while_training_goes_on(tmp_path):
       proc.kill()
       proc.wait()
   assert proc.returncode == 0, out[-4000:]
-  quarantine = Store(store_root).quarantined()
+  quarantine = Store(store_root).payloads.quarantined()
   assert {n: quarantine.get(n, {}).get("reason") for n in planted} == planted
   assert not any(n in os.listdir(os.path.join(store_root, "payloads")) for n in planted)
   with open(os.path.join(workdir, "tape.jsonl")) as f:

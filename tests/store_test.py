@@ -21,8 +21,10 @@ from diloco.distributed import chaos
 from diloco.distributed import store as store_lib
 from diloco.distributed import syncer_process
 from diloco.distributed import wan
-from diloco.distributed.store import Store, parse_payload_name, payload_name
-from diloco.distributed.store_transport import LearnerStoreLink, SyncerStoreLink
+from diloco.distributed.store import Store
+from diloco.distributed.store_names import parse_payload_name, payload_name
+from diloco.distributed.store_transport import LearnerStoreLink
+from diloco.distributed.syncer_link import SyncerStoreLink
 from diloco.transport import Heartbeat, Merged
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
@@ -61,8 +63,8 @@ def _syncer(on_round=None, **sync):
 
 
 def _beat(store, learner, incarnation=0, seq=1, state="up"):
-  store.put_heartbeat(learner, {"learner": learner, "incarnation": incarnation, "seq": seq,
-                                "state": state, "local_step": 4, "step_time": 0.1})
+  store.learners.put_heartbeat(learner, {"learner": learner, "incarnation": incarnation, "seq": seq,
+                                         "state": state, "local_step": 4, "step_time": 0.1})
 
 
 def test_names_are_built_only_from_validated_integers():
@@ -79,17 +81,17 @@ def test_payload_round_trip_values_and_quantized(where):
   root, _ = where
   store = Store(root)
   values = _params(1)
-  store.put_payload(_payload(0, 0, values))
+  store.payloads.put(_payload(0, 0, values))
   q = {k: outer.quantize(values[k], 4, 8) for k in PLAN.fragments[1]}
-  store.put_payload(Delivery(learner=1, incarnation=0, fragment=1, local_step=5, steps=5,
-                             tokens=500, base_version=0, kind="delta", tensors=q, transit_s=0.0))
-  names = store.committed_payloads()
+  store.payloads.put(Delivery(learner=1, incarnation=0, fragment=1, local_step=5, steps=5,
+                              tokens=500, base_version=0, kind="delta", tensors=q, transit_s=0.0))
+  names = store.payloads.committed()
   assert names == ["f0_l0_i0_s4", "f1_l1_i0_s5"]
-  got = store.read_payload(names[0], EXPECTED)
+  got = store.payloads.read(names[0], EXPECTED)
   assert got.steps == 4 and got.tokens == 400 and got.kind == "values"
   for k in PLAN.fragments[0]:
     np.testing.assert_array_equal(got.tensors[k], values[k])
-  got = store.read_payload(names[1], EXPECTED)
+  got = store.payloads.read(names[1], EXPECTED)
   for k in PLAN.fragments[1]:
     np.testing.assert_array_equal(outer.dequantize(got.tensors[k]), outer.dequantize(q[k]))
 
@@ -100,11 +102,11 @@ def test_quantized_payloads_of_every_precision_round_trip(where, bits):
   store = Store(root)
   values = _params(bits)
   q = {k: outer.quantize(values[k], bits, 8) for k in PLAN.fragments[1]}
-  written = store.put_payload(Delivery(learner=1, incarnation=0, fragment=1, local_step=5, steps=5,
-                                       tokens=500, base_version=0, kind="delta", tensors=q,
-                                       transit_s=0.0))
+  written = store.payloads.put(Delivery(learner=1, incarnation=0, fragment=1, local_step=5, steps=5,
+                                        tokens=500, base_version=0, kind="delta", tensors=q,
+                                        transit_s=0.0))
   assert written == sum(t.nbytes for t in q.values())
-  got = store.read_payload(store.committed_payloads()[0], EXPECTED)
+  got = store.payloads.read(store.payloads.committed()[0], EXPECTED)
   for k in PLAN.fragments[1]:
     np.testing.assert_array_equal(outer.dequantize(got.tensors[k]), outer.dequantize(q[k]))
 
@@ -112,11 +114,11 @@ def test_quantized_payloads_of_every_precision_round_trip(where, bits):
 def test_json_records_are_replaced_atomically(where):
   root, files = where
   store = Store(root)
-  store.write_json("registry.json", {"a": 1})
-  store.write_json("registry.json", {"a": 2})
-  assert store.read_json("registry.json") == {"a": 2}
+  store.blobs.write_json("registry.json", {"a": 1})
+  store.blobs.write_json("registry.json", {"a": 2})
+  assert store.blobs.read_json("registry.json") == {"a": 2}
   assert [p.name for p in files.iterdir() if p.name.endswith(".tmp")] == []
-  assert store.read_json("missing.json") is None
+  assert store.blobs.read_json("missing.json") is None
 
 
 def _names(folder):
@@ -127,33 +129,33 @@ def _plant(store, files):
   """One entry of every bad kind, plus one good delivery; returns the expected reasons."""
   good = _params(1)
   p_of = PLAN.fragment_of("layers/0/w")
-  store.put_payload(_payload(0, p_of, good, step=1))  # the good one
+  store.payloads.put(_payload(0, p_of, good, step=1))  # the good one
   # Half-written: data but no commit marker -> never read.
-  store.put_payload(_payload(0, 1, good, step=2))
+  store.payloads.put(_payload(0, 1, good, step=2))
   (files / "payloads" / "f1_l0_i0_s2.json").unlink()
   # Truncated: every data file of the entry cut to a few bytes (an entry is flat).
-  store.put_payload(_payload(0, 0, good, step=3))
+  store.payloads.put(_payload(0, 0, good, step=3))
   for f in (files / "payloads" / "f0_l0_i0_s3").iterdir():
     if not f.name.startswith((".", "_", "zarr")):
       f.write_bytes(f.read_bytes()[:3])
   # Garbage: a commit marker that is not JSON.
-  store.put_payload(_payload(0, 1, good, step=4))
+  store.payloads.put(_payload(0, 1, good, step=4))
   (files / "payloads" / "f1_l0_i0_s4.json").write_bytes(b"\x00\xffnot json")
   # Wrong shape and wrong dtype written as if they were the right tensors.
   wrong = dict(good, **{"layers/0/w": np.zeros((2, 2), np.float32)})
   bad_dtype = {k: v.astype(np.float16) for k, v in good.items()}
-  store.put_payload(_payload(0, p_of, wrong, step=5))
-  store.put_payload(_payload(0, p_of, bad_dtype, step=6))
+  store.payloads.put(_payload(0, p_of, wrong, step=5))
+  store.payloads.put(_payload(0, p_of, bad_dtype, step=6))
   nan = dict(good, **{"layers/0/w": np.full((4, 4), np.nan, np.float32)})
-  store.put_payload(_payload(0, p_of, nan, step=7))
-  store.put_payload(_payload(9, 0, good, step=8))                 # unknown learner
-  store.put_payload(_payload(1, 0, good, step=9, incarnation=0))  # stale incarnation (1 is at 2)
-  store.put_payload(_payload(0, 1 - p_of, good, step=10, base=0))  # too stale, see below
+  store.payloads.put(_payload(0, p_of, nan, step=7))
+  store.payloads.put(_payload(9, 0, good, step=8))                 # unknown learner
+  store.payloads.put(_payload(1, 0, good, step=9, incarnation=0))  # stale incarnation (1 is at 2)
+  store.payloads.put(_payload(0, 1 - p_of, good, step=10, base=0))  # too stale, see below
   # Crafted counters in otherwise valid markers: a number JSON reads as infinity (int() of it
   # raised OverflowError out of the store; now refused by the store), and zero tokens for four
   # steps (refused by the syncer).
   for step, field, value in ((11, "steps", "1e400"), (12, "tokens", "0")):
-    store.put_payload(_payload(0, p_of, good, step=step))
+    store.payloads.put(_payload(0, p_of, good, step=step))
     marker = files / "payloads" / f"f{p_of}_l0_i0_s{step}.json"
     marker.write_text(re.sub(rf'"{field}": \d+', f'"{field}": {value}', marker.read_text()))
   return {"unreadable": 2, "wrong_shape": 1, "wrong_dtype": 1, "non_finite": 1,
@@ -175,12 +177,12 @@ def test_merged_rounds_are_synced_to_disk_and_payloads_are_not(tmp_path, monkeyp
 
   monkeypatch.setattr(os, "fsync", spy)
   store = Store(tmp_path)
-  store.put_payload(_payload(0, 0, _params(1)))
-  store.put_heartbeat(0, {"seq": 1})
+  store.payloads.put(_payload(0, 0, _params(1)))
+  store.learners.put_heartbeat(0, {"seq": 1})
   assert synced == []
   s = _syncer()
-  store.put_merged(s.initial(0.0)[0], s.momentum, {"round": None})
-  data = store.merged_marker(0, 0)["data"]
+  store.merged.put(s.initial(0.0)[0], s.momentum, {"round": None})
+  data = store.merged.marker(0, 0)["data"]
   entry_files = [os.path.relpath(os.path.join(d, f), tmp_path)
                  for d, _, fs in os.walk(tmp_path / "merged" / data) for f in fs]
   assert len(entry_files) == 2 * (len(PLAN.fragments[0]) + 1)  # tensors + _METADATA, twice
@@ -189,7 +191,7 @@ def test_merged_rounds_are_synced_to_disk_and_payloads_are_not(tmp_path, monkeyp
   assert {f"merged/{data}/params", f"merged/{data}/outer", f"merged/{data}", "merged"} <= set(
       synced[:marker])  # the entries' folders, the rename, and the new version's folder
   assert synced[marker + 1:] == ["merged"]  # the marker's name; nothing for the index
-  assert store.read_merged(0, 0)[0].version == 0
+  assert store.merged.read(0, 0)[0].version == 0
 
 def test_every_bad_entry_kind_is_rejected_with_its_reason(where):
   root, files = where
@@ -220,14 +222,15 @@ def test_every_bad_entry_kind_is_rejected_with_its_reason(where):
   assert [m.fragment for m in merged] == [p_of] and s.last_quorum == 1  # only the good one
   link.release(s.pending_keys())
   link.close()  # deletes run in the background; this waits for them
-  assert store.committed_payloads() == []  # everything read was released
+  assert store.payloads.committed() == []  # everything read was released
   # What the store could not use was moved aside with its reason, never deleted.
-  assert sorted(r["reason"] for r in store.quarantined().values()) == sorted(
+  assert sorted(r["reason"] for r in store.payloads.quarantined().values()) == sorted(
       r.reason for r in rejected)
   assert len(rejected) == 5 and (files / "quarantine" / rejected[0].name).is_dir()
-  assert store.uncommitted_payloads() == ["f1_l0_i0_s2"]  # never trusted, never read
-  assert store.collect_uncommitted(max_age_s=3600) == 0
-  assert store.collect_uncommitted(max_age_s=-1) == 1 and store.uncommitted_payloads() == []
+  assert store.payloads.uncommitted() == ["f1_l0_i0_s2"]  # never trusted, never read
+  assert store.payloads.collect_uncommitted(max_age_s=3600) == 0
+  assert store.payloads.collect_uncommitted(max_age_s=-1) == 1
+  assert store.payloads.uncommitted() == []
   for k in PLAN.fragments[1 - p_of]:
     np.testing.assert_array_equal(s.global_params()[k], g0[k])
 
@@ -239,17 +242,17 @@ def test_uncommitted_entries_are_collected_by_the_age_this_process_saw_them(wher
   root, files = where
   store = Store(root)
   for step in (1, 2):
-    store.put_payload(_payload(0, 0, _params(1), step=step))
+    store.payloads.put(_payload(0, 0, _params(1), step=step))
     (files / "payloads" / f"f0_l0_i0_s{step}.json").unlink()  # the writer died before it
   old = files / "payloads" / "f0_l0_i0_s1"
   if isinstance(old, pathlib.Path):  # a local folder's time of 1970 means nothing
     os.utime(old, (0, 0))
-  assert store.collect_uncommitted(max_age_s=0.3) == 0  # first seen now
-  store.write_json("payloads/f0_l0_i0_s2.json", {"late": True})  # a slow writer committed
+  assert store.payloads.collect_uncommitted(max_age_s=0.3) == 0  # first seen now
+  store.blobs.write_json("payloads/f0_l0_i0_s2.json", {"late": True})  # a slow writer committed
   time.sleep(0.4)
-  assert store.collect_uncommitted(max_age_s=0.3) == 1
-  assert store.uncommitted_payloads() == [] and store.committed_payloads() == ["f0_l0_i0_s2"]
-  assert Store(root).collect_uncommitted(max_age_s=-1) == 0  # nothing else was left
+  assert store.payloads.collect_uncommitted(max_age_s=0.3) == 1
+  assert store.payloads.uncommitted() == [] and store.payloads.committed() == ["f0_l0_i0_s2"]
+  assert Store(root).payloads.collect_uncommitted(max_age_s=-1) == 0  # nothing else was left
 
 
 def test_syncer_link_retries_a_failed_delete_and_never_rereads(where, monkeypatch):
@@ -260,11 +263,11 @@ def test_syncer_link_retries_a_failed_delete_and_never_rereads(where, monkeypatc
   try:
     link.poll(0.0)
     _beat(store, 0)
-    store.put_payload(_payload(0, 0, _params(1)))
+    store.payloads.put(_payload(0, 0, _params(1)))
     beats, payloads, rejected, _ = link.poll(1.0)
     assert len(payloads) == 1 and rejected == []
     s.tick(1.0, beats, payloads)
-    real_remove, failures = store.remove_payload, []
+    real_remove, failures = store.payloads.remove, []
 
     def flaky_remove(name):
       if not failures:
@@ -272,13 +275,13 @@ def test_syncer_link_retries_a_failed_delete_and_never_rereads(where, monkeypatc
         raise OSError("transient")
       real_remove(name)
 
-    monkeypatch.setattr(store, "remove_payload", flaky_remove)
+    monkeypatch.setattr(store.payloads, "remove", flaky_remove)
     link.release(s.pending_keys())
     link.flush()
-    assert failures and store.committed_payloads() == failures  # the delete failed
+    assert failures and store.payloads.committed() == failures  # the delete failed
     assert link.poll(2.0)[1:3] == ([], [])  # not read again: it was consumed
     link.flush()  # the poll resubmitted the delete
-    assert store.committed_payloads() == []
+    assert store.payloads.committed() == []
   finally:
     link.close()
 
@@ -288,7 +291,7 @@ def test_learner_link_delivers_and_prefetches_merged(where):
   store = Store(root)
   s = _syncer()
   for m in s.initial(0.0):
-    store.put_merged(m, s.momentum, {"round": None, "state": s.export_state()})
+    store.merged.put(m, s.momentum, {"round": None, "state": s.export_state()})
   link = LearnerStoreLink(store, 3, 0, poll_s=0.01, heartbeat_every_s=0.01)
   try:
     link.wait_initial(PLAN.num_fragments, timeout=30)
@@ -296,10 +299,10 @@ def test_learner_link_delivers_and_prefetches_merged(where):
     link.heartbeat(Heartbeat(3, 0, 1, 0.1, 0.0))
     link.deliver(_payload(3, 0, _params(5)))
     link.flush()
-    assert store.committed_payloads() == ["f0_l3_i0_s4"]
-    assert store.heartbeats()[3]["local_step"] == 1  # written before the payload
+    assert store.payloads.committed() == ["f0_l3_i0_s4"]
+    assert store.learners.heartbeats()[3]["local_step"] == 1  # written before the payload
     link.leave("retired")
-    assert store.heartbeats()[3]["state"] == "retired"
+    assert store.learners.heartbeats()[3]["state"] == "retired"
   finally:
     link.close()
 
@@ -315,7 +318,7 @@ def test_learner_link_outbox_is_bounded_and_loses_nothing(tmp_path):
       assert link._outbox.qsize() <= 1
     assert link.send_wait_s > 0.0  # the third waited for the first upload to finish
     link.flush()
-    assert sorted(store.committed_payloads()) == ["f0_l0_i0_s12", "f0_l0_i0_s4", "f0_l0_i0_s8"]
+    assert sorted(store.payloads.committed()) == ["f0_l0_i0_s12", "f0_l0_i0_s4", "f0_l0_i0_s8"]
   finally:
     link.close()
 
@@ -327,14 +330,14 @@ def test_learner_link_outlives_a_version_collected_before_it_read_it(where):
   store = Store(root)
   s = _syncer()
   for m in s.initial(0.0):
-    store.put_merged(m, s.momentum, {"round": None, "state": s.export_state()})
-  store.write_json("merged/index.json", {"0": 7, "1": 0})  # f0_v7 is gone (never written)
+    store.merged.put(m, s.momentum, {"round": None, "state": s.export_state()})
+  store.blobs.write_json("merged/index.json", {"0": 7, "1": 0})  # f0_v7 is gone (never written)
   link = LearnerStoreLink(store, 0, 0, poll_s=0.01)
   try:
     link.wait_for(1, 0, timeout=30)
     assert link.latest_version(0) == -1 and link.latest_version(1) == 0  # still alive
     s.versions[0] = 8
-    store.put_merged(Merged(0, 8, s.fragment_values(0), 1.0), s.momentum,
+    store.merged.put(Merged(0, 8, s.fragment_values(0), 1.0), s.momentum,
                      {"round": 0, "state": s.export_state()})
     assert link.wait_for(0, 8, timeout=30).version == 8
   finally:
@@ -347,17 +350,17 @@ def test_collect_merged_spares_a_version_being_written(where):
   s = _syncer()
   for v in range(4):
     s.versions[0] = v
-    store.put_merged(Merged(0, v, s.fragment_values(0), float(v)), s.momentum, {"round": v})
+    store.merged.put(Merged(0, v, s.fragment_values(0), float(v)), s.momentum, {"round": v})
   writing = files / "merged" / "f0_v4.0123456789ab" / "params"  # the syncer is writing v4
   writing.mkdir(parents=True)
   (writing / "t0000.npy").write_bytes(b"half")
-  store.collect_merged(0, keep=2)
-  assert store.merged_versions(0) == [2, 3]
+  store.merged.collect(0, keep=2)
+  assert store.merged.versions(0) == [2, 3]
   names = sorted(re.sub(r"\.[0-9a-f]{12}$", ".w", n) for n in _names(files / "merged"))
   assert names == ["f0_v2.json", "f0_v2.w", "f0_v3.json", "f0_v3.w", "f0_v4.w", "index.json"]
-  assert store.collect_uncommitted_merged() == 1  # what a restarted syncer does first
+  assert store.merged.collect_uncommitted() == 1  # what a restarted syncer does first
   assert not (files / "merged" / "f0_v4.0123456789ab").exists()
-  np.testing.assert_array_equal(store.read_merged(0, 3)[0].tensors["embedder/embedding"],
+  np.testing.assert_array_equal(store.merged.read(0, 3)[0].tensors["embedder/embedding"],
                                 s.fragment_values(0)["embedder/embedding"])
 
 def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
@@ -366,7 +369,7 @@ def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
   records: list = []
   s = _syncer(on_round=records.append)
   for m in s.initial(0.0):
-    store.put_merged(m, s.momentum, {"round": None, "state": s.export_state()})
+    store.merged.put(m, s.momentum, {"round": None, "state": s.export_state()})
   tape_path = str(tmp_path / "tape.jsonl")
   tape = open(tape_path, "a", encoding="utf-8")
   beats = [Heartbeat(m, 0, 1, 0.1, 0.0) for m in (0, 1)]
@@ -375,7 +378,7 @@ def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
     merged, _ = s.tick(float(r + 1), beats if r == 0 else (),
                        [_payload(r % 2, p, _params(10 + r), base=s.versions[p], step=r + 1)])
     syncer_process._commit(store, s, merged, records, tape)
-    store.collect_merged(p, keep=3)
+    store.merged.collect(p, keep=3)
   tape.close()
   # A round that closed but died before its commit marker: never durable.
   s.tick(6.0, (), [_payload(0, 0, _params(99), base=s.versions[0], step=9)])
@@ -384,8 +387,8 @@ def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
   durable = _syncer()
   durable_params = {}
   for p in range(2):
-    v = store.merged_versions(p)[-1]
-    durable_params.update(store.read_merged(p, v)[0].tensors)
+    v = store.merged.versions(p)[-1]
+    durable_params.update(store.merged.read(p, v)[0].tensors)
 
   fresh = _syncer()
   ok, merged_keys, committed = syncer_process.recover(store, fresh, 2, max_staleness=8)
@@ -397,7 +400,7 @@ def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
   assert (0, 0, 0, 5) in merged_keys  # round 4 merged learner 0's step-5 delivery
   rounds = [json.loads(line)["round"] for line in open(tape_path)]
   assert rounds == [0, 1, 2, 3, 4]
-  assert store.merged_versions(0) == [1, 2, 3]  # keep=3: version 0 collected
+  assert store.merged.versions(0) == [1, 2, 3]  # keep=3: version 0 collected
   del durable
 
 
@@ -464,7 +467,7 @@ def test_one_shard_keeps_the_unsharded_layout(where):
   root, files = where
   (store,) = store_lib.shard_stores(root, 1)
   assert store.shard is None and store.shared is store and store.root == store.base
-  store.put_merged(_merged(0, 0), {k: np.zeros(SHAPES[k], np.float32)
+  store.merged.put(_merged(0, 0), {k: np.zeros(SHAPES[k], np.float32)
                                    for k in PLAN.fragments[0]}, {"round": None})
   assert (files / "merged" / "index.json").exists() and not (files / "shards").exists()
   assert store_lib.global_index([store]) == {0: 0}
@@ -475,9 +478,9 @@ def test_each_shard_owns_its_folder_and_shares_the_run_records(where):
   shards = store_lib.shard_stores(root, 2)
   assert sorted(set(OWNER)) == [0, 1]
   for p, s in enumerate(OWNER):
-    shards[s].put_merged(_merged(p, 3), {k: np.zeros(SHAPES[k], np.float32)
+    shards[s].merged.put(_merged(p, 3), {k: np.zeros(SHAPES[k], np.float32)
                                          for k in PLAN.fragments[p]}, {"round": None})
-    shards[s].write_json("registry.json", {"shard": s})
+    shards[s].blobs.write_json("registry.json", {"shard": s})
   for s in (0, 1):
     own = [p for p in range(PLAN.num_fragments) if OWNER[p] == s]
     assert json.loads((files / "shards" / f"s{s}" / "merged" / "index.json").read_text()) == {
@@ -486,14 +489,14 @@ def test_each_shard_owns_its_folder_and_shares_the_run_records(where):
   assert not (files / "merged" / "index.json").exists()  # nothing merged at the root
   # Heartbeats, incarnations, the run start, learner checkpoints and stop.json are the run's.
   _beat(shards[1], 4)
-  assert set(shards[0].heartbeats()) == {4} and (files / "heartbeats" / "l4.json").exists()
-  assert shards[1].next_incarnation(4) == 0 and shards[0].next_incarnation(4) == 1
-  assert shards[0].run_start(create=True) == shards[1].run_start()
-  assert shards[1].learner_dir(4) == shards[0].learner_dir(4) == store_lib.Store(
-      root).learner_dir(4)
-  assert not shards[0].stop_requested()
-  store_lib.shared_store(root, 2).request_stop({"at": 1.0})
-  assert shards[0].stop_requested() and shards[1].stop_requested()
+  assert set(shards[0].learners.heartbeats()) == {4} and (files / "heartbeats" / "l4.json").exists()
+  assert shards[1].learners.next_incarnation(4) == 0 and shards[0].learners.next_incarnation(4) == 1
+  assert shards[0].run.start(create=True) == shards[1].run.start()
+  assert shards[1].learners.learner_dir(4) == shards[0].learners.learner_dir(4) == store_lib.Store(
+      root).learners.learner_dir(4)
+  assert not shards[0].run.stop_requested()
+  store_lib.shared_store(root, 2).run.request_stop({"at": 1.0})
+  assert shards[0].run.stop_requested() and shards[1].run.stop_requested()
   assert store_lib.global_index(shards, OWNER) == {p: 3 for p in range(PLAN.num_fragments)}
 
 
@@ -502,10 +505,10 @@ def test_learner_link_routes_each_delivery_to_its_shard_and_polls_every_index(wh
   shards = store_lib.shard_stores(root, 2)
   zeros = lambda p: {k: np.zeros(SHAPES[k], np.float32) for k in PLAN.fragments[p]}  # noqa
   for p, s in enumerate(OWNER):
-    shards[s].put_merged(_merged(p, 1 + p), zeros(p), {"round": None})
+    shards[s].merged.put(_merged(p, 1 + p), zeros(p), {"round": None})
   # A version planted in the wrong shard's folder is never read (nor counted in the index).
   wrong = 1 - OWNER[0]
-  shards[wrong].put_merged(_merged(0, 9, seed=5), zeros(0), {"round": None})
+  shards[wrong].merged.put(_merged(0, 9, seed=5), zeros(0), {"round": None})
   assert store_lib.global_index(shards, OWNER)[0] == 1
   link = LearnerStoreLink(shards[0].shared, 0, 0, poll_s=0.01, shards=shards, owner=OWNER)
   try:
@@ -517,10 +520,10 @@ def test_learner_link_routes_each_delivery_to_its_shard_and_polls_every_index(wh
       link.deliver(_delivery(0, p, 4))
     link.flush()
     for s in (0, 1):
-      assert [parse_payload_name(n)[0] for n in shards[s].committed_payloads()] == [
+      assert [parse_payload_name(n)[0] for n in shards[s].payloads.committed()] == [
           p for p in range(PLAN.num_fragments) if OWNER[p] == s]
     # A newer version in the owner's folder is fetched; the planted one never.
-    shards[OWNER[0]].put_merged(_merged(0, 2, seed=2), zeros(0), {"round": None})
+    shards[OWNER[0]].merged.put(_merged(0, 2, seed=2), zeros(0), {"round": None})
     got = link.wait_for(0, 2, timeout=30)
     assert got.version == 2
     for k in PLAN.fragments[0]:
@@ -533,7 +536,7 @@ def test_a_learner_link_waits_for_every_shard(where):
   root, _ = where
   shards = store_lib.shard_stores(root, 2)
   p = OWNER.index(0)
-  shards[0].put_merged(_merged(p, 0), {k: np.zeros(SHAPES[k], np.float32)
+  shards[0].merged.put(_merged(p, 0), {k: np.zeros(SHAPES[k], np.float32)
                                        for k in PLAN.fragments[p]}, {"round": None})
   link = LearnerStoreLink(shards[0].shared, 0, 0, poll_s=0.01, shards=shards, owner=OWNER)
   try:
@@ -552,7 +555,7 @@ def test_a_shard_recovers_only_its_own_fragments(tmp_path):
   s1 = syncer_lib.Syncer(_params(0), PLAN, SyncConfig(quorum=1, gamma=0.0), OuterConfig(),
                          sync_delay_s=0.0, on_round=records.append, owned=own)
   for merged in s1.initial(0.0):
-    shards[1].put_merged(merged, s1.momentum, {"round": None, "state": s1.export_state()})
+    shards[1].merged.put(merged, s1.momentum, {"round": None, "state": s1.export_state()})
   p = own[0]
   merged, _ = s1.tick(1.0, [Heartbeat(0, 0, 1, 0.1, 0.0)], [_delivery(0, p, 4)])
   syncer_process._commit(shards[1], s1, merged, records, open(os.devnull, "w"))
@@ -562,8 +565,8 @@ def test_a_shard_recovers_only_its_own_fragments(tmp_path):
   ok, merged_keys, committed = syncer_process.recover(shards[1], again, PLAN.num_fragments, 8)
   assert ok and merged_keys == {(p, 0, 0, 4)} and [r["round"] for r in committed] == [0]
   assert [again.versions[q] for q in own] == [s1.versions[q] for q in own]
-  assert shards[1].merged_index() == {q: s1.versions[q] for q in own}
-  assert shards[0].merged_index() == {} and shards[0].merged_versions(p) == []
+  assert shards[1].merged.index() == {q: s1.versions[q] for q in own}
+  assert shards[0].merged.index() == {} and shards[0].merged.versions(p) == []
 
 
 @pytest.mark.parametrize("num_shards", [1, 2])
@@ -576,9 +579,9 @@ def test_init_from_a_store_assembles_g_from_every_shards_newest_version(tmp_path
   stores = store_lib.shard_stores(root, num_shards)
   momentum = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
   for p in range(PLAN.num_fragments):
-    stores[owner[p]].put_merged(_merged(p, 0, seed=0), momentum, {"round": None})
+    stores[owner[p]].merged.put(_merged(p, 0, seed=0), momentum, {"round": None})
   for version in (1, 2):
-    stores[owner[0]].put_merged(_merged(0, version, seed=version), momentum, {"round": None})
+    stores[owner[0]].merged.put(_merged(0, version, seed=version), momentum, {"round": None})
   assert export.store_shards(root) == num_shards
   params, source = export.read_params(root)
   flat = fragments.flatten_tree(params)

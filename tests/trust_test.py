@@ -23,8 +23,11 @@ from diloco.config.run_config import OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.lease import Lease, LeaseHeld
-from diloco.distributed.store import NON_FINITE, Store, StoreError
-from diloco.distributed.store_transport import LearnerStoreLink, SyncerStoreLink
+from diloco.distributed.entry_check import StoreError
+from diloco.distributed.store import Store
+from diloco.distributed.store_names import NON_FINITE
+from diloco.distributed.store_transport import LearnerStoreLink
+from diloco.distributed.syncer_link import SyncerStoreLink
 from diloco.transport import Heartbeat, Merged
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
@@ -184,15 +187,15 @@ def _store_syncer(tmp_path, **kw):
   store = Store(tmp_path)
   s, records = _syncer(**kw)
   for merged in s.initial(0.0):
-    store.put_merged(merged, s.momentum, {"round": None, "state": s.export_state()})
+    store.merged.put(merged, s.momentum, {"round": None, "state": s.export_state()})
   link = SyncerStoreLink(store, EXPECTED)
   link.poll(0.0)
   return store, s, records, link
 
 
 def _beat_record(store, seq, incarnation=0, learner=0, **fields):
-  store.put_heartbeat(learner, dict({"incarnation": incarnation, "seq": seq, "local_step": 4,
-                                     "step_time": 0.1}, **fields))
+  store.learners.put_heartbeat(learner, dict({"incarnation": incarnation, "seq": seq,
+                                              "local_step": 4, "step_time": 0.1}, **fields))
 
 
 def test_a_delivery_rewritten_after_a_syncer_restart_is_rejected_as_replayed(tmp_path):
@@ -200,13 +203,13 @@ def test_a_delivery_rewritten_after_a_syncer_restart_is_rejected_as_replayed(tmp
   then the same entry is written again: the durable ledger refuses it."""
   store, s, records, link = _store_syncer(tmp_path)
   _beat_record(store, 1)
-  store.put_payload(_delivery(step=8))
+  store.payloads.put(_delivery(step=8))
   syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=1.0)
   link.close()
-  assert s.versions == [1] and store.committed_payloads() == []
+  assert s.versions == [1] and store.payloads.committed() == []
   for seq, t in ((2, 2.0), (3, 3.0)):  # two more rounds push the version out of the tapes
     _beat_record(store, seq)
-    store.put_payload(_delivery(step=8 + 4 * seq, base_version=s.versions[0]))
+    store.payloads.put(_delivery(step=8 + 4 * seq, base_version=s.versions[0]))
     link = SyncerStoreLink(store, EXPECTED, fresh_s=60)
     link.poll(t)
     syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=1, now=t + 0.5)
@@ -215,7 +218,7 @@ def test_a_delivery_rewritten_after_a_syncer_restart_is_rejected_as_replayed(tmp
   ok, merged_keys, _ = syncer_process.recover(store, again, 1, 8)
   assert ok and again.versions == [3] and (0, 0, 0, 8) not in merged_keys
   before = again.global_params()
-  store.put_payload(_delivery(step=8, base_version=3))
+  store.payloads.put(_delivery(step=8, base_version=3))
   _beat_record(store, 9)
   link = SyncerStoreLink(store, EXPECTED, merged_keys, fresh_s=60)
   link.poll(5.0)
@@ -289,7 +292,7 @@ def test_heartbeat_records_of_wrong_types_are_skipped_by_the_link(tmp_path, reco
   store = Store(tmp_path)
   link = SyncerStoreLink(store, EXPECTED)
   link.poll(0.0)
-  store.put_heartbeat(0, record)
+  store.learners.put_heartbeat(0, record)
   assert link.poll(1.0) == ([], [], [], [])
   link.close()
 
@@ -300,10 +303,10 @@ def test_a_corrupt_index_never_stops_a_commit_or_a_learners_poll_thread(tmp_path
   (tmp_path / "merged" / "index.json").write_text(index)
   learner = LearnerStoreLink(store, 0, 0, poll_s=0.01)
   _beat_record(store, 1)
-  store.put_payload(_delivery(step=4))
+  store.payloads.put(_delivery(step=4))
   syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=1.0)
   link.close()
-  assert s.versions == [1] and store.merged_index() == {0: 1}
+  assert s.versions == [1] and store.merged.index() == {0: 1}
   learner.wait_initial(1, timeout=20, min_versions={0: 1})
   learner.close()
 
@@ -313,11 +316,11 @@ def test_a_commit_marker_that_is_a_directory_is_set_aside_and_the_round_commits(
   store, s, records, link = _store_syncer(tmp_path)
   os.mkdir(tmp_path / "merged" / "f0_v1.json")
   _beat_record(store, 1)
-  store.put_payload(_delivery(step=4))
+  store.payloads.put(_delivery(step=4))
   syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=1.0)
   link.close()
-  assert s.versions == [1] and store.merged_index() == {0: 1}
-  assert store.read_merged(0, 1)[0].version == 1
+  assert s.versions == [1] and store.merged.index() == {0: 1}
+  assert store.merged.read(0, 1)[0].version == 1
 
 
 def test_a_heartbeat_that_is_a_fifo_never_blocks_the_poll(tmp_path):
@@ -335,7 +338,7 @@ def test_a_heartbeat_that_is_a_fifo_never_blocks_the_poll(tmp_path):
 def test_a_payload_entry_that_is_a_symlink_to_a_folder_outside_is_refused(tmp_path):
   store, s, records, link = _store_syncer(tmp_path / "store")
   outside = Store(tmp_path / "outside")
-  outside.put_payload(_delivery(step=4))  # a well-formed entry, outside the store
+  outside.payloads.put(_delivery(step=4))  # a well-formed entry, outside the store
   os.symlink(tmp_path / "outside" / "payloads" / "f0_l0_i0_s4",
              tmp_path / "store" / "payloads" / "f0_l0_i0_s4")
   os.link(tmp_path / "outside" / "payloads" / "f0_l0_i0_s4.json",
@@ -351,22 +354,22 @@ def test_a_payload_entry_that_is_a_symlink_to_a_folder_outside_is_refused(tmp_pa
                                   "f0_l0_i0_s\u0664"])
 def test_entry_names_must_be_canonical(tmp_path, name):
   store = Store(tmp_path)
-  store.put_payload(_delivery(step=4))
+  store.payloads.put(_delivery(step=4))
   for suffix in ("", ".json"):
     os.rename(tmp_path / "payloads" / f"f0_l0_i0_s4{suffix}",
               tmp_path / "payloads" / f"{name}{suffix}")
-  assert store.committed_payloads() == []
+  assert store.payloads.committed() == []
 
 
 def _plant_non_finite(store, s, version):
   bad = Merged(0, version, {k: np.full(v, np.nan, np.float32) for k, v in SHAPES.items()}, 1.0)
-  store.put_merged(bad, s.momentum, {"round": None, "state": s.export_state()})
+  store.merged.put(bad, s.momentum, {"round": None, "state": s.export_state()})
 
 
 def test_recover_refuses_a_non_finite_version_and_falls_back_to_the_newest_good_one(tmp_path):
   store, s, records, link = _store_syncer(tmp_path)
   _beat_record(store, 1)
-  store.put_payload(_delivery(step=4))
+  store.payloads.put(_delivery(step=4))
   syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=5, now=1.0)
   link.close()
   good = s.global_params()
@@ -374,10 +377,10 @@ def test_recover_refuses_a_non_finite_version_and_falls_back_to_the_newest_good_
   again, _ = _syncer()
   ok, _, _ = syncer_process.recover(store, again, 1, 8)
   assert ok and again.versions == [1] and _unchanged(again, good)
-  assert store.merged_versions(0) == [0, 1] and store.merged_index() == {0: 1}
+  assert store.merged.versions(0) == [0, 1] and store.merged.index() == {0: 1}
   with pytest.raises(StoreError) as e:  # and learners never apply one
     _plant_non_finite(store, s, 2)
-    store.read_merged(0, 2)
+    store.merged.read(0, 2)
   assert e.value.reason == NON_FINITE
 
 
@@ -389,7 +392,7 @@ def test_a_learner_skips_a_non_finite_version_and_takes_the_next(tmp_path):
   time.sleep(0.5)  # dozens of polls of the index naming the planted version
   assert learner.latest(0) is None  # never applied
   good = Merged(0, 2, _params(5), 2.0)
-  store.put_merged(good, s.momentum, {"round": None, "state": {}})
+  store.merged.put(good, s.momentum, {"round": None, "state": {}})
   learner.wait_initial(1, timeout=20, min_versions={0: 2})
   assert learner.latest(0).version == 2
   learner.close()
@@ -398,13 +401,13 @@ def test_a_learner_skips_a_non_finite_version_and_takes_the_next(tmp_path):
 def test_when_quarantine_cannot_be_written_the_bad_entry_is_never_read_again(tmp_path):
   store, s, records, link = _store_syncer(tmp_path)
   (tmp_path / "quarantine").write_text("not a folder")
-  store.put_payload(_delivery(step=4))
+  store.payloads.put(_delivery(step=4))
   marker = tmp_path / "payloads" / "f0_l0_i0_s4.json"
   marker.write_text(marker.read_text().replace('"steps": 4', '"steps": 4.5'))
   _beat_record(store, 1)
   syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=1.0)
   link.close()
-  assert s.rejections["bad_counters"] == 1 and store.committed_payloads() == []
+  assert s.rejections["bad_counters"] == 1 and store.payloads.committed() == []
   again = SyncerStoreLink(store, EXPECTED)
   again.poll(2.0)
   assert again.poll(3.0)[1:3] == ([], [])
@@ -445,7 +448,7 @@ def test_a_contender_whose_create_fails_backs_off_and_respects_its_deadline(tmp_
     calls.append(rel)
     raise StoreError("write_failed", "disk full")
 
-  monkeypatch.setattr(store, "create_json", failing)
+  monkeypatch.setattr(store.blobs, "create_json", failing)
   lease = Lease(store, duration_s=4.0, poll_s=0.05)
   with pytest.raises(LeaseHeld):
     lease.acquire(timeout_s=1.0)
@@ -455,7 +458,7 @@ def test_a_contender_whose_create_fails_backs_off_and_respects_its_deadline(tmp_
 def test_a_name_that_keeps_existing_cannot_spin_the_contender(tmp_path, monkeypatch):
   store = Store(tmp_path)
   calls = []
-  monkeypatch.setattr(store, "create_json", lambda rel, record: calls.append(rel) or False)
+  monkeypatch.setattr(store.blobs, "create_json", lambda rel, record: calls.append(rel) or False)
   lease = Lease(store, duration_s=4.0, poll_s=0.2)
   with pytest.raises(LeaseHeld):
     lease.acquire(timeout_s=0.5)

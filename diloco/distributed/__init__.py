@@ -1,8 +1,10 @@
 """The multi-process runtime: learners and the syncer as separate processes (and hosts) that
 exchange Orbax-serialised fragments through a store, a local directory or a `gs://` bucket.
 
-`store` and `npy_handler` are the on-disk layout; `store_transport` the learner's and the
-syncer's links over it; `hosts` a learner spanning several hosts; `wan` the emulated
-wide-area link; `learner_process` and `syncer_process` the two roles; `launcher` runs them
-locally, and `chaos` kills and stops them with real signals; `jobset` renders the GKE manifest
-that runs them on a cluster (`scripts/make_jobset.py`)."""
+`store` and its parts (`blob_io`, `payload_box`, `merged_versions`, `learner_registry`,
+`run_lifecycle`, named by `store_names`) and `npy_handler` are the on-disk layout;
+`store_transport` and `syncer_link` the learner's and the syncer's links over it; `hosts` a
+learner spanning several hosts; `wan` the emulated wide-area link; `learner_process` and
+`syncer_process` the two roles; `launcher` runs them locally (`supervision` its processes,
+`launch_report` the end-of-run report), and `chaos` kills and stops them with real signals;
+`jobset` renders the GKE manifest that runs them on a cluster (`scripts/make_jobset.py`)."""

@@ -139,7 +139,7 @@ class Evaluator:
 def _progress(store: Store) -> int:
   """The learners' furthest local step, from their heartbeats."""
   steps = [0]
-  for record in store.heartbeats().values():
+  for record in store.learners.heartbeats().values():
     try:
       steps.append(int(record["local_step"]))
     except (KeyError, TypeError, ValueError):
@@ -155,7 +155,7 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="evaluator")
   evaluator = Evaluator(cfg, spec, eval_fn, writer, os.path.join(workdir, VERSIONS_FILE))
   restarted = evaluator.recall(workdir)
-  origin = store.run_start() or time.time()
+  origin = store.run.start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   paths = fragments_lib.flatten_tree(spec.abstract["params"]).keys()
   try:
@@ -163,7 +163,7 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
       with jax.set_mesh(spec.mesh):
         start = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"])
       evaluator.evaluate(start, 0, clock(), 0)
-    while not all(s.merged_index() for s in stores):  # each shard publishes its version 0s
+    while not all(s.merged.index() for s in stores):  # each shard publishes its version 0s
       time.sleep(_POLL_S)
     index = global_index(stores)
     progress = _progress(store)

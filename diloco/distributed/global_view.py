@@ -33,9 +33,9 @@ def read_global(stores: Store | list[Store], *, with_rounds: bool = False, paths
     try:
       index = {}
       for store in stores:
-        own = store.merged_index()
+        own = store.merged.index()
         for p, version in sorted(own.items()):
-          merged, _ = store.read_merged(p, version)
+          merged, _ = store.merged.read(p, version)
           flat.update(merged.tensors)
         index.update(own)
       if paths is not None and set(paths) - set(flat):
@@ -50,7 +50,7 @@ def read_global(stores: Store | list[Store], *, with_rounds: bool = False, paths
 
 def _registry(store: Store) -> dict:
   try:
-    record = store.read_json("registry.json") or {}
+    record = store.blobs.read_json("registry.json") or {}
   except Exception:  # pylint: disable=broad-except  # a torn record: read it next poll
     return {}
   return record if isinstance(record, dict) else {}

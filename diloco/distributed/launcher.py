@@ -7,9 +7,9 @@ and applies the seeded chaos schedule (`diloco.distributed.chaos`) with real sig
 world, like the hosts of a TPU slice: a kill hits one of them, and the launcher then stops
 the others and restarts the learner whole (JAX would take its heartbeat timeout to notice).
 When every learner has finished or retired it stops the syncer, gathers the activity logs,
-and writes the same report as the single-controller runtime (`diloco.observe.report`:
-accounting.json, loss.png, timeline.png, a short table). While the run goes on it prints
-the global evals as the syncer or the evaluator process records them.
+and writes the same report as the single-controller runtime (`launch_report`,
+`diloco.observe.report`: accounting.json, loss.png, timeline.png, a short table). While the
+run goes on it prints the global evals as the syncer or the evaluator process records them.
 
 On a GPU host or TPU VM (`launch.platform`, `diloco.deploy.accelerators`) each learner
 gets its own group of the host's devices and the syncer stays on the CPU. SIGTERM or SIGINT to
@@ -30,7 +30,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,57 +39,21 @@ from absl import logging
 
 from diloco.config.run_config import Config, ConfigError
 from diloco.deploy import accelerators
-from diloco.distributed import chaos
+from diloco.distributed import chaos, launch_report, supervision
 from diloco.distributed.store import Store, shard_stores, shared_store
-from diloco.observe import accounting
+from diloco.distributed.supervision import EVALUATOR, Proc, syncer_key
 from diloco.observe import metrics as metrics_lib
-from diloco.observe import report
 from diloco.observe import tracking
 from diloco.observe.accounting import span_record
 from diloco.train import data as data_lib
 
 LAUNCHER_ACTIVITY = "launcher.jsonl"
-EVALUATOR = -2  # the evaluator process's key in `Launcher.procs`
-SYNCER = -1  # the syncer's key (shard 0's with several shards; `syncer_key`)
-
-
-def syncer_key(shard: int) -> int:
-  """Syncer shard `shard`'s key in `Launcher.procs`: -1, then -3, -4, ... (-2 is the
-  evaluator's)."""
-  return SYNCER if shard == 0 else -2 - shard
-
-
-@dataclasses.dataclass
-class Proc:
-  """One supervised learner, as one process per host, or a syncer shard (learner -1, or
-  `syncer_key(s)`), or the evaluator (learner -2)."""
-  name: str
-  learner: int
-  devices: int  # per process
-  hosts: int = 1
-  # The accelerator ids each host process sees (empty on cpu: emulated devices instead).
-  device_ids: list[list[str]] = dataclasses.field(default_factory=list)
-  popens: list[subprocess.Popen] = dataclasses.field(default_factory=list)
-  state: str = "idle"  # idle | running | stopped | waiting (to restart) | done | retired
-  restarts: int = 0
-  fast_failures: int = 0
-  started_at: float = 0.0
-  restart_at: float = 0.0
-  down_since: float | None = None
-  logs: list = dataclasses.field(default_factory=list)
-  shard: int | None = None  # a syncer's shard
-
-  def exit_code(self) -> int | None:
-    """None while it runs; else the first failed exit code of its processes, or 0 once all of
-    them exited cleanly (hosts of one learner finish together)."""
-    codes = [p.poll() for p in self.popens]
-    failed = [c for c in codes if c not in (None, 0)]
-    if failed:
-      return failed[0]
-    return None if not codes or None in codes else 0
 
 
 class Launcher:
+  """Starts, supervises and restarts the run's processes, applies the chaos schedule, and
+  reports at the end (`supervision` holds the processes, `launch_report` the report)."""
+
   def __init__(self, cfg: Config, workdir: str, config_json: str):
     self.cfg, self.workdir, self.config_json = cfg, os.path.abspath(workdir), config_json
     self.store_root = cfg.store.root or os.path.join(self.workdir, "store")
@@ -133,7 +96,7 @@ class Launcher:
     os.makedirs(os.path.join(self.workdir, "activity"), exist_ok=True)
     self._activity = open(os.path.join(self.workdir, "activity", LAUNCHER_ACTIVITY), "a",
                           encoding="utf-8")
-    self.origin = self.store.run_start(create=True)
+    self.origin = self.store.run.start(create=True)
     self.started = time.monotonic()
     self.applied: list[dict] = []
     # The global evals as the syncer or the evaluator process records them, for the console.
@@ -180,13 +143,13 @@ class Launcher:
       return accelerators.syncer_env(os.environ, self.platform)
     ids = proc.device_ids[host] if proc.device_ids else []
     return accelerators.child_env(os.environ, self.platform, devices=ids, emulated=proc.devices,
-                                  tpu_port=_free_port() if self.platform == "tpu" else 0)
+                                  tpu_port=supervision.free_port() if self.platform == "tpu" else 0)
 
   def start(self, proc: Proc) -> None:
     if not proc.logs:
       names = [proc.name] + [f"{proc.name}_h{h}" for h in range(1, proc.hosts)]
       proc.logs = [open(os.path.join(self.workdir, "logs", f"{n}.log"), "ab") for n in names]
-    port = _free_port() if proc.hosts > 1 else 0  # a fresh coordinator for every start
+    port = supervision.free_port() if proc.hosts > 1 else 0  # a fresh coordinator for every start
     proc.popens = []
     for host, log in enumerate(proc.logs):
       log.write(f"==== start at t={self.now():.2f}s ====\n".encode())
@@ -205,29 +168,6 @@ class Launcher:
                                                 devices=proc.devices * proc.hosts)) + "\n")
     self._activity.flush()
 
-  def _signal(self, proc: Proc, sig: int, host: int | None = None) -> bool:
-    """Sends `sig` to one host's process, or to all of them; False if none was running."""
-    targets = proc.popens if host is None else proc.popens[host:host + 1]
-    sent = False
-    for popen in targets:
-      if popen.poll() is None:
-        os.kill(popen.pid, sig)
-        sent = True
-    return sent
-
-  def _stop_all(self, proc: Proc) -> None:
-    """Kills what is left of a learner whose host died: the others cannot go on without it.
-
-    The whole process group of each live process goes, so that no helper it started outlives
-    it (a group whose leader has exited and been reaped is left alone: its id may be reused).
-    """
-    for popen in proc.popens:
-      if popen.poll() is None:
-        _signal_group(popen, signal.SIGCONT)
-        _signal_group(popen, signal.SIGKILL)
-    for popen in proc.popens:
-      popen.wait(timeout=30)
-
   def _learners(self, *states: str) -> list[Proc]:
     return [p for m, p in sorted(self.procs.items()) if m >= 0 and p.state in states]
 
@@ -238,7 +178,7 @@ class Launcher:
       code = proc.exit_code() if proc.state in ("running", "stopped", "retiring") else None
       if code is None:
         continue
-      self._stop_all(proc)
+      supervision.stop_all(proc)
       if proc.state == "retiring" or (code == 0 and proc.learner >= 0):
         proc.state = "retired" if proc.state == "retiring" else "done"
         continue
@@ -248,9 +188,10 @@ class Launcher:
       now = self.now()
       proc.fast_failures = proc.fast_failures + 1 if now - proc.started_at < 60 else 1
       if proc.fast_failures >= la.max_fast_failures:
+        log = os.path.join(self.workdir, "logs", f"{proc.name}.log")
         raise RuntimeError(f"{proc.name} died {proc.fast_failures} times in a row (last exit "
                            f"code {code}); see {self.workdir}/logs/{proc.name}.log:\n"
-                           + _tail(os.path.join(self.workdir, "logs", f"{proc.name}.log")))
+                           + supervision.tail(log))
       backoff = min(la.restart_backoff_s * 2 ** (proc.fast_failures - 1), la.max_backoff_s)
       proc.state, proc.restart_at, proc.down_since = "waiting", now + backoff, now
       proc.restarts += 1
@@ -267,7 +208,7 @@ class Launcher:
     proc: Proc | None
     if event.kind == "kill_syncer":
       proc = self.procs[syncer_key(event.shard)]
-      ok = proc.state == "running" and self._signal(proc, signal.SIGKILL)
+      ok = proc.state == "running" and supervision.send(proc, signal.SIGKILL)
     elif event.kind == "add":
       idle = self._learners("idle")
       proc = idle[0] if idle else None
@@ -278,16 +219,16 @@ class Launcher:
       proc = self._pick(event)
       ok = proc is not None
       if ok and event.kind == "kill":  # one host of a learner dies (a process, a machine)
-        ok = self._signal(proc, signal.SIGKILL, host=int(self.rng.integers(proc.hosts)))
+        ok = supervision.send(proc, signal.SIGKILL, host=int(self.rng.integers(proc.hosts)))
       elif ok and event.kind == "stop":
-        ok = self._signal(proc, signal.SIGSTOP)
+        ok = supervision.send(proc, signal.SIGSTOP)
         if ok:
           proc.state = "stopped"
           self._continue_at.append((self.now() + event.duration, proc))
           self._span(proc, "down", self.now(), self.now() + event.duration)
       elif ok and event.kind == "retire":
         # Retiring the last learner would end training: retire only with others running.
-        ok = len(self._learners("running")) > 1 and self._signal(proc, signal.SIGTERM, host=0)
+        ok = len(self._learners("running")) > 1 and supervision.send(proc, signal.SIGTERM, host=0)
         if ok:
           proc.state = "retiring"
     if event.kind == "retire" and not ok and event.learner != chaos.ANY:
@@ -309,34 +250,11 @@ class Launcher:
 
   def _check_signal(self) -> None:
     if self._stop_signal is not None:
-      raise Stopped(self._stop_signal)
+      raise supervision.Stopped(self._stop_signal)
 
   def forward(self, sig: int) -> None:
-    """Stops every live process with SIGTERM, whichever of SIGTERM and SIGINT the launcher got
-    (`sig`, which the closing line names); waits up to launch.stop_timeout_s for all of them
-    to exit (a learner checkpoints on SIGTERM), then SIGKILLs the stragglers.
-
-    SIGTERM is the one stop every role handles as a stop: a learner sets a flag its loop reads,
-    a syncer or evaluator ends. A forwarded SIGINT would raise KeyboardInterrupt wherever the
-    child happens to be, e.g. inside the start of an I/O thread, whose half-started thread
-    then blocks the interpreter's exit until the SIGKILL. Each process leads its own process
-    group (`start_new_session`), so a terminal's Ctrl-C reaches only the launcher; the signal
-    goes to the whole group, helpers included.
-    """
-    live = [p for proc in self.procs.values() for p in proc.popens if p.poll() is None]
-    for popen in live:
-      for s in (signal.SIGCONT, signal.SIGTERM):  # a SIGSTOPped process could not act on it
-        _signal_group(popen, s)
-    deadline = time.monotonic() + self.cfg.launch.stop_timeout_s
-    while any(p.poll() is None for p in live) and time.monotonic() < deadline:
-      time.sleep(0.05)
-    stragglers = [p for p in live if p.poll() is None]
-    for popen in stragglers:
-      _signal_group(popen, signal.SIGKILL)
-      popen.wait(timeout=30)
-    print(f"launcher: {signal.Signals(sig).name}: {len(live) - len(stragglers)} process(es) "
-          f"exited, {len(stragglers)} killed after launch.stop_timeout_s="
-          f"{self.cfg.launch.stop_timeout_s:g}", flush=True)
+    """Stops every live process (`supervision.stop_gracefully`) after the launcher got `sig`."""
+    supervision.stop_gracefully(self.procs.values(), sig, self.cfg.launch.stop_timeout_s)
 
   # The run.
   def run(self) -> dict:
@@ -345,7 +263,7 @@ class Launcher:
     previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
       return self._run()
-    except Stopped as e:  # every process is gone already (the finally of _run)
+    except supervision.Stopped as e:  # every process is gone already (the finally of _run)
       raise SystemExit(128 + e.signum) from None
     finally:
       for s, handler in previous.items():
@@ -374,7 +292,7 @@ class Launcher:
         for item in [c for c in self._continue_at if c[0] <= now]:
           self._continue_at.remove(item)
           if item[1].state == "stopped":
-            self._signal(item[1], signal.SIGCONT)
+            supervision.send(item[1], signal.SIGCONT)
             item[1].state = "running"
         for proc in self.procs.values():
           if proc.state == "waiting" and proc.restart_at <= now:
@@ -394,7 +312,7 @@ class Launcher:
           last_status = now
           print(self.status_line(), flush=True)
         time.sleep(0.1)
-      self.store.request_stop({"at": self.now()})
+      self.store.run.request_stop({"at": self.now()})
       self._wait_for_syncers()
       self._wait_for_evaluator()
     finally:
@@ -435,28 +353,12 @@ class Launcher:
       time.sleep(0.1)
 
   def _all_stepping(self) -> bool:
-    beats = self.store.heartbeats()
+    beats = self.store.learners.heartbeats()
     return all(beats.get(m, {}).get("local_step", 0) >= 1 for m in range(self.cfg.learners.count))
 
   def status_line(self) -> str:
-    beats = self.store.heartbeats()
-    parts = []
-    for m, proc in sorted(self.procs.items()):
-      if m < 0 or proc.state == "idle":
-        continue
-      step = beats.get(m, {}).get("local_step", 0)
-      parts.append(f"L{m} {proc.state} s{step} r{proc.restarts}")
-    syncers = []
-    for proc, store in zip(self._syncers(), self._shard_stores()):
-      try:
-        reg = store.read_json("registry.json") or {}
-      except Exception:  # a status line never fails the run
-        reg = {}
-      syncers.append(f"{proc.name} {proc.state} r{proc.restarts}: rounds {reg.get('rounds', 0)}, "
-                     f"learners/round {reg.get('learners_per_round', 0.0):.2f} (last "
-                     f"{reg.get('last_quorum', 0)}), rejected "
-                     f"{sum(reg.get('rejected', {}).values())}")
-    return " | ".join(parts) + " || " + " | ".join(syncers)
+    return launch_report.status_line(self.procs, self.store.learners.heartbeats(),
+                                     self._syncers(), self._shard_stores())
 
   def _shard_stores(self) -> list[Store]:
     if not hasattr(self, "_stores"):
@@ -466,107 +368,16 @@ class Launcher:
 
   def shutdown(self) -> None:
     for proc in self.procs.values():
-      self._stop_all(proc)
+      supervision.stop_all(proc)
       for log in proc.logs:
         log.close()
       proc.logs = []
     self._activity.close()
 
   def finish(self) -> dict:
-    """Merges the activity logs into activity.jsonl, writes chaos.json, and writes and prints
-    the run's report (`diloco.observe.report`) from the records the processes left."""
-    activity = []
-    folder = os.path.join(self.workdir, "activity")
-    for name in sorted(os.listdir(folder)):
-      activity += accounting.read_jsonl(os.path.join(folder, name))
-    activity.sort(key=lambda r: (r["start"], r["learner"]))
-    with open(os.path.join(self.workdir, accounting.ACTIVITY_FILE), "w") as f:
-      for r in activity:
-        f.write(json.dumps(r) + "\n")
-    with open(os.path.join(self.workdir, "chaos.json"), "w") as f:
-      json.dump(self.applied, f, indent=2)
-    cfg = self.cfg
-    records = metrics_lib.read_metrics(os.path.join(self.workdir, metrics_lib.METRICS_FILE))
-    evals = [r for r in records if r.get("role") == "syncer" and "eval/loss" in r]
-    figures = report.RunFigures(
-        eval_loss=evals[-1]["eval/loss"] if evals else float("nan"),
-        initial_loss=evals[0]["eval/loss"] if evals else float("nan"),
-        eval_step=evals[-1]["step"] if evals else 0,
-        wall_s=time.monotonic() - self.started,
-        restarts=sum(p.restarts for p in self.procs.values()),
-        syncer_restarts=sum(p.restarts for p in self._syncers()),
-        chaos_events=len(self.applied),
-        chaos_applied=sum(r["applied"] for r in self.applied))
-    # Into the syncer's TensorBoard run (WORKDIR/tensorboard/syncer), at the last eval's step.
-    writer = metrics_lib.open_writer(cfg, self.workdir, role="syncer", process="launcher")
-    tape = self._merged_tape()
-    try:
-      summary = report.finish(
-          self.workdir, num_fragments=cfg.sync.num_fragments,
-          num_params=sum(int(np.prod(s)) for s in param_shapes(cfg).values()),
-          figures=figures, activity=activity, tape=tape, writer=writer,
-          loss_title=f"Decoupled DiLoCo, {cfg.learners.count} learner processes",
-          timeline_title=f"multi-process, M={cfg.learners.count}, K={cfg.sync.quorum or 'M'}, "
-                         f"chaos {len(self.applied)} events")
-    finally:
-      writer.close()
-    return summary
-
-  def _merged_tape(self) -> list[dict]:
-    """The run's tape: the syncer's, or every shard's merged in publication order (written to
-    WORKDIR/tape.jsonl, where the accounting reads it)."""
-    path = os.path.join(self.workdir, accounting.TAPE_FILE)
-    if self.shards == 1:
-      return accounting.read_jsonl(path)
-    tape = []
-    for s in range(self.shards):
-      shard_tape = os.path.join(self.workdir, "shards", f"s{s}", accounting.TAPE_FILE)
-      if os.path.exists(shard_tape):
-        tape += [dict(r, shard=r.get("shard", s)) for r in accounting.read_jsonl(shard_tape)]
-    tape.sort(key=lambda r: (r["published_at"], r["shard"], r["round"]))
-    with open(path, "w", encoding="utf-8") as f:
-      for r in tape:
-        f.write(json.dumps(r) + "\n")
-    return tape
-
-
-class Stopped(Exception):
-  """The launcher got SIGTERM or SIGINT: every process is stopped, then it exits 128 + signum."""
-
-  def __init__(self, signum: int):
-    super().__init__(signal.Signals(signum).name)
-    self.signum = signum
-
-
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
-  """`sig` to the process group that `popen` leads, if it is still there."""
-  try:
-    os.killpg(popen.pid, sig)
-  except ProcessLookupError:
-    pass
-
-
-def param_shapes(cfg: Config) -> dict:
-  """The model's parameter shapes by path, from its abstract state (no arrays)."""
-  from diloco import fragments as fragments_lib  # pylint: disable=import-outside-toplevel
-  from diloco.train import state as train_state  # pylint: disable=import-outside-toplevel
-  import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
-  _, state = train_state.abstract_params(cfg.model)
-  return {k: v.shape for k, v in fragments_lib.flatten_tree(nnx.to_pure_dict(state)).items()}
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _tail(path: str, lines: int = 30) -> str:
-  try:
-    with open(path, "rb") as f:
-      return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
-  except OSError:
-    return ""
+    """Writes and prints the run's report (`launch_report.finish`)."""
+    return launch_report.finish(self.cfg, self.workdir, self.procs, self._syncers(),
+                                self.applied, self.started)
 
 
 def run(cfg: Config, workdir: str) -> dict:

@@ -40,7 +40,7 @@ from diloco.distributed import chaos
 from diloco.distributed import hosts as hosts_lib
 from diloco.distributed import wan
 from diloco.distributed.store import Store, global_index, shard_stores, shared_store
-from diloco.distributed.store_transport import DONE, RETIRED
+from diloco.distributed.learner_registry import DONE, RETIRED
 from diloco.learner.learner import Learner, Resume
 from diloco.observe import accounting
 from diloco.observe import metrics as metrics_lib
@@ -95,7 +95,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
 
   store = shared_store(store_root, cfg.sync.shards)  # the run's records; shards: below
   hosts = hosts_lib.HostGroup()
-  incarnation = hosts.share("incarnation", lambda: store.next_incarnation(learner_id))
+  incarnation = hosts.share("incarnation", lambda: store.learners.next_incarnation(learner_id))
   devices = jax.devices()
   spec, init_fn, step_fn = island.build_learner(cfg, devices, learner_id)
   plan = island.fragment_plan(cfg, spec)
@@ -107,7 +107,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
                               up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s,
                               send_queue=cfg.sync.send_queue, shards=folders, owner=owner)
   link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s)
-  origin = store.run_start() or time.time()
+  origin = store.run.start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   joined_at = clock()
   # It starts from every version published before it joined, or a newer one: the index read
@@ -117,7 +117,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s,
                      {int(p): v for p, v in published.items()})
 
-  ckpt = checkpoint_lib.Checkpointer(str(store.learner_dir(learner_id)), cfg.checkpoint)
+  ckpt = checkpoint_lib.Checkpointer(str(store.learners.learner_dir(learner_id)), cfg.checkpoint)
   learner = Learner(learner_id=learner_id, incarnation=incarnation, num_groups=shards, cfg=cfg,
                     spec=spec, init_fn=init_fn, step_fn=step_fn, plan=plan, transport=link,
                     resume=Resume(), background_io=True)
@@ -240,7 +240,7 @@ def _live_peer_steps(cfg: Config, store: Store, learner_id: int) -> list[int]:
   timeout, by their wall clocks: a generous bound across machines)."""
   now = time.time()
   peers = []
-  for m, record in store.heartbeats().items():
+  for m, record in store.learners.heartbeats().items():
     try:
       if m != learner_id and record.get("state") == "up" and \
           now - float(record["sent_at"]) < cfg.sync.heartbeat_timeout_s:
@@ -254,12 +254,12 @@ def _start_together(cfg: Config, store: Store, learner_id: int, wait: bool) -> b
   """The first cohort's learners take their first step together (`learner_loop.start_together`,
   through the store's ready marks). A restarted learner only says it is ready (a peer may
   still be waiting for it)."""
-  store.mark_ready(learner_id)
+  store.run.mark_ready(learner_id)
   if not wait:
     return False
   initial = set(range(cfg.learners.count))
   return learner_loop.start_together(
-      learner_id, lambda: len(store.ready_learners() & initial), cfg.learners.count,
+      learner_id, lambda: len(store.run.ready_learners() & initial), cfg.learners.count,
       cfg.store.join_timeout_s, wait=lambda s: time.sleep(min(s, cfg.store.poll_s)))
 
 
@@ -316,7 +316,7 @@ def _newest_peer_checkpoint(cfg: Config, store: Store, learner_id: int) -> list[
   for m in range(chaos.max_learners(cfg)):
     if m == learner_id:
       continue
-    peer = checkpoint_lib.Checkpointer(str(store.learner_dir(m)), cfg.checkpoint)
+    peer = checkpoint_lib.Checkpointer(str(store.learners.learner_dir(m)), cfg.checkpoint)
     step = peer.latest_step()
     peer.close()
     if step is not None and (best is None or step > best[1]):
@@ -336,7 +336,7 @@ def _adopt_peer_optimizer(cfg: Config, store: Store, learner: Learner, spec,
     logging.info("learner %d: no peer checkpoint; fresh AdamW state", learner.id)
     return
   m, step = best
-  peer = checkpoint_lib.Checkpointer(str(store.learner_dir(m)), cfg.checkpoint)
+  peer = checkpoint_lib.Checkpointer(str(store.learners.learner_dir(m)), cfg.checkpoint)
   state, error = None, None
   try:
     state = peer.restore_state(step, spec.abstract)

@@ -8,7 +8,7 @@ started by mistake) are the realistic pair. The lease is a series of records
 the wall time it expires. The lease belongs to the newest generation until that expires.
 
 - **Taking it** is creating generation n+1, which succeeds for exactly one contender:
-  `Store.create_json` is a create-only write (a hard link on a local disk, a create-only
+  `Blobs.create_json` is a create-only write (a hard link on a local disk, a create-only
   object write on an object store, which has no rename). The winner reads the record back
   as a second check (a backend whose create were not atomic would show the other id).
 - **Holding it**: a background thread rewrites the holder's own record with a later expiry
@@ -47,7 +47,8 @@ from collections.abc import Callable
 from absl import logging
 
 from diloco.sync import intake
-from diloco.distributed.store import Store, StoreError
+from diloco.distributed.entry_check import StoreError
+from diloco.distributed.store import Store
 
 # A generation of any length (canonical ASCII digits, matched whole); 240 digits keep a
 # record's name within a file system's 255 bytes.
@@ -134,7 +135,7 @@ class Lease:
       pass
     for generation in sorted(generations, reverse=True):
       try:
-        record = self.store.read_json(self._rel(generation))
+        record = self.store.blobs.read_json(self._rel(generation))
       except StoreError:  # writes are atomic, so only a foreign hand makes one unreadable;
         record = {"holder": "unreadable"}  # it names no expiry and protects nothing
       if record is not None and not isinstance(record, dict):
@@ -178,8 +179,8 @@ class Lease:
               "generation": newest, "holder": record.get("holder"),
               "expires": record.get("expires"), "released": bool(record.get("released"))}
         try:
-          created = self.store.create_json(self._rel(generation),
-                                           self._record(generation, started_wall))
+          created = self.store.blobs.create_json(self._rel(generation),
+                                                 self._record(generation, started_wall))
         except StoreError as e:  # a full disk: nobody can write; try again later, backing off
           logging.warning("lease: cannot take generation %d: %s", generation, e)
           self._wait_or_give_up(deadline, backoff, f"could not create generation {generation}: "
@@ -187,7 +188,7 @@ class Lease:
           backoff = min(2 * backoff, 8 * self._poll_s + 1.0)
           continue
         if created:
-          mine = self.store.read_json(self._rel(generation))
+          mine = self.store.blobs.read_json(self._rel(generation))
           if isinstance(mine, dict) and mine.get("holder") == self.holder:
             with self._lock:
               self.generation, self._lost = generation, None
@@ -226,7 +227,7 @@ class Lease:
       for path in (self.store.root / "lease").iterdir():
         m = _GENERATION.fullmatch(path.name)
         if m is not None and int(m[1]) < generation - 1:
-          self.store.remove(f"lease/{path.name}")
+          self.store.blobs.remove(f"lease/{path.name}")
     except OSError as e:
       logging.warning("lease: could not delete old generations: %r", e)
 
@@ -246,14 +247,15 @@ class Lease:
     if generation is None or lost is not None or self._taken():
       return
     try:
-      self.store.write_json(self._rel(generation),
-                            self._record(generation, self._wall(), released=True), durable=True)
+      self.store.blobs.write_json(self._rel(generation),
+                                  self._record(generation, self._wall(), released=True),
+                                  durable=True)
     except StoreError as e:
       logging.warning("lease: could not mark generation %d released: %s", generation, e)
 
   # Holding.
   def _taken(self) -> bool:
-    return self.store.exists(self._rel(self.generation + 1))
+    return self.store.blobs.exists(self._rel(self.generation + 1))
 
   def _lose(self, why: str) -> None:
     with self._lock:
@@ -276,9 +278,9 @@ class Lease:
       if self._taken():
         self._lose(f"generation {generation + 1} was taken by another syncer")
         return False
-      self.store.write_json(self._rel(generation),
-                            self._record(generation, started_wall, renewed_at=started_wall),
-                            durable=True)
+      self.store.blobs.write_json(self._rel(generation),
+                                  self._record(generation, started_wall, renewed_at=started_wall),
+                                  durable=True)
     except (StoreError, OSError) as e:  # a store hiccup: the lease runs out unless a later
       logging.warning("lease: renewal failed: %r", e)  # renewal works
       return True

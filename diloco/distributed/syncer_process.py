@@ -42,9 +42,11 @@ from diloco.config.run_config import Config
 from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.lease import Lease
 from diloco.distributed import chaos, global_view, store_markers
-from diloco.distributed.store import (WRITE_FAILED, Store, StoreError, merged_name,
-                                      shard_stores)
-from diloco.distributed.store_transport import DONE, RETIRED, SyncerStoreLink
+from diloco.distributed.entry_check import StoreError
+from diloco.distributed.learner_registry import DONE, RETIRED
+from diloco.distributed.store import Store, shard_stores
+from diloco.distributed.store_names import WRITE_FAILED, merged_name
+from diloco.distributed.syncer_link import SyncerStoreLink
 from diloco.observe import metrics as metrics_lib
 from diloco.sync.syncer import Syncer
 from diloco.artifacts import export
@@ -60,12 +62,12 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
   before the store is changed).
 
   Each fragment resumes from its newest version that reads back whole, typed and finite
-  (`Store.read_merged` with the plan's shapes); newer ones that do not (corrupt or planted)
+  (`MergedVersions.read` with the plan's shapes); newer ones that do not (corrupt or planted)
   are moved aside, so their version numbers are free for the rounds to come. Returns
   (recovered?, keys (fragment, learner, incarnation, step) of deliveries that committed
   rounds merged, the committed rounds' tape records).
   """
-  store.collect_uncommitted_merged()  # a dead syncer's half-written rounds
+  store.merged.collect_uncommitted()  # a dead syncer's half-written rounds
   own = [p for p in syncer.owned if p < num_fragments]  # a shard recovers its fragments only
   found = {p: _newest_usable(store, syncer, p, max_staleness) for p in own}
   if not any(found.values()):
@@ -78,10 +80,10 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
     fence()
   for p, (_, _, _, _, refused) in found.items():
     for version, why in refused:
-      store.set_aside(f"merged/{merged_name(p, version)}.json", why)
+      store.merged.set_aside(f"merged/{merged_name(p, version)}.json", why)
   fragments = {p: (f[0], f[1].tensors, f[2]) for p, f in found.items()}
   history = {p: f[3] for p, f in found.items()}
-  markers = {p: store_markers.typed_marker(store.merged_marker(p, f[0]))
+  markers = {p: store_markers.typed_marker(store.merged.marker(p, f[0]))
              for p, f in found.items()}
   with_rounds = [m for m in markers.values() if m["round"] is not None]
   newest = max(with_rounds, key=lambda m: m["round"], default=markers[own[0]])
@@ -93,7 +95,7 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
   # The index may lag the markers by one write if the syncer died in between.
   if fence is not None:
     fence()
-  store.write_json("merged/index.json", {str(p): fragments[p][0] for p in own}, durable=True)
+  store.blobs.write_json("merged/index.json", {str(p): fragments[p][0] for p in own}, durable=True)
   return True, merged_keys, [m["tape"] for m in with_rounds]
 
 
@@ -101,13 +103,13 @@ def _newest_usable(store: Store, syncer: Syncer, p: int, max_staleness: int):
   """(version, Merged, momentum, history, refused newer versions) of fragment p's newest
   version that reads back whole, or None if none does."""
   shapes = {k: syncer.params[k].shape for k in syncer.plan.fragments[p]}
-  versions = store.merged_versions(p)
+  versions = store.merged.versions(p)
   refused = []
   for version in reversed(versions):
     try:
-      if store_markers.typed_marker(store.merged_marker(p, version)) is None:
+      if store_markers.typed_marker(store.merged.marker(p, version)) is None:
         raise StoreError("unreadable", f"merged f{p}_v{version}: commit marker of wrong types")
-      merged, momentum = store.read_merged(p, version, with_momentum=True, shapes=shapes)
+      merged, momentum = store.merged.read(p, version, with_momentum=True, shapes=shapes)
     except StoreError as e:
       logging.error("syncer: merged version %d of fragment %d refused: %s", version, p, e)
       refused.append((version, str(e)))
@@ -116,7 +118,7 @@ def _newest_usable(store: Store, syncer: Syncer, p: int, max_staleness: int):
     for older in versions:
       if version - max_staleness <= older < version:
         try:
-          history[older] = store.read_merged(p, older, shapes=shapes)[0].tensors
+          history[older] = store.merged.read(p, older, shapes=shapes)[0].tensors
         except StoreError as e:  # a base nobody can use: deliveries on it are stale
           logging.error("syncer: merged version %d of fragment %d refused: %s", older, p, e)
     return version, merged, momentum, history, refused
@@ -211,7 +213,7 @@ def _boot(cfg: Config, store: Store, lease: Lease, clock) -> _Boot:
                                               cfg.sync.max_staleness, fence=lease.check)
   if not recovered:
     for merged in syncer.initial(clock()):
-      store.put_merged(merged, syncer.momentum, {"round": None, "state": syncer.export_state()},
+      store.merged.put(merged, syncer.momentum, {"round": None, "state": syncer.export_state()},
                        fence=lease.check)
   expected = {p: {k: global_params[k].shape for k in paths}
               for p, paths in enumerate(plan.fragments)}
@@ -233,13 +235,13 @@ def _start_evaluator(cfg: Config, workdir: str, boot: _Boot, writer, clock):
 
 def _write_registry(cfg: Config, store: Store, syncer: Syncer, now: float, **extra) -> None:
   """`registry.json`: the syncer's state for people and tools (and the launcher's report)."""
-  store.write_json("registry.json", dict(
+  store.blobs.write_json("registry.json", dict(
       syncer.state_summary(), time=now, versions=syncer.versions, shard=cfg.sync.shard,
       owned=list(syncer.owned), **extra))
 
 
 def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
-  origin = store.run_start(create=True)
+  origin = store.run.start(create=True)
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   boot = _boot(cfg, store, lease, clock)
   syncer, records = boot.syncer, boot.records
@@ -273,9 +275,9 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
         next_eval = (progress // cfg.train.eval_every + 1) * cfg.train.eval_every
       if now - last_registry >= 1.0:
         last_registry = now
-        store.collect_uncommitted(max_age_s=max(60.0, 2 * cfg.sync.heartbeat_timeout_s))
+        store.payloads.collect_uncommitted(max_age_s=max(60.0, 2 * cfg.sync.heartbeat_timeout_s))
         _write_registry(cfg, store, syncer, now, alive=syncer.alive(now))
-      if store.stop_requested() or _all_left(store):
+      if store.run.stop_requested() or _all_left(store):
         _settle(cfg, store, syncer, link, records, tape, keep, clock, lease.check)
         break
       wait = cfg.store.poll_s if deadline is None else min(cfg.store.poll_s,
@@ -400,7 +402,7 @@ def _commit(store: Store, syncer: Syncer, merged: list[Merged], records: list[di
     wait = 0.1
     while True:
       try:
-        store.put_merged(m, syncer.momentum, {"round": record["round"],
+        store.merged.put(m, syncer.momentum, {"round": record["round"],
                                               "state": syncer.export_state(), "tape": record},
                          fence=fence)
         break
@@ -418,5 +420,5 @@ def _commit(store: Store, syncer: Syncer, merged: list[Merged], records: list[di
 
 def _all_left(store: Store) -> bool:
   """True once learners have heartbeats and every one of them is done or retired."""
-  states = [r.get("state") for r in store.heartbeats().values()]
+  states = [r.get("state") for r in store.learners.heartbeats().values()]
   return bool(states) and all(s in (DONE, RETIRED) for s in states) and DONE in states

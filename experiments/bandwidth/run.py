@@ -12,7 +12,7 @@ import numpy as np
 from absl import app, flags
 
 from diloco.config import run_config as config_lib
-from diloco.distributed import launcher
+from diloco.distributed import launch_report
 from diloco.observe.accounting import read_jsonl
 from diloco.sim import bandwidth as sim_bandwidth
 from experiments import harness
@@ -26,7 +26,7 @@ GBIT = 1e9
 def model() -> tuple[config_lib.Config, int]:
   """The base config and N, its parameter count (from the model's abstract shapes)."""
   cfg = config_lib.from_config_dict(config_lib.load(os.path.join(harness.REPO, config.CONFIG)))
-  shapes = launcher.param_shapes(cfg)
+  shapes = launch_report.param_shapes(cfg)
   return cfg, sum(int(np.prod(s)) for s in shapes.values())
 
 
