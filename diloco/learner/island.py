@@ -12,7 +12,8 @@ import jax
 import numpy as np
 
 from diloco import fragments as fragments_lib
-from diloco.config.run_config import Config, ConfigError
+from diloco.config.run_config import Config
+from diloco.errors import ConfigError
 from diloco.model import registry
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib

@@ -121,7 +121,7 @@ class Learner:
 
   def _apply(self, merged: Merged, mode: str | None = None) -> None:
     """Takes merged fragment p by the receipt `mode` (default `sync.receipt`; the modes are
-    defined in `diloco/learner/receipt.py`)."""
+    defined in `diloco/receipt.py`)."""
     mode = mode or self.cfg.sync.receipt
     p = merged.fragment
     flat = fragments_lib.flatten_tree(self.state["params"])

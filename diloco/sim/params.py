@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from diloco.sync import policy
-from diloco.config.run_config import SyncConfig
+from diloco.sync.policy import SyncConfig
 
 YEAR_S = 365.0 * 86400.0
 DAY_S = 86400.0
