@@ -176,7 +176,7 @@ class WandbTracker:
 
 def check(log) -> None:
   """ConfigErrors for the `log` fields that trackers read: the `log` group's own rules
-  (`config_lib.LogConfig`), rerun for a LogConfig that was built without validation."""
+  (`LogConfig`), rerun for a LogConfig that was built without validation."""
   config_rules.check_fields("log", log)
   log.check()
 
