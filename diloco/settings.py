@@ -1,11 +1,10 @@
 """What a setting accepts, stated once beside its field: a numeric range or a fixed set of
 choices (docs/architecture.md, "Where a config rule lives").
 
-A config group declares a field as `name: type = setting(default, rule)`; `check_fields`
-then checks every field of the group against its rule, and the group's `check` method holds
-only the rules that relate fields to each other. The syncer policy's own settings
-(`policy.PolicyConfig`) use the same `Range` objects as the `sync` group, so the two cannot
-accept different values.
+A config group is a `@frozen` class beside the code it configures, each field declared as
+`name: type = setting(default, rule)`; `check_fields` then checks every field of the group
+against its rule, and the group's `check` method holds only the rules that relate fields to
+each other.
 """
 
 from __future__ import annotations
@@ -78,6 +77,11 @@ POSITIVE = Range(low=0, low_open=True)
 NON_NEGATIVE = Range(low=0)
 AT_LEAST_ONE = Range(low=1)
 FRACTION = Range(low=0, high=1, high_open=True)  # [0, 1)
+
+
+def frozen(cls: type) -> type:
+  """The dataclass form of every config group: immutable, keyword-only, slotted."""
+  return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
 
 
 def setting(default: Any, rule: Rule | None = None, note: str = "") -> Any:

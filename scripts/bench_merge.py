@@ -26,7 +26,8 @@ import numpy as np
 from absl import app, flags
 
 from diloco import fragments, outer
-from diloco.config.run_config import OuterConfig, SyncConfig
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.outer import kernels
 from diloco.sync.syncer import Syncer

@@ -38,7 +38,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from diloco import fragments
-from diloco.config.run_config import OuterConfig, SyncConfig
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import store_transport
 from diloco.distributed import syncer_link

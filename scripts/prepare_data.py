@@ -32,7 +32,9 @@ import shutil
 
 from absl import app, flags, logging
 
-from diloco.config.run_config import DATA_SOURCES, ConfigError, DataConfig, validate_data
+from diloco.config.run_config import validate_data
+from diloco.errors import ConfigError
+from diloco.train.data import DATA_SOURCES, DataConfig
 from diloco.train import corpus, array_records as shards, tokenizers
 from diloco.train import data as data_lib
 

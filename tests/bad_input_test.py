@@ -19,7 +19,8 @@ import pytest
 from diloco import fragments, outer
 from diloco.sync import intake
 from diloco.sync import syncer as syncer_lib
-from diloco.config.run_config import OuterConfig, SyncConfig
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.store import Store

@@ -15,7 +15,7 @@ import pytest
 
 from diloco.cli import commands as cli, interrupt, preflight
 from diloco.config import files as config_files, run_config as config_lib
-from diloco.config.run_config import ConfigError
+from diloco.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

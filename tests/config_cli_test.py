@@ -12,7 +12,7 @@ from configs import diloco, dp, multiprocess, streaming
 from diloco.cli import config_flags as config_cli
 from diloco.config import run_config as config_lib
 from diloco.sync import policy
-from diloco.config.run_config import ConfigError
+from diloco.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 

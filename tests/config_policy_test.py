@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from diloco.config import run_config as config_lib
 from diloco import settings as config_rules
 from diloco.sync import policy
-from diloco.config.run_config import ConfigError, SyncConfig
+from diloco.errors import ConfigError
+from diloco.sync.policy import SyncConfig
 
 
 def _config_accepts(field, value):

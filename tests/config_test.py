@@ -9,7 +9,7 @@ import pytest
 
 from configs import dp
 from diloco.config import run_config as config_lib
-from diloco.config.run_config import ConfigError
+from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
 from diloco.runtime import data_parallel as train
 from diloco.train import mesh as mesh_lib

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from script_import import import_script
 
-from diloco.config.run_config import ConfigError, DataConfig
+from diloco.errors import ConfigError
+from diloco.train.data import DataConfig
 from diloco.train import data
 from diloco.train import tokenizers
 

@@ -14,7 +14,9 @@ import pytest
 
 from diloco import fragments
 from diloco.sync import syncer as syncer_lib
-from diloco.config.run_config import ConfigError, OuterConfig, SyncConfig
+from diloco.errors import ConfigError
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.observe import accounting
 from diloco.runtime import decoupled

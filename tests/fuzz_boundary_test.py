@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from diloco import fragments
 from diloco.sync import intake
 from diloco.sync import syncer as syncer_lib
-from diloco.config.run_config import OuterConfig, SyncConfig
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.store import Store

@@ -12,7 +12,8 @@ from diloco import fragments
 from diloco.sync import policy
 from diloco.sync import syncer as syncer_lib
 from diloco import transport as transport_lib
-from diloco.config.run_config import OuterConfig, SyncConfig
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 
 import options_test as helpers

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 from diloco import fragments
-from diloco.config.run_config import ConfigError, OuterConfig, SyncConfig
+from diloco.errors import ConfigError
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.learner.learner import Resume
 from diloco.runtime import run_checkpoint
 from diloco.runtime import decoupled

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from diloco.config.run_config import ConfigError, MeshConfig, OptimConfig
+from diloco.errors import ConfigError
+from diloco.train.mesh import MeshConfig
+from diloco.train.optim import OptimConfig
 from diloco.model import presets as model_presets
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib

@@ -15,7 +15,10 @@ from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 from diloco import fragments, outer
 from diloco.sync import ownership as syncer_shards
 from diloco.sync import syncer as syncer_lib
-from diloco.config.run_config import ConfigError, OuterConfig, StoreConfig, SyncConfig
+from diloco.config.run_config import StoreConfig
+from diloco.errors import ConfigError
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import chaos
 from diloco.distributed import store as store_lib

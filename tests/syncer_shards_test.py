@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from diloco import fragments
 from diloco.sync import intake, syncer as syncer_lib, ownership as syncer_shards
-from diloco.config.run_config import OuterConfig, SyncConfig
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.errors import ConfigError
 from diloco.transport import Heartbeat

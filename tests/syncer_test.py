@@ -5,7 +5,8 @@ import pytest
 
 from diloco import fragments
 from diloco.sync import syncer as syncer_lib
-from diloco.config.run_config import OuterConfig, SyncConfig
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.transport import Heartbeat
 

@@ -19,7 +19,8 @@ import pytest
 from diloco import fragments
 from diloco.sync import intake, policy
 from diloco.sync import syncer as syncer_lib
-from diloco.config.run_config import OuterConfig, SyncConfig
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.lease import Lease, LeaseHeld

@@ -277,7 +277,7 @@ def test_safetensors_hold_the_exported_tensors(run, tmp_path, capsys):
 
 
 def test_export_copies_the_tokenizer_that_prepared_shards_name(tmp_path):
-  from diloco.config.run_config import DataConfig
+  from diloco.train.data import DataConfig
   shards = tmp_path / "shards"
   tokenizer = _word_tokenizer(str(shards))
   with open(shards / "meta.json", "w") as f:

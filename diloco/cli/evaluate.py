@@ -28,7 +28,7 @@ from flax import nnx
 
 from diloco.cli import command
 from diloco.artifacts import trained
-from diloco.config.run_config import DATA_SOURCES, DataConfig
+from diloco.train.data import DATA_SOURCES, DataConfig
 from diloco.errors import ConfigError
 from diloco.train import data as data_lib
 from diloco.artifacts import export

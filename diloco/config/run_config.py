@@ -1,129 +1,46 @@
-"""Frozen, validated configuration: the library never reads a raw ConfigDict.
+"""The run's configuration: the groups composed, frozen and validated, and the cross-group rules.
 
 Experiment files (`configs/*.py`) build an `ml_collections.ConfigDict` with
 `base_config()`; `from_config_dict()` turns it into the frozen dataclasses below
 after `validate()`, so every bad value fails at start with a message that names
 the field and what it may be.
 
-Each rule lives in one place (docs/architecture.md, "Where a config rule lives"): a field's own
-rule is declared beside it (`setting(default, rule)`, diloco/settings.py), a rule relating
-fields of one group is that group's `check` method, and a rule across groups is in
-`_check_across_groups`. Lists of allowed values are imported from the module that acts on them.
+Each group lives beside the code it configures (`DataConfig` in diloco/train/data.py,
+`SyncConfig` in diloco/sync/policy.py, ...); the groups whose owners are the runtimes (train,
+learners, store, launch) are here. Each rule lives in one place (docs/architecture.md, "Where a
+config rule lives"): a field's own rule is declared beside it (`setting(default, rule)`,
+diloco/settings.py), a rule relating fields of one group is that group's `check` method, and a
+rule across groups is in `_check_across_groups`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import ml_collections
 
-from diloco import fragments
-from diloco.sync import policy
-from diloco.settings import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, OneOf, Range,
-                                 check_fields, require, setting)
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
 from diloco.model.config import ModelConfig
-from diloco.observe import tracking
-from diloco.outer import merge as merge_lib
-from diloco.outer.quantize import QUANT_BITS
-from diloco.learner.receipt import RECEIPT_MODES
-from diloco.train import corpus, storage
+from diloco.observe.tracking import LogConfig
+from diloco.outer.merge import OuterConfig
+from diloco.settings import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, OneOf, Range,
+                             check_fields, frozen, require, setting)
+from diloco.sync.policy import SyncConfig
+from diloco.train.checkpoint import CheckpointConfig
+from diloco.train.data import DataConfig
+from diloco.train.mesh import MeshConfig
+from diloco.train.optim import OptimConfig
 
 # The config's own choices (the modules that act on them read the field's value).
-DATA_SOURCES = corpus.CORPUS_SOURCES + ("array_record",)  # array_record: diloco/train/data.py
 EVAL_MODES = ("background", "process", "off")
 JOIN_SCHEDULES = ("own", "cohort")
 SIGTERM_ACTIONS = ("retire", "restart")
 LAUNCH_PLATFORMS = ("auto", "cpu", "cuda", "tpu")
-# 0 sends float32 values; the others are the codes of diloco/outer/quantize.py.
-QUANTIZE_BITS = (0,) + QUANT_BITS
 
 
-def _frozen(cls):
-  return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
-
-
-@_frozen
-class DataConfig:
-  """Where tokens come from. `source`: stdlib | text | jsonl | parquet | datasets | array_record."""
-  source: str = setting("stdlib", OneOf(DATA_SOURCES))
-  # Directory or glob of text files (text), jsonl or parquet files, a Hugging Face
-  # save_to_disk or cache directory (datasets), or prepared shards (array_record).
-  path: str = ""
-  # "byte", a SentencePiece .model file (e.g. Gemma's or one written by
-  # scripts/prepare_data.py), a Hugging Face tokenizer.json, or a directory holding one.
-  tokenizer: str = "byte"
-  # The text field of jsonl records, or the text column of parquet and datasets sources.
-  text_key: str = "text"
-  # The split of a DatasetDict directory or of a datasets cache (source=datasets).
-  split: str = "train"
-  seq_len: int = setting(128, Range(low=2))
-  # Cap on the corpus size read into memory for text sources (0 = no cap).
-  max_bytes: int = setting(8_000_000, NON_NEGATIVE, "0 = no cap")
-  # Fraction of documents held out for evaluation (chosen by a hash of the name).
-  eval_fraction: float = setting(0.02, Range(low=0, high=1, low_open=True, high_open=True))
-  prefetch: int = setting(4, NON_NEGATIVE)
-
-  def check(self) -> None:
-    """The rules that relate the data fields or look at the files they name."""
-    if self.source != "stdlib":
-      require(bool(self.path), "data.path", f"is required when data.source={self.source!r}")
-      # Names only (a directory, a glob's matches), local or gs://...: nothing is read here.
-      require(storage.matches(self.path), "data.path",
-              f"no directory or files match {self.path!r}")
-    require(bool(self.text_key), "data.text_key", "must name the text field or column")
-    require(bool(self.split), "data.split", "must name a split, e.g. 'train'")
-    if self.tokenizer != "byte":
-      require(self.source != "array_record", "data.tokenizer",
-              "array_record shards are already tokenised; leave data.tokenizer='byte' "
-              "(the shards' meta.json names their tokenizer)")
-      require(os.path.exists(self.tokenizer), "data.tokenizer",
-              "must be 'byte' or an existing SentencePiece .model file, tokenizer.json or "
-              f"directory with one, got {self.tokenizer!r} (no such file)")
-
-
-@_frozen
-class MeshConfig:
-  """Learner mesh axis sizes; exactly one may be -1 (fill with the rest)."""
-  # Data parallelism: replicated parameters, the batch split.
-  data: int = -1
-  # Fully sharded data parallelism: parameters and the batch split.
-  fsdp: int = 1
-  # Tensor parallelism: MLP, heads and vocabulary split.
-  tensor: int = 1
-
-  def check(self) -> None:
-    """Each axis is a size or -1, and only one of them is -1."""
-    sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor}
-    for field, size in sizes.items():
-      require(size == -1 or size >= 1, field, f"must be -1 (fill) or >= 1, got {size}")
-    require(list(sizes.values()).count(-1) <= 1, "mesh", "at most one axis may be -1")
-
-
-@_frozen
-class OptimConfig:
-  """Inner AdamW with linear warmup then cosine decay."""
-  # Peak learning rate, reached after `warmup_steps`.
-  learning_rate: float = setting(3e-3, POSITIVE)
-  warmup_steps: int = setting(20, NON_NEGATIVE)
-  # 0 means decay over all training steps.
-  decay_steps: int = setting(0, NON_NEGATIVE, "0 = all training steps")
-  # The final learning rate as a fraction of the peak.
-  end_lr_fraction: float = setting(0.1, Range(low=0, high=1))
-  b1: float = setting(0.9, FRACTION)
-  b2: float = setting(0.95, FRACTION)
-  eps: float = setting(1e-8, NON_NEGATIVE)
-  weight_decay: float = setting(0.1, NON_NEGATIVE)
-  # Clip the global gradient norm to this (0 = no clipping).
-  grad_clip_norm: float = setting(1.0, NON_NEGATIVE, "0 = no clipping")
-  # Weight of the z-loss (log^2 of the softmax normaliser) that keeps logits small.
-  z_loss_weight: float = setting(1e-4, NON_NEGATIVE)
-
-
-@_frozen
+@frozen
 class TrainConfig:
   """How long each learner trains and how often the global model is evaluated."""
   # Inner steps of each learner (of the single learner when data-parallel).
@@ -145,136 +62,7 @@ class TrainConfig:
   init_from: str = ""
 
 
-@_frozen
-class CheckpointConfig:
-  """When runs save what they need to resume."""
-  # Learner train-state checkpoints every this many steps (data-parallel runs, learner
-  # processes); 0 disables them.
-  every_steps: int = setting(50, NON_NEGATIVE, "0 = off")
-  # Single-controller Decoupled DiLoCo: checkpoint the syncer (G, momentum, versions, registry)
-  # and the learners' resume points every this many merged rounds, and at the end, so that
-  # rerunning the command resumes (diloco/runtime/run_checkpoint.py); 0 disables them.
-  every_rounds: int = setting(0, NON_NEGATIVE, "0 = off")
-  # Both kinds keep the newest `max_to_keep` checkpoints.
-  max_to_keep: int = setting(2, AT_LEAST_ONE)
-  # Write checkpoints in the background while training goes on.
-  async_save: bool = True
-
-
-@_frozen
-class LogConfig:
-  # Scalars to WORKDIR/tensorboard/<writer> (learner_<m>, syncer, dp) besides metrics.jsonl.
-  tensorboard: bool = True
-  progress_every_s: float = setting(5.0, POSITIVE)
-  # Weights & Biases (pip install 'diloco[wandb]'): one run per process, files in WORKDIR/wandb.
-  wandb: bool = False
-  wandb_project: str = "diloco"
-  # Empty: your default entity.
-  wandb_entity: str = ""
-  # Runs of one experiment are grouped; empty: the workdir's name.
-  wandb_group: str = ""
-  # offline (default: no network or account needed; `wandb sync` uploads later) | online |
-  # disabled.
-  wandb_mode: str = setting("offline", OneOf(tracking.WANDB_MODES))
-
-  def check(self) -> None:
-    """A wandb run needs a project."""
-    require(not self.wandb or bool(self.wandb_project), "log.wandb_project",
-            "must be set when log.wandb=True")
-
-
-@_frozen
-class SyncConfig:
-  """Fragments, schedule, quorum and receipt rules of the outer loop (docs/design.md 2.2-2.4)."""
-  # P: the parameters are split into this many fragments, each synchronised on its own.
-  num_fragments: int = setting(24, AT_LEAST_ONE)
-  # H: each fragment is due every `period` local steps, at offset p * H // P.
-  period: int = setting(24, AT_LEAST_ONE)
-  # How tensors are packed into fragments: balanced | layer | tensor (diloco/fragments.py).
-  scheme: str = setting("balanced", OneOf(fragments.SCHEMES))
-  # Bounded overlap: a learner applies the merge of a delivery tau steps after making it.
-  tau: int = setting(2, policy.SYNC_BOUNDS["tau"])
-  # K: a round merges once this many fresh deliveries of its fragment arrived (capped by the
-  # learners alive); 0 means all learners (K = M, synchronous), however many there are.
-  quorum: int = setting(1, policy.SYNC_BOUNDS["quorum"])
-  # Grace-window gain: after quorum a round keeps admitting deliveries for up to
-  # gamma * (the slack that tau leaves); 0 closes it at quorum.
-  gamma: float = setting(0.8, policy.SYNC_BOUNDS["gamma"], "0 disables grace")
-  # A learner silent for longer is dead: rounds stop waiting for it.
-  heartbeat_timeout_s: float = setting(30.0, policy.SYNC_BOUNDS["heartbeat_timeout_s"])
-  # Deliveries whose base is more than this many versions behind are rejected.
-  max_staleness: int = setting(8, policy.SYNC_BOUNDS["max_staleness"])
-  # How a learner takes a merged fragment G_p (docs/design.md 2.3, `receipt.RECEIPT_MODES`):
-  # "overwrite" theta_p = G_p (the paper; drops the tau steps made since the delivery);
-  # "mix" theta_p = alpha * theta_p + (1 - alpha) * G_p with alpha = `mixing_alpha`;
-  # "keep_local" theta_p = G_p + (theta_p - theta_p at the delivery), the kept steps counted
-  # in the next delivery, so the overlap throws nothing away.
-  receipt: str = setting("overwrite", OneOf(RECEIPT_MODES))
-  # alpha of the "mix" receipt.
-  mixing_alpha: float = setting(0.0, FRACTION)
-  # A learner that finishes (or retires on purpose) delivers every fragment at its last step,
-  # and that fragment's last round waits for every live learner (bounded by the heartbeat
-  # timeout): the final G, its eval and the export hold every learner's last step.
-  final_sync: bool = True
-  # Zero the AdamW moments of a fragment's tensors when its merged values arrive.
-  reset_moments: bool = False
-  # A learner whose round is not merged tau steps after its delivery waits for it (False:
-  # it trains on and applies the merge when it comes).
-  block_on_late_round: bool = True
-  # Deliveries a learner may have on their way (copied off its devices, not yet uploaded)
-  # before its next delivery waits for the oldest: bounds the host and device memory a slow
-  # link can pin. The wait is recorded as "wait" activity (not useful time).
-  send_queue: int = setting(8, AT_LEAST_ONE)
-  # S: the syncer is split into this many shards, each owning a byte-balanced subset of the
-  # fragments with its own G, momentum, rounds, lease, store folder and tape
-  # (docs/design.md 3.1, `diloco/sync/ownership.py`). 1 = one syncer. The single-controller
-  # runtime runs the S shards in its process (`diloco/sync/group.py`).
-  shards: int = setting(1, AT_LEAST_ONE)
-  # Which shard a syncer process is (`--role=syncer --config.sync.shard=s`); learners and the
-  # single-controller runtime ignore it.
-  shard: int = setting(0, NON_NEGATIVE)
-
-  def check(self) -> None:
-    """The rules that relate the sync fields (a field's own rule is declared beside it)."""
-    # A learner applies the result of a delivery tau steps later; with H <= tau its next
-    # delivery of the same fragment would come first and it could never apply a merged version.
-    require(self.period > self.tau, "sync.period",
-            f"must be greater than sync.tau={self.tau} (docs/design.md 2.3), got {self.period}")
-    require(self.receipt == "mix" or self.mixing_alpha == 0, "sync.mixing_alpha",
-            f"only applies with sync.receipt='mix', got receipt={self.receipt!r}")
-    # Each shard owns at least one fragment (the plan may hold fewer than P: `fragments.py`).
-    require(self.shards <= self.num_fragments, "sync.shards",
-            f"must be at most sync.num_fragments={self.num_fragments}, got {self.shards}")
-    require(self.shard < self.shards, "sync.shard",
-            f"must be below sync.shards={self.shards}, got {self.shard}")
-
-
-@_frozen
-class OuterConfig:
-  """The syncer's merge and Nesterov outer step (docs/design.md 2.4)."""
-  # Outer SGD with Nesterov momentum on the merged outer gradient.
-  learning_rate: float = setting(0.7, POSITIVE)
-  momentum: float = setting(0.9, FRACTION)
-  # Merge weight of a delivery: tokens2_per_step (tokens^2 / steps) | tokens | uniform.
-  weights: str = setting("tokens2_per_step", OneOf(merge_lib.WEIGHT_SCHEMES))
-  # rda (radial-directional averaging of non-embedding tensors) | mean (weighted mean).
-  merge: str = setting("rda", OneOf(merge_lib.MERGE_METHODS))
-  # Outer gradient of a delivery: syncer (current G - theta) | base (G at its base - theta).
-  anchor: str = setting("syncer", OneOf(merge_lib.ANCHORS))
-  # What a stale delivery (base older than the fragment's current version) counts for. Both
-  # count it toward the quorum with its token weight. "paper": its outer gradient is anchored
-  # at the current G (docs/design.md 2.4). "rebase": it is the learner's own progress
-  # G_base - theta, scaled by 1 / (1 + staleness), so it no longer undoes the rounds it missed.
-  stale: str = setting("paper", OneOf(merge_lib.STALE_RULES))
-  # 0 sends float32 values; 16 / 8 / 4 / 2 / 1 send a quantised delta from the base version
-  # (bf16; int8, int4, int2 max-abs codes per block; 1 = sign times the block's mean |x|).
-  quantize_bits: int = setting(0, OneOf(QUANTIZE_BITS), "0 = float32 values")
-  quantize_block: int = setting(128, AT_LEAST_ONE)
-  error_feedback: bool = False
-
-
-
-@_frozen
+@frozen
 class LearnersConfig:
   """Who trains: 0 learners is the data-parallel baseline (no syncer)."""
   # M: learners at the start; 0 = data-parallel over all devices.
@@ -335,7 +123,7 @@ class LearnersConfig:
               f"needs one factor per learner group, got {len(speeds)}")
 
 
-@_frozen
+@frozen
 class StoreConfig:
   """The store of the multi-process runtime (docs/design.md 3.1) and its emulated WAN links."""
   # A local path or an object-store URL (gs://bucket/run); empty: WORKDIR/store.
@@ -371,7 +159,7 @@ class StoreConfig:
               f"values must be >= 0, got {getattr(self, field)!r}")
 
 
-@_frozen
+@frozen
 class LaunchConfig:
   """The local launcher (`--role=launch`): processes, restarts and the real chaos schedule."""
   # Where learner processes run: auto | cpu | cuda | tpu. auto follows JAX_PLATFORMS if set,
@@ -415,7 +203,7 @@ class LaunchConfig:
             "must satisfy 0 <= start <= end")
 
 
-@_frozen
+@frozen
 class Config:
   model: ModelConfig
   data: DataConfig

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 
 from diloco import fragments as fragments_lib
-from diloco.config.run_config import Config, ConfigError
+from diloco.errors import ConfigError
+from diloco.learner.learner import LearnerConfig
 from diloco.model import registry
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib
@@ -29,7 +30,7 @@ def pacing_wait(measured_s: float, factor: float, min_step_s: float) -> float:
   return max(factor * max(measured_s, min_step_s) - measured_s, 0.0)
 
 
-def build_learner(cfg: Config, devices, index: int):
+def build_learner(cfg: LearnerConfig, devices, index: int):
   """A learner's mesh over `devices`, its state spec, and its init and train step compiled.
 
   Compiled ahead of time so that no learner compiles on the run's clock; shared by both
@@ -54,7 +55,7 @@ def build_learner(cfg: Config, devices, index: int):
   return spec, init, step
 
 
-def fragment_plan(cfg: Config, spec: train_state.StateSpec) -> fragments_lib.FragmentPlan:
+def fragment_plan(cfg: LearnerConfig, spec: train_state.StateSpec) -> fragments_lib.FragmentPlan:
   flat = fragments_lib.flatten_tree(spec.abstract["params"])
   embedding = registry.get(cfg.model).embedding_paths
   missing = sorted(set(embedding) - set(flat))
@@ -66,7 +67,7 @@ def fragment_plan(cfg: Config, spec: train_state.StateSpec) -> fragments_lib.Fra
                                       embedding_paths=embedding)
 
 
-def initial_global(init_fn, seed: int, cfg: Config | None = None,
+def initial_global(init_fn, seed: int, cfg: LearnerConfig | None = None,
                    abstract_params=None) -> dict[str, np.ndarray]:
   """The global parameters at version 0, flattened: learner init with the run's seed, or the
   parameters of `cfg.train.init_from` (shape-checked against `abstract_params`)."""

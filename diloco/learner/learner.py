@@ -15,7 +15,7 @@ import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +25,35 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from diloco import fragments as fragments_lib
 from diloco import outer
-from diloco.config.run_config import Config
 from diloco.delivery import Delivery
+from diloco.model.config import ModelConfig
 from diloco.model.sharding import batch_sharding
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.train import data as data_lib
+from diloco.train.data import DataConfig
+from diloco.train.mesh import MeshConfig
+from diloco.train.optim import OptimConfig
 from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.transport import Heartbeat, LearnerTransport, Merged
+
+
+class LearnerConfig(Protocol):
+  """The groups of the run configuration that a learner, its island and its loop read
+  (`diloco.config.run_config.Config` is one): a Protocol, so that the learner package does not
+  import the configuration that composes every group (tests/imports_test.py)."""
+  seed: int
+  model: ModelConfig
+  data: DataConfig
+  mesh: MeshConfig
+  optim: OptimConfig
+  sync: SyncConfig
+  outer: OuterConfig
+  # The runtimes' groups (diloco/config/run_config.py): `train` (steps, batch_size,
+  # init_from) and `learners` (min_step_s, join_schedule).
+  train: Any
+  learners: Any
 
 
 class NonFiniteMetrics(FloatingPointError):
@@ -54,7 +76,7 @@ class _Awaiting:
 class Learner:
   """One incarnation of learner `learner_id` on `spec.mesh`."""
 
-  def __init__(self, *, learner_id: int, incarnation: int, num_groups: int, cfg: Config,
+  def __init__(self, *, learner_id: int, incarnation: int, num_groups: int, cfg: LearnerConfig,
                spec: train_state.StateSpec, init_fn, step_fn,
                plan: fragments_lib.FragmentPlan,
                transport: LearnerTransport, resume: Resume, background_io: bool,
@@ -121,7 +143,7 @@ class Learner:
 
   def _apply(self, merged: Merged, mode: str | None = None) -> None:
     """Takes merged fragment p by the receipt `mode` (default `sync.receipt`; the modes are
-    defined in `diloco/learner/receipt.py`)."""
+    defined in `diloco/receipt.py`)."""
     mode = mode or self.cfg.sync.receipt
     p = merged.fragment
     flat = fragments_lib.flatten_tree(self.state["params"])

@@ -25,8 +25,7 @@ from typing import Protocol
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.config.run_config import Config
-from diloco.learner.learner import Learner
+from diloco.learner.learner import Learner, LearnerConfig as Config
 from diloco.observe.accounting import span_record
 from diloco.learner.island import pacing_wait
 from diloco.transport import Heartbeat

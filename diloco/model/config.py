@@ -3,9 +3,7 @@ that the model and its presets do not import the rest of the configuration."""
 
 from __future__ import annotations
 
-import dataclasses
-
-from diloco.settings import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, OneOf, require, setting
+from diloco.settings import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, OneOf, frozen, require, setting
 
 # How much of each layer's forward pass is kept for the backward pass (`jax.checkpoint`):
 # "none" keeps everything (no remat), "full" keeps only the layer's inputs and recomputes the
@@ -32,11 +30,7 @@ def layout(model_fields: dict) -> dict:
   return {k: v for k, v in model_fields.items() if k not in SPEED_SWITCHES}
 
 
-def _frozen(cls):
-  return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
-
-
-@_frozen
+@frozen
 class ModelConfig:
   """A Gemma-style decoder-only LM (see `diloco.model.transformer`)."""
   name: str = "custom"

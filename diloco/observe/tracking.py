@@ -26,10 +26,33 @@ from typing import Any, Protocol
 from absl import logging
 
 from diloco import settings as config_rules
+from diloco.settings import POSITIVE, OneOf, frozen, require, setting
 from diloco.errors import ConfigError
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_MODES = ("offline", "online", "disabled")
+
+
+@frozen
+class LogConfig:
+  # Scalars to WORKDIR/tensorboard/<writer> (learner_<m>, syncer, dp) besides metrics.jsonl.
+  tensorboard: bool = True
+  progress_every_s: float = setting(5.0, POSITIVE)
+  # Weights & Biases (pip install 'diloco[wandb]'): one run per process, files in WORKDIR/wandb.
+  wandb: bool = False
+  wandb_project: str = "diloco"
+  # Empty: your default entity.
+  wandb_entity: str = ""
+  # Runs of one experiment are grouped; empty: the workdir's name.
+  wandb_group: str = ""
+  # offline (default: no network or account needed; `wandb sync` uploads later) | online |
+  # disabled.
+  wandb_mode: str = setting("offline", OneOf(WANDB_MODES))
+
+  def check(self) -> None:
+    """A wandb run needs a project."""
+    require(not self.wandb or bool(self.wandb_project), "log.wandb_project",
+            "must be set when log.wandb=True")
 
 
 class Tracker(Protocol):
@@ -153,7 +176,7 @@ class WandbTracker:
 
 def check(log) -> None:
   """ConfigErrors for the `log` fields that trackers read: the `log` group's own rules
-  (`config_lib.LogConfig`), rerun for a LogConfig that was built without validation."""
+  (`LogConfig`), rerun for a LogConfig that was built without validation."""
   config_rules.check_fields("log", log)
   log.check()
 

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from diloco.outer import kernels
+from diloco.outer.quantize import QUANT_BITS
+from diloco.settings import AT_LEAST_ONE, FRACTION, POSITIVE, OneOf, frozen, setting
 
 PyTree = Any
 
@@ -41,6 +43,34 @@ STALE_RULES = ("paper", "rebase")
 # while M orthogonal deltas give about 1/sqrt(M), so 1e-4 separates "the unit vectors cancel" from
 # any real direction.
 RDA_DIRECTION_EPS = 1e-4
+
+# `outer.quantize_bits`: 0 sends float32 values; the others are the codes of quantize.py.
+QUANTIZE_BITS = (0,) + QUANT_BITS
+
+
+@frozen
+class OuterConfig:
+  """The syncer's merge and Nesterov outer step (docs/design.md 2.4)."""
+  # Outer SGD with Nesterov momentum on the merged outer gradient.
+  learning_rate: float = setting(0.7, POSITIVE)
+  momentum: float = setting(0.9, FRACTION)
+  # Merge weight of a delivery: tokens2_per_step (tokens^2 / steps) | tokens | uniform.
+  weights: str = setting("tokens2_per_step", OneOf(WEIGHT_SCHEMES))
+  # rda (radial-directional averaging of non-embedding tensors) | mean (weighted mean).
+  merge: str = setting("rda", OneOf(MERGE_METHODS))
+  # Outer gradient of a delivery: syncer (current G - theta) | base (G at its base - theta).
+  anchor: str = setting("syncer", OneOf(ANCHORS))
+  # What a stale delivery (base older than the fragment's current version) counts for. Both
+  # count it toward the quorum with its token weight. "paper": its outer gradient is anchored
+  # at the current G (docs/design.md 2.4). "rebase": it is the learner's own progress
+  # G_base - theta, scaled by 1 / (1 + staleness), so it no longer undoes the rounds it missed.
+  stale: str = setting("paper", OneOf(STALE_RULES))
+  # 0 sends float32 values; 16 / 8 / 4 / 2 / 1 send a quantised delta from the base version
+  # (bf16; int8, int4, int2 max-abs codes per block; 1 = sign times the block's mean |x|).
+  quantize_bits: int = setting(0, OneOf(QUANTIZE_BITS), "0 = float32 values")
+  quantize_block: int = setting(128, AT_LEAST_ONE)
+  error_feedback: bool = False
+
 
 def token_weights(tokens: Sequence[float] | np.ndarray, steps: Sequence[float] | np.ndarray,
                   scheme: str = "tokens2_per_step") -> np.ndarray:

@@ -28,7 +28,8 @@ from absl import logging
 from diloco import fragments as fragments_lib
 from diloco.sync import intake
 from diloco.learner import loop as learner_loop
-from diloco.config.run_config import Config, ConfigError
+from diloco.config.run_config import Config
+from diloco.errors import ConfigError
 from diloco.learner.learner import Learner, Resume
 from diloco.runtime import faults as faults_lib
 from diloco.sync.group import SyncerGroup

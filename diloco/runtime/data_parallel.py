@@ -19,7 +19,8 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.config.run_config import Config, ConfigError, check_in_process_eval
+from diloco.config.run_config import Config, check_in_process_eval
+from diloco.errors import ConfigError
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import report

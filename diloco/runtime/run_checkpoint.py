@@ -28,7 +28,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.config.run_config import Config, ConfigError
+from diloco.config.run_config import Config
+from diloco.errors import ConfigError
 from diloco.learner.learner import Resume
 from diloco.model import config as model_config
 from diloco.train import data as data_lib

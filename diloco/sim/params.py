@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from diloco.settings import frozen
 from diloco.sync import policy
-from diloco.config.run_config import SyncConfig
+from diloco.sync.policy import SyncConfig
 
 YEAR_S = 365.0 * 86400.0
 DAY_S = 86400.0
@@ -14,16 +15,12 @@ MODES = ("dp", "elastic", "decoupled")
 _SYNC = SyncConfig()
 
 
-def _frozen(cls):
-  return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
-
-
 def _require(ok: bool, owner: str, field: str, value: object, allowed: str) -> None:
   if not ok:
     raise ValueError(f"{owner}.{field} = {value!r}; allowed: {allowed}")
 
 
-@_frozen
+@frozen
 class FailureModel:
   """Failure costs. Defaults: fitted once by `experiments/goodput/calibrate.py` (docs/design.md 4).
 
@@ -59,7 +56,7 @@ class FailureModel:
     return self.slice_chips / (self.mtbi_years * YEAR_S)
 
 
-@_frozen
+@frozen
 class SimConfig:
   """One simulated run.
 
@@ -72,7 +69,7 @@ class SimConfig:
     quorum: K of the syncer (capped by the number of alive learners; 0 = all of them).
     grace: use the adaptive grace window (gamma below) or not (gamma = 0).
     gamma, tau, heartbeat_timeout_s, max_staleness: the syncer policy (`diloco.sync.policy`); these
-      and P, H default to the config's `sync` group (`config_lib.SyncConfig`).
+      and P, H default to the config's `sync` group (`diloco.sync.policy.SyncConfig`).
     fragments, inner_steps: P and H; fragment p is due every H steps at offset p * H // P.
     speeds: per-learner step-time factors (cycled if shorter than the number of learners).
     step_jitter: per-step variation; a step takes `step_s * factor * U(1 - j, 1 + j)`.

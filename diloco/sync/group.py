@@ -25,7 +25,8 @@ import numpy as np
 
 from diloco import fragments as fragments_lib
 from diloco.sync import intake, ownership as syncer_shards
-from diloco.config.run_config import OuterConfig, SyncConfig
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.errors import ConfigError
 from diloco.sync.syncer import Syncer
 from diloco.transport import Merged

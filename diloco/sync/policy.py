@@ -42,8 +42,10 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
-from diloco import settings as config_rules
+from diloco import fragments, settings as config_rules
 from diloco.delivery import Delivery
+from diloco.receipt import RECEIPT_MODES
+from diloco.settings import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, OneOf, frozen, require, setting
 
 # Reasons returned by `check_delivery` for rejected deliveries (stable strings, used as counter
 # names by the syncer and the simulator).
@@ -56,13 +58,9 @@ REJECT_NO_STEPS = "no_steps"
 REJECT_STALE = "stale"
 
 
-def _frozen(cls):
-  return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
-
-
-# The bounds of the settings that the syncer policy takes from the config's `sync` group: one
-# table, read by `PolicyConfig` and by `config_lib.SyncConfig`'s fields, so the config and the
-# policy accept the same values (tests/config_policy_test.py).
+# The bounds of the `sync` settings that the policy reads: one table, declared as the rules of
+# those `SyncConfig` fields and checked again by `PolicyConfig`, so the config and the policy
+# accept the same values (tests/config_policy_test.py).
 SYNC_BOUNDS = {
     "quorum": config_rules.Range(low=0, integer=True, text=">= 1, or 0 for all learners"),
     "tau": config_rules.Range(low=0, integer=True),
@@ -74,30 +72,75 @@ SYNC_BOUNDS = {
 EMA_DECAY_BOUND = config_rules.FRACTION
 
 
-@_frozen
-class PolicyConfig:
-  """Settings of the syncer policy (docs/design.md 2.3-2.4).
+@frozen
+class SyncConfig:
+  """Fragments, schedule, quorum and receipt rules of the outer loop (docs/design.md 2.2-2.4)."""
+  # P: the parameters are split into this many fragments, each synchronised on its own.
+  num_fragments: int = setting(24, AT_LEAST_ONE)
+  # H: each fragment is due every `period` local steps, at offset p * H // P.
+  period: int = setting(24, AT_LEAST_ONE)
+  # How tensors are packed into fragments: balanced | layer | tensor (diloco/fragments.py).
+  scheme: str = setting("balanced", OneOf(fragments.SCHEMES))
+  # Bounded overlap: a learner applies the merge of a delivery tau steps after making it.
+  tau: int = setting(2, SYNC_BOUNDS["tau"])
+  # K: a round merges once this many fresh deliveries of its fragment arrived (capped by the
+  # learners alive); 0 means all learners (K = M, synchronous), however many there are.
+  quorum: int = setting(1, SYNC_BOUNDS["quorum"])
+  # Grace-window gain: after quorum a round keeps admitting deliveries for up to
+  # gamma * (the slack that tau leaves); 0 closes it at quorum.
+  gamma: float = setting(0.8, SYNC_BOUNDS["gamma"], "0 disables grace")
+  # A learner silent for longer is dead: rounds stop waiting for it.
+  heartbeat_timeout_s: float = setting(30.0, SYNC_BOUNDS["heartbeat_timeout_s"])
+  # Deliveries whose base is more than this many versions behind are rejected.
+  max_staleness: int = setting(8, SYNC_BOUNDS["max_staleness"])
+  # How a learner takes a merged fragment G_p (docs/design.md 2.3, `receipt.RECEIPT_MODES`):
+  # "overwrite" theta_p = G_p (the paper; drops the tau steps made since the delivery);
+  # "mix" theta_p = alpha * theta_p + (1 - alpha) * G_p with alpha = `mixing_alpha`;
+  # "keep_local" theta_p = G_p + (theta_p - theta_p at the delivery), the kept steps counted
+  # in the next delivery, so the overlap throws nothing away.
+  receipt: str = setting("overwrite", OneOf(RECEIPT_MODES))
+  # alpha of the "mix" receipt.
+  mixing_alpha: float = setting(0.0, FRACTION)
+  # A learner that finishes (or retires on purpose) delivers every fragment at its last step,
+  # and that fragment's last round waits for every live learner (bounded by the heartbeat
+  # timeout): the final G, its eval and the export hold every learner's last step.
+  final_sync: bool = True
+  # Zero the AdamW moments of a fragment's tensors when its merged values arrive.
+  reset_moments: bool = False
+  # A learner whose round is not merged tau steps after its delivery waits for it (False:
+  # it trains on and applies the merge when it comes).
+  block_on_late_round: bool = True
+  # Deliveries a learner may have on their way (copied off its devices, not yet uploaded)
+  # before its next delivery waits for the oldest: bounds the host and device memory a slow
+  # link can pin. The wait is recorded as "wait" activity (not useful time).
+  send_queue: int = setting(8, AT_LEAST_ONE)
+  # S: the syncer is split into this many shards, each owning a byte-balanced subset of the
+  # fragments with its own G, momentum, rounds, lease, store folder and tape
+  # (docs/design.md 3.1, `diloco/sync/ownership.py`). 1 = one syncer. The single-controller
+  # runtime runs the S shards in its process (`diloco/sync/group.py`).
+  shards: int = setting(1, AT_LEAST_ONE)
+  # Which shard a syncer process is (`--role=syncer --config.sync.shard=s`); learners and the
+  # single-controller runtime ignore it.
+  shard: int = setting(0, NON_NEGATIVE)
 
-  Build it with `from_config(sync)` from the config's `sync` group, which holds the defaults
-  (`config_lib.SyncConfig`); `SYNC_BOUNDS` holds the bounds of both.
+  def check(self) -> None:
+    """The rules that relate the sync fields (a field's own rule is declared beside it)."""
+    # A learner applies the result of a delivery tau steps later; with H <= tau its next
+    # delivery of the same fragment would come first and it could never apply a merged version.
+    require(self.period > self.tau, "sync.period",
+            f"must be greater than sync.tau={self.tau} (docs/design.md 2.3), got {self.period}")
+    require(self.receipt == "mix" or self.mixing_alpha == 0, "sync.mixing_alpha",
+            f"only applies with sync.receipt='mix', got receipt={self.receipt!r}")
+    # Each shard owns at least one fragment (the plan may hold fewer than P: `fragments.py`).
+    require(self.shards <= self.num_fragments, "sync.shards",
+            f"must be at most sync.num_fragments={self.num_fragments}, got {self.shards}")
+    require(self.shard < self.shards, "sync.shard",
+            f"must be below sync.shards={self.shards}, got {self.shard}")
 
-  Attributes:
-    quorum: K, the number of fresh eligible deliveries a round waits for (capped by the number
-      of alive learners). K = 1 never waits for a second learner; K = M is synchronous, and
-      0 means all alive learners (K = M however many join or leave).
-    tau: bounded overlap in inner steps between delivering a fragment and applying the merged
-      result; the grace window spends only the slack that this overlap leaves. 0 = blocking.
-    gamma: grace-window gain; 0 disables the grace window.
-    heartbeat_timeout_s: a learner whose last heartbeat is older than this is dead.
-    max_staleness: the largest accepted `current_version - base_version` of a delivery.
-    ema_decay: weight of the old value in the EMAs of step, quorum and sync times.
-  """
-  quorum: int
-  tau: int
-  gamma: float
-  heartbeat_timeout_s: float
-  max_staleness: int
-  ema_decay: float = 0.9
+
+class _PolicyChecks:
+  """What `PolicyConfig` adds to its fields: their checks, and its construction from `sync`."""
+  __slots__ = ()
 
   def __post_init__(self):
     for field, bound in SYNC_BOUNDS.items():
@@ -106,11 +149,30 @@ class PolicyConfig:
              EMA_DECAY_BOUND.describe())
 
   @classmethod
-  def from_config(cls, sync, **changes) -> PolicyConfig:
-    """The policy of a `sync` config group (or any object with the `SYNC_BOUNDS` fields, such
-    as the simulator's `SimConfig`), with `changes` (e.g. `gamma=0.0`) applied."""
+  def from_config(cls, sync: SyncConfig, **changes) -> PolicyConfig:
+    """The policy of a `sync` group, with `changes` (e.g. `gamma=0.0`) applied."""
     values = {field: getattr(sync, field) for field in SYNC_BOUNDS}
     return cls(**{**values, **changes})
+
+
+def _policy_fields() -> list[tuple[str, str, dataclasses.Field]]:
+  """The fields of `PolicyConfig`: the `SyncConfig` fields named in `SYNC_BOUNDS` (their types
+  and defaults), then the policy's own `ema_decay`."""
+  sync = {f.name: f for f in dataclasses.fields(SyncConfig)}
+  fields = [(name, sync[name].type, dataclasses.field(default=sync[name].default))
+            for name in SYNC_BOUNDS]
+  return fields + [("ema_decay", "float", dataclasses.field(default=0.9))]
+
+
+# The settings of the syncer policy (docs/design.md 2.3-2.4): a frozen view of the `sync` fields
+# it reads (quorum K, tau, gamma, heartbeat timeout, staleness bound; see `SyncConfig`), built
+# from the group by `PolicyConfig.from_config(sync)`, plus `ema_decay`, the weight of the old
+# value in the EMAs of step, quorum and sync times. Its fields are derived from `SyncConfig`,
+# so no setting is declared twice.
+PolicyConfig = dataclasses.make_dataclass(
+    "PolicyConfig", _policy_fields(), bases=(_PolicyChecks,), frozen=True, kw_only=True,
+    slots=True)
+PolicyConfig.__module__ = __name__
 
 
 def _require(ok: bool, field: str, value: object, allowed: str) -> None:
@@ -139,7 +201,7 @@ class Ema:
     return default if self.value is None else self.value
 
 
-@_frozen
+@frozen
 class LearnerStatus:
   """What the syncer's registry knows about one learner."""
   learner_id: int
@@ -148,7 +210,7 @@ class LearnerStatus:
   step_time: float | None = None  # EMA of the learner's inner-step time, seconds.
 
 
-@_frozen
+@frozen
 class RoundDecision:
   """What to do with the open round of one fragment.
 

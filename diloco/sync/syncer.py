@@ -23,7 +23,8 @@ from diloco import fragments as fragments_lib
 from diloco.sync import durable_state, intake, policy
 from diloco import outer
 from diloco.sync import ledger as ledger_lib
-from diloco.config.run_config import OuterConfig, SyncConfig
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.transport import Heartbeat, Merged
 

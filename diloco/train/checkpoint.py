@@ -14,10 +14,27 @@ from typing import Any
 import grain
 import orbax.checkpoint as ocp
 
-from diloco.config.run_config import CheckpointConfig, ConfigError
+from diloco.errors import ConfigError
 from diloco.model import config as model_config
+from diloco.settings import AT_LEAST_ONE, NON_NEGATIVE, frozen, setting
 
 PyTree = Any
+
+
+@frozen
+class CheckpointConfig:
+  """When runs save what they need to resume."""
+  # Learner train-state checkpoints every this many steps (data-parallel runs, learner
+  # processes); 0 disables them.
+  every_steps: int = setting(50, NON_NEGATIVE, "0 = off")
+  # Single-controller Decoupled DiLoCo: checkpoint the syncer (G, momentum, versions, registry)
+  # and the learners' resume points every this many merged rounds, and at the end, so that
+  # rerunning the command resumes (diloco/runtime/run_checkpoint.py); 0 disables them.
+  every_rounds: int = setting(0, NON_NEGATIVE, "0 = off")
+  # Both kinds keep the newest `max_to_keep` checkpoints.
+  max_to_keep: int = setting(2, AT_LEAST_ONE)
+  # Write checkpoints in the background while training goes on.
+  async_save: bool = True
 
 
 class Checkpointer:

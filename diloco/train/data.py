@@ -20,18 +20,61 @@ disjoint and deterministic; the Grain iterator state is what checkpoints save.
 from __future__ import annotations
 
 import functools
+import os
 import zlib
 
 import grain
 import numpy as np
 from absl import logging
 
-from diloco.config.run_config import ConfigError, DataConfig
+from diloco.errors import ConfigError
+from diloco.settings import NON_NEGATIVE, OneOf, Range, frozen, require, setting
 from diloco.train import corpus, storage, tokenizers
 
 META_FILE = "meta.json"
 # URL schemes that ArrayRecord's own reader opens (its C++ reader has a GCS client).
 ARRAY_RECORD_URLS = ("gs://",)
+# The `data.source` values: the corpora of corpus.py, and the prepared shards read here.
+DATA_SOURCES = corpus.CORPUS_SOURCES + ("array_record",)
+
+
+@frozen
+class DataConfig:
+  """Where tokens come from. `source`: stdlib | text | jsonl | parquet | datasets | array_record."""
+  source: str = setting("stdlib", OneOf(DATA_SOURCES))
+  # Directory or glob of text files (text), jsonl or parquet files, a Hugging Face
+  # save_to_disk or cache directory (datasets), or prepared shards (array_record).
+  path: str = ""
+  # "byte", a SentencePiece .model file (e.g. Gemma's or one written by
+  # scripts/prepare_data.py), a Hugging Face tokenizer.json, or a directory holding one.
+  tokenizer: str = "byte"
+  # The text field of jsonl records, or the text column of parquet and datasets sources.
+  text_key: str = "text"
+  # The split of a DatasetDict directory or of a datasets cache (source=datasets).
+  split: str = "train"
+  seq_len: int = setting(128, Range(low=2))
+  # Cap on the corpus size read into memory for text sources (0 = no cap).
+  max_bytes: int = setting(8_000_000, NON_NEGATIVE, "0 = no cap")
+  # Fraction of documents held out for evaluation (chosen by a hash of the name).
+  eval_fraction: float = setting(0.02, Range(low=0, high=1, low_open=True, high_open=True))
+  prefetch: int = setting(4, NON_NEGATIVE)
+
+  def check(self) -> None:
+    """The rules that relate the data fields or look at the files they name."""
+    if self.source != "stdlib":
+      require(bool(self.path), "data.path", f"is required when data.source={self.source!r}")
+      # Names only (a directory, a glob's matches), local or gs://...: nothing is read here.
+      require(storage.matches(self.path), "data.path",
+              f"no directory or files match {self.path!r}")
+    require(bool(self.text_key), "data.text_key", "must name the text field or column")
+    require(bool(self.split), "data.split", "must name a split, e.g. 'train'")
+    if self.tokenizer != "byte":
+      require(self.source != "array_record", "data.tokenizer",
+              "array_record shards are already tokenised; leave data.tokenizer='byte' "
+              "(the shards' meta.json names their tokenizer)")
+      require(os.path.exists(self.tokenizer), "data.tokenizer",
+              "must be 'byte' or an existing SentencePiece .model file, tokenizer.json or "
+              f"directory with one, got {self.tokenizer!r} (no such file)")
 
 
 stdlib_files = corpus.stdlib_files

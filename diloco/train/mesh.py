@@ -9,8 +9,27 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from diloco.config.run_config import ConfigError, MeshConfig
+from diloco.errors import ConfigError
 from diloco.model.sharding import MESH_AXES
+from diloco.settings import frozen, require
+
+
+@frozen
+class MeshConfig:
+  """Learner mesh axis sizes; exactly one may be -1 (fill with the rest)."""
+  # Data parallelism: replicated parameters, the batch split.
+  data: int = -1
+  # Fully sharded data parallelism: parameters and the batch split.
+  fsdp: int = 1
+  # Tensor parallelism: MLP, heads and vocabulary split.
+  tensor: int = 1
+
+  def check(self) -> None:
+    """Each axis is a size or -1, and only one of them is -1."""
+    sizes = {"mesh.data": self.data, "mesh.fsdp": self.fsdp, "mesh.tensor": self.tensor}
+    for field, size in sizes.items():
+      require(size == -1 or size >= 1, field, f"must be -1 (fill) or >= 1, got {size}")
+    require(list(sizes.values()).count(-1) <= 1, "mesh", "at most one axis may be -1")
 
 
 def device_groups(devices: Sequence[jax.Device], sizes: Sequence[int]) -> list[list[jax.Device]]:

@@ -6,7 +6,27 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diloco.config.run_config import OptimConfig
+from diloco.settings import FRACTION, NON_NEGATIVE, POSITIVE, Range, frozen, setting
+
+
+@frozen
+class OptimConfig:
+  """Inner AdamW with linear warmup then cosine decay."""
+  # Peak learning rate, reached after `warmup_steps`.
+  learning_rate: float = setting(3e-3, POSITIVE)
+  warmup_steps: int = setting(20, NON_NEGATIVE)
+  # 0 means decay over all training steps.
+  decay_steps: int = setting(0, NON_NEGATIVE, "0 = all training steps")
+  # The final learning rate as a fraction of the peak.
+  end_lr_fraction: float = setting(0.1, Range(low=0, high=1))
+  b1: float = setting(0.9, FRACTION)
+  b2: float = setting(0.95, FRACTION)
+  eps: float = setting(1e-8, NON_NEGATIVE)
+  weight_decay: float = setting(0.1, NON_NEGATIVE)
+  # Clip the global gradient norm to this (0 = no clipping).
+  grad_clip_norm: float = setting(1.0, NON_NEGATIVE, "0 = no clipping")
+  # Weight of the z-loss (log^2 of the softmax normaliser) that keeps logits small.
+  z_loss_weight: float = setting(1e-4, NON_NEGATIVE)
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -18,7 +18,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from diloco.config.run_config import ConfigError, ModelConfig
+from diloco.errors import ConfigError
+from diloco.model.config import ModelConfig
 from diloco.model import registry
 from diloco.model.sharding import DEFAULT_RULES
 

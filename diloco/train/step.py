@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from diloco.config.run_config import OptimConfig
+from diloco.train.optim import OptimConfig
 from diloco.train.state import StateSpec
 
 PyTree = Any

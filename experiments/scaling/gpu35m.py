@@ -81,7 +81,7 @@ def runs(preset: str, steps: int, batch: int, seq_len: int, learners, diloco_set
 
 def corpus_tokens(source: str = "stdlib", path: str = "") -> int:
   """Tokens of the corpus with the byte tokenizer (its bytes), uncapped."""
-  from diloco.config.run_config import DataConfig  # pylint: disable=import-outside-toplevel
+  from diloco.train.data import DataConfig  # pylint: disable=import-outside-toplevel
   from diloco.train import corpus  # pylint: disable=import-outside-toplevel
   data = DataConfig(source=source, path=path, max_bytes=0)
   return sum(len(text) for _, text in corpus.documents(data))

@@ -13,6 +13,6 @@ A learner that joins (or rejoins) always overwrites: its own values are only its
 
 from __future__ import annotations
 
-# Owned here, without JAX, so that the config (and the simulator through it) can name them;
+# Owned here, in the vocabulary every layer imports, so that the `sync` group can name them;
 # the learner (`Learner._apply`) does the arithmetic on its devices.
 RECEIPT_MODES = ("overwrite", "mix", "keep_local")
