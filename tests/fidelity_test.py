@@ -88,10 +88,10 @@ def test_sync_time_uses_transit_not_compute_and_ignores_bad_measurements():
   assert deadline == pytest.approx(3.0 + 0.8 * (2.0 - 0.5 - 1.1))
   s.tick(10.0)
   for bad in (float("nan"), -1.0, float("inf")):
-    before = s._sync_ema.value
+    before = s.timing.sync.value
     _, deadline = deliver(20.0, 0, bad)  # an unusable transit counts as no transit
     s.tick(30.0)
-    assert s._sync_ema.value == pytest.approx(0.9 * before + 0.1 * 0.1)
+    assert s.timing.sync.value == pytest.approx(0.9 * before + 0.1 * 0.1)
   s._heartbeat(Heartbeat(0, 0, 1, float("nan"), 40.0))
   s._heartbeat(Heartbeat(0, 0, 1, float("inf"), 40.0))
   assert s.registry[0].step_time == pytest.approx(1.0)
