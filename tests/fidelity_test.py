@@ -17,6 +17,7 @@ from diloco.sync import syncer as syncer_lib
 from diloco.config.run_config import ConfigError, OuterConfig, SyncConfig
 from diloco.delivery import Delivery
 from diloco.observe import accounting
+from diloco.observe import fidelity
 from diloco.runtime import decoupled
 from diloco.transport import Heartbeat
 
@@ -47,7 +48,7 @@ def test_threaded_equal_learners_merge_together_like_the_virtual_clock(tmp_path)
       _config(learners__virtual_clock=True, **common), str(tmp_path / "virtual"))
   tape = _tape(str(tmp_path / "threaded"))
   per_round = threaded["accounting/mean_learners_per_round"]
-  assert per_round >= 2.0, accounting.fidelity_line(tape)
+  assert per_round >= 2.0, fidelity.fidelity_line(tape)
   assert threaded["accounting/median_grace_s"] > 0.0
   # Transit starts once the values are on the host: it never contains the step's compute.
   assert np.median([r["pull_s"] for r in tape]) < 0.5 * step_s
