@@ -155,7 +155,7 @@ def test_rejoining_learner_delivers_each_slot_with_its_peers(tmp_path):
   shifted (`fragments.aligned_phase`), so its deliveries land in its peers' rounds instead of
   rounds of its own, steps away from theirs."""
   cfg = _config(learners__virtual_clock=True, learners__speeds="1,1,1,1", train__steps=40,
-                learners__faults="down:1@10.5+3")
+                learners__faults="kill:1@10.5+3")
   rt, _ = decoupled.run_with_runtime(cfg, str(tmp_path))
   tape = _tape(str(tmp_path))
   # Rounds of the rejoined learner while its peers still train (it finishes after them: its
