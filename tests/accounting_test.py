@@ -6,6 +6,7 @@ import math
 import pytest
 
 from diloco.observe import accounting
+from diloco.observe import fidelity
 from diloco.observe import timeline
 
 
@@ -144,8 +145,8 @@ def test_merged_tokens_staleness_and_round_stats():
   # Tokens 200 + 200 + 400 + 200 over P = 2 fragments, in 10 s.
   assert accounting.merged_tokens(tape, 2) == 500.0
   assert accounting.merged_tokens_per_s(tape, 2, horizon=10.0) == 50.0
-  assert accounting.staleness_histogram(tape) == {0: 1, 1: 2, 3: 1}
-  stats = accounting.round_stats(tape)
+  assert fidelity.staleness_histogram(tape) == {0: 1, 1: 2, 3: 1}
+  stats = fidelity.round_stats(tape)
   assert stats["rounds"] == 3 and stats["last_quorum"] == 1
   assert stats["mean_quorum"] == pytest.approx(4 / 3)
   assert stats["mean_learners"] == pytest.approx(4 / 3) and stats["max_learners"] == 2
@@ -294,11 +295,11 @@ def test_a_sharded_syncers_tape_gives_figures_per_shard_and_overall(tmp_path):
   assert out["accounting/shard0/mean_grace_s"] == pytest.approx(0.25)
   assert out["accounting/shard1/median_grace_s"] == 0.25
   assert out["accounting/mean_learners_per_round"] == pytest.approx(4 / 3)  # overall meaning
-  line = accounting.fidelity_line(tape)
+  line = fidelity.fidelity_line(tape)
   assert line.startswith("fidelity: 3 rounds") and "per shard: s0 2 rounds" in line
   assert "s1 1 rounds, 1.00 learners/round" in line
   # One shard (or records written before shards): no per-shard keys, the line as before.
-  assert "per shard" not in accounting.fidelity_line(shard0)
+  assert "per shard" not in fidelity.fidelity_line(shard0)
   write_jsonl(tmp_path / "tape.jsonl", shard0)
   assert not any("shard" in k for k in accounting.summary(str(tmp_path), num_fragments=2,
                                                           num_params=100))
@@ -316,7 +317,7 @@ def test_a_final_round_counts_the_learners_that_left_after_their_final_delivery(
                       number=2), num_alive=1),
           # A record without `receivers` (older tapes): at least what it admitted.
           {k: v for k, v in round_(1, 4.0, final, number=3).items() if k != "receivers"}]
-  assert [accounting.could_merge(r) for r in tape] == [2, 2, 2, 2]
-  stats = accounting.round_stats(tape)
+  assert [fidelity.could_merge(r) for r in tape] == [2, 2, 2, 2]
+  stats = fidelity.round_stats(tape)
   assert stats["mean_alive"] == 2.0 and stats["mean_learners"] == pytest.approx(7 / 4)
   assert stats["mean_learners"] <= stats["mean_alive"]

@@ -216,7 +216,7 @@ def test_unusable_times_are_ignored_and_counted_and_the_delivery_merges(times):
   merged, _ = s.tick(1.0, _beats(1.0, 0), [_good(0, **times)])
   assert len(merged) == 1 and s.rejections == {}
   assert s.state_summary()["ignored"] == {"bad_time_ignored": 1}
-  for ema in (s._sync_ema, s._lead_ema):
+  for ema in (s.timing.sync, s.timing.lead):
     assert ema.value is None or 0.0 <= ema.value < 1.0
 
 
@@ -239,7 +239,7 @@ def test_nan_or_absurd_times_never_reach_the_emas():
     assert math.isfinite(deadline)
     merged, _ = s.tick(deadline, (), ())
   assert len(merged) == 1
-  for ema in (s._sync_ema, s._lead_ema, s._quorum_ema, *s._step_ema.values()):
+  for ema in (s.timing.sync, s.timing.lead, s.timing.quorum, *s._step_ema.values()):
     assert ema.value is None or math.isfinite(ema.value)
   merged, deadline = s.tick(9.0, _beats(9.0, 0, 1, 2), [_good(0, step=12), _good(1, step=12)])
   assert merged or math.isfinite(deadline)

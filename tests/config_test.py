@@ -137,10 +137,13 @@ def test_fault_schedules_parse_and_bad_events_name_the_field():
   from diloco.distributed import chaos
   from diloco.runtime import faults
   assert [(f.at, f.kind, f.learner, f.duration) for f in faults.parse(
-      " add@40; down:1@30+20;retire:2@60 ")] == [
-          (30.0, "down", 1, 20.0), (40.0, "add", -1, 0.0), (60.0, "retire", 2, 0.0)]
-  with pytest.raises(ConfigError, match=r"learners.faults: cannot parse 'down:1@30'; expected"):
-    faults.parse("add@4;down:1@30")
+      " add@40; kill:1@30+20;retire:2@60 ")] == [
+          (30.0, "kill", 1, 20.0), (40.0, "add", -1, 0.0), (60.0, "retire", 2, 0.0)]
+  with pytest.raises(ConfigError, match=r"learners.faults: cannot parse 'kill:1@'; expected"):
+    faults.parse("add@4;kill:1@")
+  with pytest.raises(ConfigError, match=r"learners.faults: 'down:1@30\+20' uses the old verb "
+                     r"'down'; write 'kill:1@30\+20'"):
+    faults.parse("add@4;down:1@30+20")
   # One verb for a planned retirement in both grammars: "retire".
   with pytest.raises(ConfigError, match=r"cannot parse 'remove:2@60'; expected .*retire:M@T"):
     faults.parse("remove:2@60")

@@ -96,7 +96,7 @@ def test_synchronous_diloco_matches_direct_reference(tmp_path):
 
 def test_killed_learner_is_skipped_and_rejoins_from_published_versions(tmp_path):
   cfg = _config(learners__count=3, learners__devices="2,2,2,2", train__steps=40,
-                learners__faults="down:1@10+12", sync__heartbeat_timeout_s=3.0)
+                learners__faults="kill:1@10+12", sync__heartbeat_timeout_s=3.0)
   rt, summary = decoupled.run_with_runtime(cfg, str(tmp_path))
   tape = _tape(str(tmp_path))
   during = [r for r in tape if 14 <= r["closed_at"] <= 22]

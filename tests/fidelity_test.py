@@ -19,6 +19,7 @@ from diloco.outer.merge import OuterConfig
 from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.observe import accounting
+from diloco.observe import fidelity
 from diloco.runtime import decoupled
 from diloco.transport import Heartbeat
 
@@ -49,7 +50,7 @@ def test_threaded_equal_learners_merge_together_like_the_virtual_clock(tmp_path)
       _config(learners__virtual_clock=True, **common), str(tmp_path / "virtual"))
   tape = _tape(str(tmp_path / "threaded"))
   per_round = threaded["accounting/mean_learners_per_round"]
-  assert per_round >= 2.0, accounting.fidelity_line(tape)
+  assert per_round >= 2.0, fidelity.fidelity_line(tape)
   assert threaded["accounting/median_grace_s"] > 0.0
   # Transit starts once the values are on the host: it never contains the step's compute.
   assert np.median([r["pull_s"] for r in tape]) < 0.5 * step_s
@@ -90,10 +91,10 @@ def test_sync_time_uses_transit_not_compute_and_ignores_bad_measurements():
   assert deadline == pytest.approx(3.0 + 0.8 * (2.0 - 0.5 - 1.1))
   s.tick(10.0)
   for bad in (float("nan"), -1.0, float("inf")):
-    before = s._sync_ema.value
+    before = s.timing.sync.value
     _, deadline = deliver(20.0, 0, bad)  # an unusable transit counts as no transit
     s.tick(30.0)
-    assert s._sync_ema.value == pytest.approx(0.9 * before + 0.1 * 0.1)
+    assert s.timing.sync.value == pytest.approx(0.9 * before + 0.1 * 0.1)
   s._heartbeat(Heartbeat(0, 0, 1, float("nan"), 40.0))
   s._heartbeat(Heartbeat(0, 0, 1, float("inf"), 40.0))
   assert s.registry[0].step_time == pytest.approx(1.0)
@@ -156,7 +157,7 @@ def test_rejoining_learner_delivers_each_slot_with_its_peers(tmp_path):
   shifted (`fragments.aligned_phase`), so its deliveries land in its peers' rounds instead of
   rounds of its own, steps away from theirs."""
   cfg = _config(learners__virtual_clock=True, learners__speeds="1,1,1,1", train__steps=40,
-                learners__faults="down:1@10.5+3")
+                learners__faults="kill:1@10.5+3")
   rt, _ = decoupled.run_with_runtime(cfg, str(tmp_path))
   tape = _tape(str(tmp_path))
   # Rounds of the rejoined learner while its peers still train (it finishes after them: its

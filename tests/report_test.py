@@ -40,7 +40,7 @@ def decoupled_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("decoupled"))
   cfg = run_config.load(learners__count=2, learners__virtual_clock=True, train__steps=STEPS,
                         train__eval_every=STEPS // 4, sync__num_fragments=2, sync__period=4,
-                        learners__speeds="1,2", learners__faults="down:1@3+2;down:1@4+1")
+                        learners__speeds="1,2", learners__faults="kill:1@3+2;kill:1@4+1")
   capture = pytest.MonkeyPatch()
   lines = []
   capture.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))

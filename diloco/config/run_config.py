@@ -85,7 +85,7 @@ class LearnersConfig:
   # Virtual seconds of one step (times the learner's speed) and of one merge.
   virtual_step_s: float = setting(1.0, POSITIVE)
   virtual_sync_s: float = setting(0.1, NON_NEGATIVE)
-  # Cooperative faults, ';'-separated: "down:1@30+20" (learner 1 down at t=30 s for 20 s),
+  # Cooperative faults, ';'-separated: "kill:1@30+20" (learner 1 down at t=30 s for 20 s),
   # "add@40" (next spare device group joins), "retire:2@60" (learner 2 retires),
   # "nan:0@10" (learner 0's parameters turn NaN, so it fails and rejoins).
   faults: str = ""

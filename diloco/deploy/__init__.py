@@ -1,1 +1,2 @@
-"""How processes reach machines: GKE JobSets and the accelerators of a host."""
+"""How processes reach machines: GKE JobSets (`jobset`, a learner's nodes in `gke_nodes`) and
+the accelerators of a host (`accelerators`)."""

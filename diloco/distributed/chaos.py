@@ -1,7 +1,8 @@
 """The real fault schedule of the multi-process launcher (`launch.chaos`, `launch.chaos_faults`).
 
-Grammar: events separated by ';', each one of
-  kill:M@T       SIGKILL learner M at T seconds (the launcher restarts it after a backoff);
+The grammar is `diloco.fault_grammar`'s; this runtime takes
+  kill:M@T       SIGKILL learner M at T seconds (the launcher restarts it after a backoff, so
+                 no +D: the backoff is the return delay);
   stop:M@T+D     SIGSTOP learner M at T, SIGCONT D seconds later (a hang, then a straggler);
   kill_syncer@T  SIGKILL the syncer (restarted; it resumes from its last durable round);
   kill_syncer:S@T  SIGKILL syncer shard S (`sync.shards` > 1; kill_syncer@T is shard 0): only
@@ -15,63 +16,22 @@ vary by machine). M is a learner id or '*', a live learner drawn then from the s
 
 from __future__ import annotations
 
-import dataclasses
-import re
-
 import numpy as np
 
-from diloco.config.run_config import ConfigError, parse_events
+from diloco import fault_grammar
+from diloco.config.run_config import ConfigError
 
-ANY = -1
-_TARGET = r"(\d+|\*)"
-_PATTERNS = {
-    "kill": re.compile(rf"^kill:{_TARGET}@([0-9.]+)$"),
-    "stop": re.compile(rf"^stop:{_TARGET}@([0-9.]+)\+([0-9.]+)$"),
-    "kill_syncer": re.compile(r"^kill_syncer(?::(\d+))?@([0-9.]+)$"),
-    "add": re.compile(r"^add@([0-9.]+)$"),
-    "retire": re.compile(rf"^retire:{_TARGET}@([0-9.]+)$"),
-}
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Event:
-  at: float
-  kind: str
-  learner: int = ANY  # ANY: a live learner drawn when the event fires
-  duration: float = 0.0
-  shard: int = 0  # kill_syncer: the syncer shard it kills
-
-  def __str__(self) -> str:
-    who = "*" if self.learner == ANY else str(self.learner)
-    if self.kind == "kill_syncer" and self.shard:
-      return f"kill_syncer:{self.shard}@{self.at:g}"
-    if self.kind in ("kill_syncer", "add"):
-      return f"{self.kind}@{self.at:g}"
-    if self.kind == "stop":
-      return f"stop:{who}@{self.at:g}+{self.duration:g}"
-    return f"{self.kind}:{who}@{self.at:g}"
-
-
-def _target(text: str) -> int:
-  return ANY if text == "*" else int(text)
+RUNTIME = fault_grammar.Runtime(field="launch.chaos",
+                                verbs=("kill", "stop", "kill_syncer", "add", "retire"),
+                                any_target=True, return_delay=False)
+# The launcher's names for one scheduled event and for its '*' learner.
+Event = fault_grammar.Event
+ANY = fault_grammar.ANY
 
 
 def parse(text: str) -> list[Event]:
   """Events sorted by time; ConfigError naming `launch.chaos` on a malformed one."""
-  events = []
-  for kind, m in parse_events(text, _PATTERNS, "launch.chaos",
-                              "kill:M@T, stop:M@T+D, kill_syncer[:S]@T, add@T or "
-                              "retire:M@T (M a learner id or '*', S a syncer shard), "
-                              "separated by ';'"):
-    if kind in ("kill", "retire"):
-      events.append(Event(float(m[2]), kind, _target(m[1])))
-    elif kind == "stop":
-      events.append(Event(float(m[2]), kind, _target(m[1]), float(m[3])))
-    elif kind == "kill_syncer":
-      events.append(Event(float(m[2]), kind, shard=int(m[1] or 0)))
-    else:
-      events.append(Event(float(m[1]), kind))
-  return sorted(events)
+  return fault_grammar.parse(text, RUNTIME)
 
 
 # Relative frequencies of drawn faults: mostly learner kills and hangs, a few syncer kills,

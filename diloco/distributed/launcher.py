@@ -21,7 +21,7 @@ With `sync.shards = S > 1` it starts S syncer processes, one per shard (`--role=
 evaluator process for the global eval (a shard holds only its fragments), and merges the
 shards' tapes (WORKDIR/shards/s{s}/tape.jsonl, records tagged with `"shard"`) into the run's
 one WORKDIR/tape.jsonl and report (the accounting adds per-shard round figures,
-`accounting.shard_stats`).
+`fidelity.shard_stats`).
 """
 
 from __future__ import annotations

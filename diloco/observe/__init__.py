@@ -1,3 +1,3 @@
 """What a run reports: goodput, uptime, staleness and the bandwidth ledger from its tape and
-activity records (`accounting`), the timeline plots (`timeline`), and the scalar writers
-(`metrics`)."""
+activity records (`accounting`), how faithfully its rounds merged (`fidelity`), the timeline
+plots (`timeline`), and the scalar writers (`metrics`)."""

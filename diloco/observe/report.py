@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from diloco.observe import accounting
+from diloco.observe import fidelity
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import timeline
 from diloco.observe import tracking
@@ -66,7 +67,7 @@ def finish(workdir: str, *, num_fragments: int, num_params: int, figures: RunFig
   activity.jsonl, which the accounting reads); `writer` is the syncer's metric writer, still
   open: the summary goes to its trackers at `figures.eval_step`.
   """
-  print(accounting.fidelity_line(tape), flush=True)
+  print(fidelity.fidelity_line(tape), flush=True)
   summary: dict[str, float | None] = dict(accounting.summary(
       workdir, num_fragments=num_fragments, num_params=num_params))
   summary.update(figures.as_summary())

@@ -22,6 +22,7 @@ from absl import logging
 from diloco.config.run_config import Config, check_in_process_eval
 from diloco.model.sharding import batch_sharding
 from diloco.observe import accounting
+from diloco.observe import fidelity
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import report as report_lib
 from diloco.observe import tracking
@@ -55,7 +56,7 @@ class Status:
     s = self.rt.syncer
     tape, activity = self.rt.recorder.recent()  # a window: all of a short run's records
     goodput = accounting.goodput(tape, activity, self.rt.plan.num_fragments)
-    stats = accounting.round_stats(tape)
+    stats = fidelity.round_stats(tape)
     return (" | ".join(parts) + f" || syncer: rounds {s.rounds}, learners/round "
             f"{stats['mean_learners']:.2f} (last {s.last_quorum}), grace {s.last_grace:.2f}s, "
             f"rejected {sum(s.rejections.values())}, goodput {goodput:.2f}")

@@ -4,7 +4,8 @@ Host-only NumPy (never a learner's device). Every decision goes through the pure
 functions of `diloco.sync.policy` with times passed in, so the same code runs on the wall
 clock (threads) and on a virtual clock (deterministic runs, the goodput simulator).
 `tick(now)` ingests messages, closes every round that is due and returns the merged
-fragments to publish plus the next time it wants to be called.
+fragments to publish plus the next time it wants to be called. G and the outer step it takes
+live in `outer_state`, what it refuses in `rejections`, its round timings in `round_timing`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.sync import durable_state, intake, policy
 from diloco import outer
+from diloco.sync import durable_state, intake, outer_state, policy, rejections, round_timing
 from diloco.sync import ledger as ledger_lib
 from diloco.outer.merge import OuterConfig
 from diloco.sync.policy import SyncConfig
@@ -36,19 +36,6 @@ _all_finite = intake.all_finite
 class _Pending:
   payload: Delivery
   arrived_at: float
-
-
-def _fragment_norm(tensors) -> float:
-  """L2 norm over a fragment's tensors: float32 dot products (BLAS), no temporaries; inf if
-  one overflows float32's sum of squares."""
-  return math.sqrt(sum(intake.sum_of_squares(t) for t in tensors))
-
-
-def _nbytes(payload: Delivery) -> int:
-  try:
-    return payload.nbytes
-  except Exception:  # noqa: BLE001  (a malformed delivery's tensors)
-    return 0
 
 
 def _admitted_record(learner: int, entry: _Pending, old_version: int, weight: float,
@@ -82,44 +69,23 @@ class Syncer:
     self.plan = plan
     self.owned = (tuple(range(plan.num_fragments)) if owned is None
                   else tuple(sorted(set(owned))))
-    own_paths = [k for p in self.owned for k in plan.fragments[p]]
     self.limits = limits or intake.Limits()
     # Delivery identities G holds, and incarnations that left (exactly once, durably).
     self.ledger = ledger_lib.DeliveryLedger()
-    self.params = {k: np.array(global_params[k], np.float32, order="C") for k in own_paths}
-    self.momentum = {k: np.zeros_like(v) for k, v in self.params.items()}
-    # Holds an RDA direction between merge passes; kept across rounds to spare page faults.
-    self._merge_workspace = np.empty(max((v.size for v in self.params.values()), default=0),
-                                     np.float32)
-    self.versions = [0] * plan.num_fragments
     self.policy = policy.PolicyConfig.from_config(sync)
+    # G, its momentum and versions, and the outer step (`outer_state.py`).
+    self.state = outer_state.OuterState(global_params, plan, self.owned, outer_cfg,
+                                        self.policy.max_staleness)
     self.outer_cfg = outer_cfg
     self.registry: dict[int, policy.LearnerStatus] = {}
     self._step_ema: dict[int, policy.Ema] = {}
-    self._quorum_ema = policy.Ema()
-    self._sync_ema = policy.Ema()
-    self._lead_ema = policy.Ema()
+    self.timing = round_timing.RoundTiming()  # what the grace window predicts from
     self._pending: dict[int, dict[int, _Pending]] = collections.defaultdict(dict)
     self._opened_at: dict[int, float] = {}
-    self._rejected: dict[int, list[dict]] = collections.defaultdict(list)
-    self._rejected_at = frozenset(self.owned)
     self._departed: dict[int, int] = {}  # learner -> incarnation that left with deliveries
-    self._delta_pool: dict[tuple, np.ndarray] = {}
-    self.rejections: collections.Counter = collections.Counter()
+    self.rejected = rejections.RejectionLog(self.owned)  # counted, taped, quarantined
     self.ignored: collections.Counter = collections.Counter()  # unusable measurements
-    # Malformed deliveries and those whose ingestion or merge raised: (fragment, learner,
-    # incarnation, local_step, reason, detail), for the runtime to quarantine (`take_faults`;
-    # bounded, since the single-controller runtime never takes them).
-    self._faults: collections.deque = collections.deque(maxlen=4096)
-    # Per fragment, the norms of G and the momentum (the overflow bound of the next merge).
-    self._norms = {p: self._measure(p) for p in self.owned}
-    self._keep_history = (outer_cfg.anchor == "base" or outer_cfg.quantize_bits > 0
-                          or outer_cfg.stale == "rebase")
-    self._history: dict[int, dict[int, dict[str, np.ndarray]]] = {
-        p: {0: self.fragment_values(p)} for p in self.owned
-    } if self._keep_history else {}
     self._sync_delay = sync_delay_s
-    self._shapes = {k: v.shape for k, v in self.params.items()}
     self._on_round = on_round
     self.rounds = 0
     self.closed_here = self.admitted_here = 0  # since this process started (status lines)
@@ -129,20 +95,30 @@ class Syncer:
     # shards that all see every heartbeat in one process, one does (`syncer_group.py`).
     self.counts_heartbeats = True
 
-  def _measure(self, p: int) -> tuple[float, float]:
-    paths = self.plan.fragments[p]
-    return (_fragment_norm(self.params[k] for k in paths),
-            _fragment_norm(self.momentum[k] for k in paths))
+  @property
+  def params(self) -> dict[str, np.ndarray]:
+    """G: the owned fragments' global parameters by path (updated in place by merges)."""
+    return self.state.params
+
+  @property
+  def momentum(self) -> dict[str, np.ndarray]:
+    return self.state.momentum
+
+  @property
+  def versions(self) -> list[int]:
+    return self.state.versions
+
+  @property
+  def rejections(self) -> collections.Counter:
+    """Rejected deliveries and heartbeats by reason."""
+    return self.rejected.counts
 
   def take_faults(self) -> list[tuple]:
-    """Deliveries that failed the intake checks or whose ingestion or merge raised, since the
-    last call, as (fragment, learner, incarnation, local_step, reason, detail)."""
-    faults = list(self._faults)
-    self._faults.clear()
-    return faults
+    """`RejectionLog.take_faults`: deliveries to quarantine since the last call."""
+    return self.rejected.take_faults()
 
   def fragment_values(self, p: int) -> dict[str, np.ndarray]:
-    return {path: self.params[path].copy() for path in self.plan.fragments[p]}
+    return self.state.fragment_values(p)
 
   def initial(self, now: float) -> list[Merged]:
     """The current version of every owned fragment (0, or a restored one), to publish before
@@ -182,30 +158,11 @@ class Syncer:
     if self.counts_heartbeats:
       self.reject(0, beat.learner, beat.incarnation, intake.REJECT_BAD_HEARTBEAT, 0, now)
 
-  def _reject(self, payload: Delivery, reason: str, now: float) -> None:
-    self.reject(payload.fragment, payload.learner, payload.incarnation, reason, _nbytes(payload),
-                now, local_step=payload.local_step, steps=payload.steps)
-
   def reject(self, fragment: int, learner: int, incarnation: int, reason: str, nbytes: int,
              now: float, *, local_step: int | None = None, steps: int | None = None) -> None:
-    """Counts a rejected delivery; it is listed in the next tape record of its fragment.
-
-    Ids that are not counters (a crafted delivery's) are recorded as -1; the delivery's
-    `local_step` and `steps`, when they are counters, let the accounting say whose work it
-    carried (`accounting.where_steps_went`).
-    """
-    fragment, learner, incarnation = (x if intake.is_count(x, 0) else -1
-                                      for x in (fragment, learner, incarnation))
-    self.rejections[reason] += 1
-    # Listed with the fragment's next round; one this shard does not merge (or no fragment)
-    # with its first own fragment's, so that it reaches the tape.
-    p = fragment if fragment in self._rejected_at else self.owned[0]
-    record = {"learner": int(learner), "incarnation": int(incarnation), "reason": reason,
-              "payload_bytes": int(nbytes), "arrived_at": now}
-    if intake.is_count(local_step, 0) and intake.is_count(steps, 1):
-      record.update(local_step=int(local_step), steps=int(steps))
-    self._rejected[p].append(record)
-    logging.info("syncer: rejected fragment %d from learner %d: %s", fragment, learner, reason)
+    """Counts a rejected delivery and lists it on the tape (`RejectionLog.reject`)."""
+    self.rejected.reject(fragment, learner, incarnation, reason, nbytes, now,
+                         local_step=local_step, steps=steps)
 
   def forget(self, learner: int, incarnation: int) -> None:
     """A learner incarnation left for good (retired or finished): rounds stop counting it.
@@ -228,44 +185,36 @@ class Syncer:
     return {(p, m, e.payload.incarnation, e.payload.local_step)
             for p, entries in self._pending.items() for m, e in entries.items()}
 
-  def _fault(self, payload: Delivery, reason: str, error: Exception, now: float) -> None:
-    """A delivery whose handling raised: rejected, and listed for quarantine."""
-    logging.exception("syncer: %s on a delivery of learner %r", reason, payload.learner)
-    self._reject(payload, reason, now)
-    self._faults.append((payload.fragment, payload.learner, payload.incarnation,
-                         payload.local_step, reason, f"{type(error).__name__}: {error}"[:500]))
-
   def _payload(self, payload: Delivery, now: float) -> None:
     try:
       self._admit(payload, now)
     except Exception as e:  # noqa: BLE001  (one delivery never stops the syncer)
-      self._fault(payload, intake.REJECT_INGEST_ERROR, e, now)
+      self.rejected.fault(payload, intake.REJECT_INGEST_ERROR, e, now)
 
   def _admit(self, payload: Delivery, now: float) -> None:
     p = payload.fragment
-    if intake.is_count(p, 0) and p < self.plan.num_fragments and p not in self._norms:
+    if intake.is_count(p, 0) and p < self.plan.num_fragments and p not in self.state.norms:
       problem = intake.REJECT_WRONG_SHARD
     else:
-      problem = (intake.check_payload(payload, self.plan.fragments, self._shapes)
+      problem = (intake.check_payload(payload, self.plan.fragments, self.state.shapes)
                  or intake.check_earned(payload, self.limits))
     if problem:
-      self._reject(payload, problem, now)
-      self._faults.append((payload.fragment, payload.learner, payload.incarnation,
-                           payload.local_step, problem, "failed the syncer's intake checks"))
+      self.rejected.delivery(payload, problem, now)
+      self.rejected.quarantine(payload, problem, "failed the syncer's intake checks")
       return
     if self.ledger.departed(payload.learner, payload.incarnation):
-      self._reject(payload, intake.REJECT_DEPARTED, now)  # it left, or a newer one merged
+      self.rejected.delivery(payload, intake.REJECT_DEPARTED, now)  # it left, or a newer one merged
       return
     if not (_is_duration(payload.transit_s) and _is_duration(payload.lead_s)):
       self.ignored[intake.IGNORED_TIME] += 1  # left out of the EMAs where they are used
-    if self._keep_history and payload.base_version not in self._history[p]:
-      self._reject(payload, policy.REJECT_STALE, now)
+    if not self.state.knows_base(p, payload.base_version):
+      self.rejected.delivery(payload, policy.REJECT_STALE, now)
       return
     ok, reason = policy.check_delivery(payload, learner=self.registry.get(payload.learner),
                                        current_version=self.versions[p], now=now,
                                        config=self.policy)
     if not ok:
-      self._reject(payload, reason, now)
+      self.rejected.delivery(payload, reason, now)
       return
     if self._replayed(payload, now):
       return
@@ -281,7 +230,7 @@ class Syncer:
     if self.ledger.replayed(m, i, p, t) or (
         waiting is not None and waiting.payload.incarnation == i
         and waiting.payload.local_step >= t):
-      self._reject(payload, intake.REJECT_REPLAYED, now)
+      self.rejected.delivery(payload, intake.REJECT_REPLAYED, now)
       return True
     return False
 
@@ -329,8 +278,8 @@ class Syncer:
           now=now, timeout_s=self.policy.heartbeat_timeout_s) if finals else policy.decide_round(
           counted if alive else [e.arrived_at for e in entries.values()], num_alive=len(alive),
           opened_at=self._opened_at[p], now=now, config=self.policy, step_time=step_time,
-          quorum_time=self._quorum_ema.get(), sync_time=self._sync_ema.get(),
-          lead_time=self._lead_ema.get())
+          quorum_time=self.timing.quorum.get(), sync_time=self.timing.sync.get(),
+          lead_time=self.timing.lead.get())
       if decision.close:
         merged = self._close(p, decision, now, sorted(alive))
         if merged is not None:
@@ -353,117 +302,37 @@ class Syncer:
       del self.registry[m]
       self._step_ema.pop(m, None)
 
-  def _outer_gradient(self, payload: Delivery, anchor_now: dict[str, np.ndarray],
-                      slot: int) -> dict:
-    """The delivery's outer gradient `anchor - theta` (docs/design.md 2.4 step 3).
-
-    A stale delivery (its base is older than the current version) is anchored at the
-    syncer's current G under `outer.stale="paper"`, so it also pulls G back toward the
-    learner's older lineage; under `"rebase"` it is its own progress `G_base - theta`, scaled
-    by `1 / (1 + staleness)` like a delayed gradient in staleness-aware asynchronous SGD.
-    """
-    p, base = payload.fragment, payload.base_version
-    staleness = self.versions[p] - base
-    rebase = self.outer_cfg.stale == "rebase" and staleness > 0
-    from_base = self.outer_cfg.anchor == "base" or rebase
-    if payload.kind == "delta":
-      grad = {k: outer.dequantize(q) for k, q in payload.tensors.items()}
-      if not from_base:
-        grad = outer.rebase_delta(grad, self._history[p][base], anchor_now)
-    else:
-      anchor = self._history[p][base] if from_base else anchor_now
-      out = self._delta_buffers(slot, list(payload.tensors))
-      grad = {k: np.subtract(anchor[k], x, out=out[k]) for k, x in payload.tensors.items()}
-    if rebase:
-      for g in grad.values():
-        g *= np.float32(1.0 / (1.0 + staleness))
-    return grad
-
-  def _delta_buffers(self, slot: int, paths: list[str]) -> dict[str, np.ndarray]:
-    """Scratch for the `slot`-th outer gradient of a round, reused across rounds.
-
-    A fresh 64 MB array per delivery and round costs more in page faults than the subtraction
-    itself. Buffers are keyed by shape (and rank among equal shapes in the fragment), not by
-    path, so the pool holds about max M x one fragment, not M x the model.
-    """
-    rank: collections.Counter = collections.Counter()
-    out = {}
-    for k in paths:
-      shape = self.params[k].shape
-      key = (slot, shape, rank[shape])
-      rank[shape] += 1
-      if key not in self._delta_pool:
-        self._delta_pool[key] = np.empty(shape, np.float32)
-      out[k] = self._delta_pool[key]
-    return out
-
-  def _bounded(self, p: int, entries: list, now: float) -> tuple[list, list, list[float]]:
-    """The round's deliveries whose outer gradients keep G and the momentum within
-    `intake.MAX_NORM` (the others are rejected): (entries, outer gradients, their norms)."""
-    anchor_now = {k: self.params[k] for k in self.plan.fragments[p]}
-    g_norm, b_norm = self._norms[p]
-    kept, deltas, norms = [], [], []
-    for m, e in entries:
-      try:
-        delta = self._outer_gradient(e.payload, anchor_now, len(kept))
-      except Exception as err:  # noqa: BLE001  (the others still merge)
-        self._fault(e.payload, intake.REJECT_MERGE_ERROR, err, now)
-        continue
-      norm = _fragment_norm(delta.values())
-      if not intake.merge_bound(g_norm, b_norm, norm, self.outer_cfg.learning_rate,
-                                self.outer_cfg.momentum) <= intake.MAX_NORM:
-        self._reject(e.payload, intake.REJECT_OVERFLOW, now)
-        continue
-      kept.append((m, e))
-      deltas.append(delta)
-      norms.append(norm)
-    return kept, deltas, norms
-
   def _close(self, p: int, decision: policy.RoundDecision, now: float,
              alive: list[int]) -> Merged | None:
     """Merges the round's deliveries into G_p; None if none could be merged (the round is
     rejected whole: G_p, its momentum and its version stay as they were)."""
     started = time.perf_counter()
-    entries, deltas, delta_norms = self._bounded(p, sorted(self._pending.pop(p).items()), now)
-    paths = self.plan.fragments[p]
+    entries, deltas, delta_norms = self.state.bounded(
+        p, sorted(self._pending.pop(p).items()),
+        on_error=lambda d, err: self.rejected.fault(d, intake.REJECT_MERGE_ERROR, err, now),
+        on_overflow=lambda d: self.rejected.delivery(d, intake.REJECT_OVERFLOW, now))
     try:
       if not entries:
         raise _RoundRejected()
       weights = outer.token_weights([e.payload.tokens for _, e in entries],
                                     [e.payload.steps for _, e in entries], self.outer_cfg.weights)
-      mask = {k: self.plan.is_embedding(k) for k in paths}
-      # Merge and Nesterov step in place on G and the momentum (published values are copies);
-      # `merge_and_step` checks everything before it updates anything.
-      step_sq = outer.merge_and_step(
-          self.params, self.momentum, deltas, weights, mask, self.outer_cfg.learning_rate,
-          self.outer_cfg.momentum, method=self.outer_cfg.merge, workspace=self._merge_workspace)
+      step_sq = self.state.merge(p, deltas, weights)
     except _RoundRejected:
       self._opened_at.pop(p, None)
       return None
     except Exception as err:  # noqa: BLE001  (the syncer survives the round)
       for _, e in entries:
-        self._fault(e.payload, intake.REJECT_MERGE_ERROR, err, now)
+        self.rejected.fault(e.payload, intake.REJECT_MERGE_ERROR, err, now)
       self._opened_at.pop(p, None)
       return None
-    # The bound above keeps G and the momentum finite; checked here in the pass that also
-    # measures them for the next round's bound. Failing it is a bug in the bound, not bad input.
-    self._norms[p] = self._measure(p)
-    if not all(math.isfinite(x) and x <= intake.MAX_NORM for x in self._norms[p]):
-      raise FloatingPointError(f"syncer: fragment {p} left its bound after a merge: norms of G "
-                               f"and momentum {self._norms[p]} (bound {intake.MAX_NORM:g})")
+    old_version = self.versions[p]
+    version = self.state.commit(p)  # raises if G left its bound (a bug, not bad input)
     for _, e in entries:
       self.ledger.merged(e.payload.learner, e.payload.incarnation, p, e.payload.local_step)
     update_norm = float(np.sqrt(sum(step_sq.values())))
-    old_version = self.versions[p]
-    self.versions[p] += 1
-    version = self.versions[p]
-    if self._keep_history:
-      self._history[p][version] = self.fragment_values(p)
-      for v in [v for v in self._history[p] if v < version - self.policy.max_staleness]:
-        del self._history[p][v]
     measured = time.perf_counter() - started
     sync_s = measured if self._sync_delay is None else self._sync_delay
-    pull_s, lead_s = self._update_timing(entries, decision, sync_s)
+    pull_s, lead_s = self.timing.record(entries, decision, sync_s)
     merged = Merged(p, version, self.fragment_values(p), now + sync_s)
     record = {
         "round": self.rounds, "fragment": p, "version": version,
@@ -475,7 +344,7 @@ class Syncer:
         "pull_s": pull_s, "lead_s": lead_s, "reason": decision.reason,
         "admitted": [_admitted_record(m, e, old_version, float(w), d)
                      for (m, e), w, d in zip(entries, weights, delta_norms)],
-        "rejected": self._rejected.pop(p, []),
+        "rejected": self.rejected.listed(p),
         "update_norm": update_norm, "sync_s": sync_s, "merge_wall_s": measured,
         "published_bytes": merged.nbytes, "receivers": alive,
     }
@@ -488,32 +357,13 @@ class Syncer:
       self._on_round(record)
     return merged
 
-  def _update_timing(self, entries, decision: policy.RoundDecision,
-                     sync_s: float) -> tuple[float, float]:
-    """Feeds a closed round's timings to the EMAs the grace window uses (docs/design.md 2.4);
-    returns its pull time and its learners' longest lead."""
-    if decision.quorum_wait is not None and _is_duration(decision.quorum_wait):
-      self._quorum_ema = self._quorum_ema.update(decision.quorum_wait)
-    # "Time to pull, merge and send": the pull is the slowest admitted payload's transit,
-    # from its values being on the learner's host to the syncer holding them (never the
-    # learner's compute, whatever its backend's dispatch does).
-    pulls = [e.payload.transit_s for _, e in entries if _is_duration(e.payload.transit_s)]
-    pull_s = max(pulls, default=0.0)
-    if _is_duration(sync_s):
-      self._sync_ema = self._sync_ema.update(pull_s + sync_s)
-    leads = [e.payload.lead_s for _, e in entries if _is_duration(e.payload.lead_s)]
-    lead_s = max(leads, default=0.0)
-    self._lead_ema = self._lead_ema.update(lead_s)
-    return pull_s, lead_s
-
   # Durable state (multi-process runtime): everything but the tensors, as JSON.
   def export_state(self) -> dict[str, Any]:
     return {
         "versions": list(self.versions), "rounds": self.rounds,
         "registry": [dataclasses.asdict(s) for s in self.registry.values()],
         "step_ema": {str(m): e.value for m, e in self._step_ema.items()},
-        "quorum_ema": self._quorum_ema.value, "sync_ema": self._sync_ema.value,
-        "lead_ema": self._lead_ema.value,
+        **self.timing.export(),
         "rejections": dict(self.rejections), "last_quorum": self.last_quorum,
         "last_grace": self.last_grace, "ledger": self.ledger.export(),
     }
@@ -525,18 +375,7 @@ class Syncer:
     `rounds` is one past the last committed round (not the count in `state`, which may
     include rounds closed in the same tick that never became durable).
     """
-    for p, (version, params, momentum) in fragments.items():
-      if p not in self._norms:
-        continue  # another shard's fragment
-      self.versions[p] = version
-      self.params.update({k: np.array(v, np.float32, order="C") for k, v in params.items()})
-      self.momentum.update({k: np.array(v, np.float32, order="C") for k, v in momentum.items()})
-    if self._keep_history:
-      for p, versions in history.items():
-        if p not in self._norms:
-          continue
-        self._history[p] = {v: {k: np.array(x, np.float32) for k, x in t.items()}
-                            for v, t in versions.items()}
+    self.state.restore(fragments, history)
     self.rounds = rounds
     decay = self.policy.ema_decay
     state = durable_state.typed(state)  # read from a file: every field typed first
@@ -544,11 +383,8 @@ class Syncer:
     self._step_ema = {m: policy.Ema(decay, v) for m, v in state["step_ema"].items()}
     self.ledger = ledger_lib.DeliveryLedger()
     self.ledger.absorb(state["ledger"])
-    self._quorum_ema = policy.Ema(decay, state.get("quorum_ema"))
-    self._sync_ema = policy.Ema(decay, state.get("sync_ema"))
-    self._lead_ema = policy.Ema(decay, state.get("lead_ema"))
-    self.rejections = collections.Counter(state.get("rejections", {}))
-    self._norms = {p: self._measure(p) for p in self.owned}
+    self.timing.restore(state, decay)
+    self.rejected.counts = collections.Counter(state.get("rejections", {}))
     self.last_quorum = int(state.get("last_quorum", 0))
     self.last_grace = float(state.get("last_grace", 0.0))
 
