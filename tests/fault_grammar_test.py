@@ -1,4 +1,4 @@
-"""One fault grammar for both runtimes (`diloco.fault_grammar`): every event either runtime
+"""One fault grammar for both runtimes (`diloco.config.fault_grammar`): every event either runtime
 takes round-trips through its text, and each runtime refuses the other's own verbs and the
 old spellings with a one-line error naming its field."""
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco import fault_grammar
+from diloco.config import fault_grammar
 from diloco.config.run_config import ConfigError
 from diloco.distributed import chaos
 from diloco.runtime import faults

@@ -131,8 +131,8 @@ def test_modules_are_imported_normally():
 # The layers of the package, lowest first; a unit is a top-level module or a folder of `diloco`.
 # A module may import its own layer's units (without a cycle between folders) and the layers
 # below, never one above, deferred imports included. Why each layer sits where it does:
-# - the vocabulary (errors, config rules, fragments, deliveries, receipt modes, transport
-#   messages) is imported by all and imports nothing of the package but itself;
+# - the vocabulary (errors, config rules, fragments, deliveries, transport messages and the
+#   receipt modes) is imported by all and imports nothing of the package but itself;
 # - `outer` (the syncer's NumPy math) and `model` need only the vocabulary;
 # - `train` (the substrate: mesh, state, step, optimiser, data) builds on the model, and
 #   `observe` (metrics, trackers, accounting) on nothing above the vocabulary;
@@ -145,7 +145,7 @@ def test_modules_are_imported_normally():
 # - the runtimes (`runtime`, `distributed`, `deploy`) put learners and syncers together from a
 #   Config; `cli` (and the `main`/`__main__` entry points) parse flags and call them.
 LAYERS = (
-    {"errors", "settings", "fragments", "delivery", "receipt", "transport"},
+    {"errors", "settings", "fragments", "delivery", "transport"},
     {"outer", "model"},
     {"train", "observe"},
     {"sync", "artifacts"},

@@ -1,6 +1,6 @@
 """The real fault schedule of the multi-process launcher (`launch.chaos`, `launch.chaos_faults`).
 
-The grammar is `diloco.fault_grammar`'s; this runtime takes
+The grammar is `diloco.config.fault_grammar`'s; this runtime takes
   kill:M@T       SIGKILL learner M at T seconds (the launcher restarts it after a backoff, so
                  no +D: the backoff is the return delay);
   stop:M@T+D     SIGSTOP learner M at T, SIGCONT D seconds later (a hang, then a straggler);
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diloco import fault_grammar
+from diloco.config import fault_grammar
 from diloco.config.run_config import ConfigError
 
 RUNTIME = fault_grammar.Runtime(field="launch.chaos",

@@ -143,7 +143,7 @@ class Learner:
 
   def _apply(self, merged: Merged, mode: str | None = None) -> None:
     """Takes merged fragment p by the receipt `mode` (default `sync.receipt`; the modes are
-    defined in `diloco/receipt.py`)."""
+    defined beside `Merged` in `diloco/transport.py`)."""
     mode = mode or self.cfg.sync.receipt
     p = merged.fragment
     flat = fragments_lib.flatten_tree(self.state["params"])

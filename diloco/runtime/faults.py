@@ -1,6 +1,6 @@
 """The cooperative fault schedule of the single-controller runtime (`learners.faults`).
 
-The grammar is `diloco.fault_grammar`'s; this runtime takes
+The grammar is `diloco.config.fault_grammar`'s; this runtime takes
   kill:M@T+D   learner M fails at time T and comes back (new incarnation) after D seconds;
                without +D it comes back at once (D = 0);
   add@T        the next spare device group joins as a new learner at time T;
@@ -12,7 +12,7 @@ M is a learner id. Times are seconds on the run clock (virtual or wall).
 
 from __future__ import annotations
 
-from diloco import fault_grammar
+from diloco.config import fault_grammar
 
 RUNTIME = fault_grammar.Runtime(field="learners.faults", verbs=("kill", "add", "retire", "nan"),
                                 any_target=False, return_delay=True)

@@ -16,8 +16,8 @@ import numpy as np
 
 from diloco import fragments as fragments_lib
 from diloco import outer
-from diloco.config.run_config import OuterConfig
 from diloco.delivery import Delivery
+from diloco.outer.merge import OuterConfig
 from diloco.sync import intake
 
 

@@ -44,7 +44,7 @@ from collections.abc import Iterable, Sequence
 
 from diloco import fragments, settings as config_rules
 from diloco.delivery import Delivery
-from diloco.receipt import RECEIPT_MODES
+from diloco.transport import RECEIPT_MODES
 from diloco.settings import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, OneOf, frozen, require, setting
 
 # Reasons returned by `check_delivery` for rejected deliveries (stable strings, used as counter
