@@ -154,10 +154,6 @@ LAYERS = (
     {"runtime", "distributed", "deploy"},
     {"cli", "main", "__main__"},
 )
-# Known upward imports still to remove: `train.init_from` on a multi-process run's store reads
-# G through the store (artifacts -> distributed, a deferred import in `export.read_params`).
-KNOWN_UPWARD = {("diloco.artifacts.export", "diloco.distributed.global_view"),
-                ("diloco.artifacts.export", "diloco.distributed.store")}
 
 
 def _unit(module):
@@ -182,7 +178,7 @@ def test_no_import_runs_upward():
   upward = []
   for module, deps in sorted(_module_graph().items()):
     for dep in sorted(deps):
-      if dep == "diloco" or module == "diloco" or (module, dep) in KNOWN_UPWARD:
+      if dep == "diloco" or module == "diloco":
         continue
       if layer[_unit(dep)] > layer[_unit(module)]:
         upward.append(f"{module} -> {dep}")
@@ -201,7 +197,7 @@ def test_no_cycles_between_folders():
   edges = {}
   for module, deps in _module_graph().items():
     for dep in deps:
-      if (module, dep) not in KNOWN_UPWARD and _unit(dep) != _unit(module):
+      if _unit(dep) != _unit(module):
         edges.setdefault(_unit(module), set()).add(_unit(dep))
   state = {}
 

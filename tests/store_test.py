@@ -21,6 +21,7 @@ from diloco.outer.merge import OuterConfig
 from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import chaos
+from diloco.distributed import global_view
 from diloco.distributed import store as store_lib
 from diloco.distributed import syncer_process
 from diloco.distributed import wan
@@ -586,9 +587,11 @@ def test_init_from_a_store_assembles_g_from_every_shards_newest_version(tmp_path
   for version in (1, 2):
     stores[owner[0]].merged.put(_merged(0, version, seed=version), momentum, {"round": None})
   assert export.store_shards(root) == num_shards
-  params, source = export.read_params(root)
+  params, source = export.read_params(root, read_store=global_view.read_store)
   flat = fragments.flatten_tree(params)
   want = {k: _params(2 if k in PLAN.fragments[0] else 0)[k] for k in SHAPES}
   assert flat.keys() == want.keys() and all(np.array_equal(flat[k], want[k]) for k in want)
   assert f"{num_shards} syncer shard(s)" in source and "0:v2" in source
   assert export.store_shards(str(tmp_path)) == 0  # not a store
+  with pytest.raises(ConfigError, match=r"^train.init_from: .* is a multi-process run's store"):
+    export.read_params(root)  # without the runtime's reader: one line, nothing read

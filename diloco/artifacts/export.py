@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,6 +52,11 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_FORMAT = "diloco-safetensors/1"
 # Read by a `tokenizer.json` for its special tokens (`diloco.train.tokenizers`): copied along.
 _TOKENIZER_COMPANIONS = ("tokenizer_config.json",)
+
+
+# (store path, its number of syncer shards) -> (flat global parameters, {fragment: version}):
+# how a runtime that knows the multi-process store lets `train.init_from` name one.
+StoreReader = Callable[[str, int], tuple[dict[str, np.ndarray], dict[int, int]]]
 
 
 def save(workdir: str, params: PyTree, cfg, *, step: int, runtime: str,
@@ -271,9 +277,11 @@ def store_shards(path: str) -> int:
   return count
 
 
-def read_params(path: str, what: str = "train.init_from") -> tuple[PyTree, str]:
+def read_params(path: str, what: str = "train.init_from",
+                read_store: StoreReader | None = None) -> tuple[PyTree, str]:
   """(NumPy parameters, a description of their source) of an export, of a multi-process run's
-  store (G from every syncer shard's newest committed versions), or of a train-state or
+  store (G from every syncer shard's newest committed versions, read by `read_store`: the
+  store belongs to the multi-process runtime, above this layer), or of a train-state or
   durable-run checkpoint (a step directory, or the newest step under WORKDIR/[run_]checkpoints).
   Errors name the flag or field `what`."""
   if not path or not os.path.exists(path):
@@ -281,8 +289,10 @@ def read_params(path: str, what: str = "train.init_from") -> tuple[PyTree, str]:
   path = os.path.abspath(path)  # Orbax reads a relative checkpoint path's metadata wrongly
   shards = store_shards(path)
   if shards:  # a multi-process run's store: G assembled from every shard's newest versions
-    from diloco.distributed import global_view, store as store_lib  # pylint: disable=import-outside-toplevel
-    flat, index = global_view.read_global(store_lib.shard_stores(path, shards))
+    if read_store is None:
+      raise ConfigError(f"{what}: {path!r} is a multi-process run's store; give an export or "
+                        "a checkpoint here")
+    flat, index = read_store(path, shards)
     versions = ", ".join(f"{p}:v{v}" for p, v in sorted(index.items()))
     return (fragments_lib.unflatten_tree(flat),
             f"store {path} ({shards} syncer shard(s); fragment versions {versions})")
@@ -305,10 +315,11 @@ def read_params(path: str, what: str = "train.init_from") -> tuple[PyTree, str]:
   return jax.tree.map(np.asarray, params), f"{kind} {item}"
 
 
-def load_init(path: str, abstract: PyTree) -> PyTree:
+def load_init(path: str, abstract: PyTree, read_store: StoreReader | None = None) -> PyTree:
   """NumPy parameters for `train.init_from=path`, checked against `abstract` and cast to its
-  dtypes: an export, or the parameters of a train-state or durable-run checkpoint."""
-  params, source = read_params(path)
+  dtypes: an export, a multi-process run's store (through `read_store`), or the parameters of a
+  train-state or durable-run checkpoint."""
+  params, source = read_params(path, read_store=read_store)
   check_shapes(params, abstract, source)
   dtypes = {k: v.dtype for k, v in fragments_lib.flatten_tree(abstract).items()}
   flat = {k: np.asarray(v, dtypes[k]) for k, v in fragments_lib.flatten_tree(params).items()}

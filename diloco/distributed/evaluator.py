@@ -37,7 +37,7 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config
-from diloco.distributed.global_view import read_global, stopped
+from diloco.distributed.global_view import read_global, read_store, stopped
 from diloco.distributed.store import Store, global_index, shard_stores
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
@@ -161,7 +161,8 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   try:
     if not restarted:  # version 0, as the syncer seeds it (merges may be published already)
       with jax.set_mesh(spec.mesh):
-        start = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"])
+        start = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"],
+                               read_store)
       evaluator.evaluate(start, 0, clock(), 0)
     while not all(s.merged.index() for s in stores):  # each shard publishes its version 0s
       time.sleep(_POLL_S)

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from diloco.distributed import store as store_lib
 from diloco.distributed.store import Store
 
 # A version named by the index can be collected before it is read: read a fresh index.
@@ -47,6 +48,12 @@ def read_global(stores: Store | list[Store], *, with_rounds: bool = False, paths
   raise RuntimeError(f"could not read the published versions in "
                      f"{stores[0].base} ({error!r})") from error
 
+
+
+def read_store(path: str, shards: int) -> tuple[dict[str, np.ndarray], dict[int, int]]:
+  """G of the store at `path` with `shards` syncer shards, for `train.init_from` on a store
+  (`artifacts.export.StoreReader`)."""
+  return read_global(store_lib.shard_stores(path, shards))
 
 def _registry(store: Store) -> dict:
   try:

@@ -206,7 +206,8 @@ def _boot(cfg: Config, store: Store, lease: Lease, clock) -> _Boot:
   plan = fragment_plan(cfg, spec)
   with jax.set_mesh(spec.mesh):
     # train.init_from seeds G; a recovered store replaces it (`recover`).
-    global_params = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"])
+    global_params = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"],
+                                   global_view.read_store)
   records: list[dict] = []
   syncer = _make_syncer(cfg, plan, global_params, records)
   recovered, merged_keys, committed = recover(store, syncer, plan.num_fragments,

@@ -68,12 +68,13 @@ def fragment_plan(cfg: LearnerConfig, spec: train_state.StateSpec) -> fragments_
 
 
 def initial_global(init_fn, seed: int, cfg: LearnerConfig | None = None,
-                   abstract_params=None) -> dict[str, np.ndarray]:
+                   abstract_params=None, read_store=None) -> dict[str, np.ndarray]:
   """The global parameters at version 0, flattened: learner init with the run's seed, or the
-  parameters of `cfg.train.init_from` (shape-checked against `abstract_params`)."""
+  parameters of `cfg.train.init_from` (shape-checked against `abstract_params`; a store is read
+  by `read_store`, an `export.StoreReader` the runtime passes)."""
   if cfg is not None and cfg.train.init_from:
     from diloco.artifacts import export  # pylint: disable=import-outside-toplevel
-    params = export.load_init(cfg.train.init_from, abstract_params)
+    params = export.load_init(cfg.train.init_from, abstract_params, read_store)
     return {k: np.asarray(v) for k, v in fragments_lib.flatten_tree(params).items()}
   init = init_fn(jax.random.key(seed))
   return {k: np.asarray(v) for k, v in

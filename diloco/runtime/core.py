@@ -29,6 +29,7 @@ from diloco import fragments as fragments_lib
 from diloco.sync import intake
 from diloco.learner import loop as learner_loop
 from diloco.config.run_config import Config
+from diloco.distributed import global_view
 from diloco.errors import ConfigError
 from diloco.learner.learner import Learner, Resume
 from diloco.runtime import faults as faults_lib
@@ -187,7 +188,8 @@ class Runtime:
     # train.init_from seeds G; a resumed run's checkpoint replaces it (checkpoint.restore).
     global_params = island.initial_global(self.slots[0].init_fn, cfg.seed,
                                           None if resume else cfg,
-                                          self.slots[0].spec.abstract["params"])
+                                          self.slots[0].spec.abstract["params"],
+                                          global_view.read_store)
     self.recorder = Recorder(workdir, append=resume)
     delay = cfg.learners.virtual_sync_s if cfg.learners.virtual_clock else None
     # `sync.shards` policy instances, each merging its own fragments (docs/design.md 3.1).

@@ -20,6 +20,7 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config, check_in_process_eval
+from diloco.distributed import global_view
 from diloco.errors import ConfigError
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
@@ -92,7 +93,7 @@ def _restore_or_create(cfg: Config, spec, ckpt, data_iter, identity: dict):
   state = train_state.create(cfg.model, spec, jax.random.key(cfg.seed))
   if cfg.train.init_from:
     state = dict(state, params=_device_params(export.load_init(
-        cfg.train.init_from, spec.abstract["params"]), spec))
+        cfg.train.init_from, spec.abstract["params"], global_view.read_store), spec))
   return state
 
 
