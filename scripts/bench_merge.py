@@ -26,10 +26,10 @@ import numpy as np
 from absl import app, flags
 
 from diloco import fragments, outer
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.outer import kernels
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.sync.syncer import Syncer
 from diloco.transport import Heartbeat
 

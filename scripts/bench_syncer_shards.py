@@ -43,14 +43,13 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from diloco.config import run_config as config_lib
 from diloco import fragments
-from diloco.sync import ownership as syncer_shards
+from diloco.config import run_config as config_lib
 from diloco.delivery import Delivery
+from diloco.distributed import learner_registry, store_names
 from diloco.distributed import store as store_lib
-from diloco.distributed import learner_registry
-from diloco.distributed import store_names
 from diloco.distributed.launch_report import param_shapes
+from diloco.sync import ownership as syncer_shards
 
 flags.DEFINE_string("config", "configs/multiprocess.py:cpu", "The run config (model shapes).")
 flags.DEFINE_integer("learners", 8, "Learners delivering every fragment each round (M = K).")

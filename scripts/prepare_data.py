@@ -34,9 +34,10 @@ from absl import app, flags, logging
 
 from diloco.config.run_config import validate_data
 from diloco.errors import ConfigError
-from diloco.train.data import DATA_SOURCES, DataConfig
-from diloco.train import corpus, array_records as shards, tokenizers
+from diloco.train import array_records as shards
+from diloco.train import corpus, tokenizers
 from diloco.train import data as data_lib
+from diloco.train.data import DATA_SOURCES, DataConfig
 
 _OUT = flags.DEFINE_string("out", None, "Output directory (created).")
 _SOURCE = flags.DEFINE_enum("source", "stdlib", [s for s in DATA_SOURCES if s != "array_record"],

@@ -13,8 +13,10 @@ import time
 
 import pytest
 
-from diloco.cli import commands as cli, interrupt, preflight
-from diloco.config import files as config_files, run_config as config_lib
+from diloco.cli import commands as cli
+from diloco.cli import interrupt, preflight
+from diloco.config import files as config_files
+from diloco.config import run_config as config_lib
 from diloco.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,8 +11,8 @@ import pytest
 from configs import diloco, dp, multiprocess, streaming
 from diloco.cli import config_flags as config_cli
 from diloco.config import run_config as config_lib
-from diloco.sync import policy
 from diloco.errors import ConfigError
+from diloco.sync import policy
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 

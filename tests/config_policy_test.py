@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.config import run_config as config_lib
 from diloco import settings as config_rules
-from diloco.sync import policy
+from diloco.config import run_config as config_lib
 from diloco.errors import ConfigError
+from diloco.sync import policy
 from diloco.sync.policy import SyncConfig
 
 

@@ -14,15 +14,15 @@ import object_store
 import pytest
 
 from diloco import fragments
-from diloco.sync import syncer as syncer_lib
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
 from diloco.distributed.entry_check import StoreError
 from diloco.distributed.store import Store
 from diloco.distributed.store_names import WRITE_FAILED
 from diloco.distributed.store_transport import LearnerStoreLink
+from diloco.outer.merge import OuterConfig
+from diloco.sync import syncer as syncer_lib
+from diloco.sync.policy import SyncConfig
 from diloco.transport import Heartbeat, Merged
 
 SHAPES = {"a": (16, 8), "b": (8,)}

@@ -15,8 +15,8 @@ import object_store
 import pytest
 from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 
-from diloco.distributed.lease import Lease, LeaseHeld, LeaseLost
 from diloco.distributed.entry_check import StoreError
+from diloco.distributed.lease import Lease, LeaseHeld, LeaseLost
 from diloco.distributed.store import Store
 from diloco.distributed.store_names import CONFLICT
 from diloco.transport import Merged

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
+from diloco.delivery import Delivery
 from diloco.sync import policy
 from diloco.sync.policy import SyncConfig
-from diloco.delivery import Delivery
 
 CFG = policy.PolicyConfig(quorum=1, tau=2, gamma=0.8, heartbeat_timeout_s=10.0, max_staleness=2)
 

@@ -8,13 +8,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from diloco.errors import ConfigError
-from diloco.train.mesh import MeshConfig
-from diloco.train.optim import OptimConfig
 from diloco.model import presets as model_presets
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state
+from diloco.train.mesh import MeshConfig
+from diloco.train.optim import OptimConfig
 
 
 @pytest.fixture

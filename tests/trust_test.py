@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 
 from diloco import fragments
-from diloco.sync import intake, policy
-from diloco.sync import syncer as syncer_lib
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
-from diloco.distributed.lease import Lease, LeaseHeld
 from diloco.distributed.entry_check import StoreError
+from diloco.distributed.lease import Lease, LeaseHeld
 from diloco.distributed.store import Store
 from diloco.distributed.store_names import NON_FINITE
 from diloco.distributed.store_transport import LearnerStoreLink
 from diloco.distributed.syncer_link import SyncerStoreLink
+from diloco.outer.merge import OuterConfig
+from diloco.sync import intake, policy
+from diloco.sync import syncer as syncer_lib
+from diloco.sync.policy import SyncConfig
 from diloco.transport import Heartbeat, Merged
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}

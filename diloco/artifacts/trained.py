@@ -17,9 +17,9 @@ from typing import Any
 from flax import nnx
 
 from diloco import fragments as fragments_lib
+from diloco.artifacts import export
 from diloco.errors import ConfigError
 from diloco.model.config import ModelConfig
-from diloco.artifacts import export
 from diloco.train import tokenizers
 
 

@@ -32,8 +32,8 @@ def help_text() -> str:
   """The subcommands, then the training flags (the `diloco.main` module's own)."""
   from absl import flags  # pylint: disable=import-outside-toplevel
 
-  from diloco.config import files as config_files  # pylint: disable=import-outside-toplevel
   from diloco.cli import train  # pylint: disable=import-outside-toplevel
+  from diloco.config import files as config_files  # pylint: disable=import-outside-toplevel
   width = max(map(len, SUBCOMMANDS))
   lines = ["usage: diloco [SUBCOMMAND] [FLAGS]", "", "subcommands:"]
   lines += [f"  {name:<{width}}  {about}" for name, (_, about) in SUBCOMMANDS.items()]

@@ -20,7 +20,8 @@ from typing import Any
 
 import ml_collections
 
-from diloco.config import files as config_files, run_config as config_lib
+from diloco.config import files as config_files
+from diloco.config import run_config as config_lib
 
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=\s]+)")
 _SPEC = re.compile(r"^--?config(?:=(.*))?$")

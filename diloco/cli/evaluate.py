@@ -26,13 +26,12 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
+from diloco.artifacts import export, trained
 from diloco.cli import command
-from diloco.artifacts import trained
-from diloco.train.data import DATA_SOURCES, DataConfig
 from diloco.errors import ConfigError
 from diloco.train import data as data_lib
-from diloco.artifacts import export
 from diloco.train import storage
+from diloco.train.data import DATA_SOURCES, DataConfig
 from diloco.train.step import chunked_token_losses, token_losses
 
 FLAGS = flags.FlagValues()

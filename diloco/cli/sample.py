@@ -18,8 +18,8 @@ import time
 import numpy as np
 from absl import flags
 
-from diloco.cli import command
 from diloco.artifacts import trained
+from diloco.cli import command
 from diloco.errors import ConfigError
 from diloco.model import decode
 

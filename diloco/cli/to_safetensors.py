@@ -12,12 +12,11 @@ Flags: --workdir (a run or an export folder).
 
 from __future__ import annotations
 
-
 from absl import flags
 
+from diloco.artifacts import export
 from diloco.cli import command
 from diloco.errors import ConfigError
-from diloco.artifacts import export
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("workdir", None, "The run's workdir, or an export folder.", flag_values=FLAGS)

@@ -26,7 +26,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from diloco.cli import config_flags as config_cli, interrupt, preflight
+from diloco.cli import config_flags as config_cli
+from diloco.cli import interrupt, preflight
 from diloco.config import run_config as config_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -75,8 +76,8 @@ def _load_config() -> config_lib.Config:
 def _run(cfg: config_lib.Config, workdir: str):
   role = _ROLE.value
   if role == "train":
-    from diloco.runtime import decoupled
     from diloco.runtime import data_parallel as train  # pylint: disable=import-outside-toplevel
+    from diloco.runtime import decoupled
     return (decoupled.run if cfg.learners.count else train.run)(cfg, workdir)
   if cfg.learners.count < 1:
     raise config_lib.ConfigError(f"--role={role} needs learners.count >= 1")

@@ -23,8 +23,8 @@ from typing import Any
 
 from etils import epath
 
-from diloco.sync import intake
 from diloco import outer
+from diloco.sync import intake
 
 UNREADABLE = "unreadable"
 BAD_COUNTERS = "bad_counters"

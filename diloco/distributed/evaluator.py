@@ -39,6 +39,7 @@ from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config
 from diloco.distributed.global_view import read_global, read_store, stopped
 from diloco.distributed.store import Store, global_index, shard_stores
+from diloco.learner.island import initial_global
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.train import data as data_lib
@@ -46,7 +47,6 @@ from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step
-from diloco.learner.island import initial_global
 
 # How often the evaluator process looks at the store's heartbeats and registry.
 _POLL_S = 0.5

@@ -17,9 +17,8 @@ import numpy as np
 from diloco.config.run_config import Config
 from diloco.distributed.store import Store
 from diloco.distributed.supervision import Proc
-from diloco.observe import accounting
+from diloco.observe import accounting, report
 from diloco.observe import metrics as metrics_lib
-from diloco.observe import report
 
 
 def status_line(procs: dict[int, Proc], beats: dict[int, dict], syncers: list[Proc],
@@ -106,8 +105,9 @@ def merged_tape(workdir: str, shards: int) -> list[dict]:
 
 def param_shapes(cfg: Config) -> dict:
   """The model's parameter shapes by path, from its abstract state (no arrays)."""
+  import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
+
   from diloco import fragments as fragments_lib  # pylint: disable=import-outside-toplevel
   from diloco.train import state as train_state  # pylint: disable=import-outside-toplevel
-  import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
   _, state = train_state.abstract_params(cfg.model)
   return {k: v.shape for k, v in fragments_lib.flatten_tree(nnx.to_pure_dict(state)).items()}

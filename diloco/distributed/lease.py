@@ -46,9 +46,9 @@ from collections.abc import Callable
 
 from absl import logging
 
-from diloco.sync import intake
 from diloco.distributed.entry_check import StoreError
 from diloco.distributed.store import Store
+from diloco.sync import intake
 
 # A generation of any length (canonical ASCII digits, matched whole); 240 digits keep a
 # record's name within a file system's 255 bytes.

@@ -31,11 +31,11 @@ from diloco.model.sharding import batch_sharding
 from diloco.outer.merge import OuterConfig
 from diloco.sync.policy import SyncConfig
 from diloco.train import data as data_lib
+from diloco.train import optim
+from diloco.train import state as train_state
 from diloco.train.data import DataConfig
 from diloco.train.mesh import MeshConfig
 from diloco.train.optim import OptimConfig
-from diloco.train import optim
-from diloco.train import state as train_state
 from diloco.transport import Heartbeat, LearnerTransport, Merged
 
 

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 from absl import logging
 
 from diloco import settings as config_rules
-from diloco.settings import POSITIVE, OneOf, frozen, require, setting
 from diloco.errors import ConfigError
+from diloco.settings import POSITIVE, OneOf, frozen, require, setting
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_MODES = ("offline", "online", "disabled")

@@ -19,16 +19,15 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
+from diloco.artifacts import export
 from diloco.config.run_config import Config, check_in_process_eval
 from diloco.distributed import global_view
 from diloco.errors import ConfigError
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
-from diloco.observe import report
-from diloco.observe import tracking
+from diloco.observe import report, tracking
 from diloco.train import checkpoint as checkpoint_lib
 from diloco.train import data as data_lib
-from diloco.artifacts import export
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state

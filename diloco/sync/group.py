@@ -24,10 +24,11 @@ from typing import Any
 import numpy as np
 
 from diloco import fragments as fragments_lib
-from diloco.sync import intake, ownership as syncer_shards
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
 from diloco.errors import ConfigError
+from diloco.outer.merge import OuterConfig
+from diloco.sync import intake
+from diloco.sync import ownership as syncer_shards
+from diloco.sync.policy import SyncConfig
 from diloco.sync.syncer import Syncer
 from diloco.transport import Merged
 

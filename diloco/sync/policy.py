@@ -42,10 +42,11 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
-from diloco import fragments, settings as config_rules
+from diloco import fragments
+from diloco import settings as config_rules
 from diloco.delivery import Delivery
-from diloco.transport import RECEIPT_MODES
 from diloco.settings import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, OneOf, frozen, require, setting
+from diloco.transport import RECEIPT_MODES
 
 # Reasons returned by `check_delivery` for rejected deliveries (stable strings, used as counter
 # names by the syncer and the simulator).

@@ -21,11 +21,11 @@ import numpy as np
 
 from diloco import fragments as fragments_lib
 from diloco import outer
+from diloco.delivery import Delivery
+from diloco.outer.merge import OuterConfig
 from diloco.sync import durable_state, intake, outer_state, policy, rejections, round_timing
 from diloco.sync import ledger as ledger_lib
-from diloco.outer.merge import OuterConfig
 from diloco.sync.policy import SyncConfig
-from diloco.delivery import Delivery
 from diloco.transport import Heartbeat, Merged
 
 _is_duration = intake.is_duration
