@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from scipy import integrate
 
+from diloco.errors import ConfigError
 from diloco.sim import analytic, bandwidth, engine, params
+from diloco.sync.policy import SyncConfig
 
 NO_FAILURES = params.FailureModel(mtbi_years=float("inf"))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +52,8 @@ def test_closed_form_of_calibrated_model_matches_simulation():
 def test_independent_learners_keep_the_global_model_up():
   single = _run(mode="dp", chips=1_200_000, learners=1, days=3)
   elastic = _run(mode="elastic", chips=1_200_000, learners=1, days=3)
-  decoupled = _run(mode="decoupled", chips=1_200_000, learners=8, quorum=1, days=3)
+  decoupled = _run(mode="decoupled", chips=1_200_000, learners=8, days=3,
+                   sync=SyncConfig(quorum=1))
   assert single.uptime < 0.35 and elastic.uptime < 0.65
   assert decoupled.uptime > 0.999
   assert decoupled.goodput > elastic.goodput > single.goodput
@@ -58,7 +61,7 @@ def test_independent_learners_keep_the_global_model_up():
 
 def test_equal_speeds_without_failures_k1_equals_km():
   kw = {"mode": "decoupled", "chips": 80_000, "learners": 4, "days": 1, "failures": NO_FAILURES}
-  k1, km = _run(quorum=1, **kw), _run(quorum=4, **kw)
+  k1, km = _run(sync=SyncConfig(quorum=1), **kw), _run(sync=SyncConfig(quorum=4), **kw)
   assert k1.goodput == pytest.approx(km.goodput, abs=1e-9)
   assert k1.goodput == pytest.approx(1.0, abs=1e-9)
 
@@ -75,8 +78,9 @@ def _expected_max_uniform(lows, highs):
 def test_heterogeneous_km_goodput_is_mean_over_expected_slowest():
   speeds, jitter = (1.0, 1.0, 1.18, 1.18), 0.1
   # tau = 0 and instant sync: with K = M every step waits for the slowest learner.
-  r = _run(mode="decoupled", chips=80_000, learners=4, quorum=4, grace=False, tau=0, sync_s=0.0,
-           speeds=speeds, step_jitter=jitter, window_steps=4000, days=1, failures=NO_FAILURES)
+  r = _run(mode="decoupled", chips=80_000, learners=4, sync=SyncConfig(quorum=4, tau=0),
+           grace=False, sync_s=0.0, speeds=speeds, step_jitter=jitter, window_steps=4000, days=1,
+           failures=NO_FAILURES)
   lows = [s * (1 - jitter) for s in speeds]
   highs = [s * (1 + jitter) for s in speeds]
   expected = np.mean(speeds) / _expected_max_uniform(lows, highs)
@@ -100,7 +104,8 @@ def test_syncer_policy_drives_rounds():
 
 def test_km_stalls_on_every_learner_pause():
   kw = {"mode": "decoupled", "chips": 600_000, "learners": 8, "days": 3}
-  assert _run(quorum=8, **kw).goodput < _run(quorum=1, **kw).goodput - 0.1
+  k8, k1 = _run(sync=SyncConfig(quorum=8), **kw), _run(sync=SyncConfig(quorum=1), **kw)
+  assert k8.goodput < k1.goodput - 0.1
 
 
 def test_schedule_adds_and_removes_learners():
@@ -115,8 +120,22 @@ def test_config_validation_names_the_field():
     params.SimConfig(mode="dp", learners=4)
   with pytest.raises(ValueError, match="step_jitter"):
     params.SimConfig(step_jitter=1.5)
-  with pytest.raises(ValueError, match="quorum"):
-    params.SimConfig(quorum=-1)
+  with pytest.raises(ConfigError, match="sync.quorum"):
+    params.SimConfig(sync=SyncConfig(quorum=-1))
+  # The group's rules across its fields apply too: a merge is applied tau steps after delivery.
+  with pytest.raises(ConfigError, match="sync.period"):
+    params.SimConfig(sync=SyncConfig(period=2, tau=2), window_steps=8)
+  with pytest.raises(ConfigError, match="sync.receipt"):
+    params.SimConfig(sync=SyncConfig(receipt="mix"))
+
+
+def test_cli_names_the_flag_of_a_bad_sync_value():
+  cmd = [sys.executable, "-m", "diloco.sim", "--mode=decoupled", "--inner_steps=2", "--tau=2"]
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+  assert out.returncode == 1
+  assert out.stderr.strip() == ("diloco.sim: error: --inner_steps (sync.period): must be greater "
+                                "than sync.tau=2 (docs/design.md 2.3), got 2")
 
 
 def test_same_seed_same_result():

@@ -47,7 +47,8 @@ def _make_run(workdir, cfg, seed=0, scale=1.0):
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f)
-  export.save(workdir, params, cfg, step=3, runtime="data_parallel")
+  export.save(workdir, params, model=cfg.model, data=cfg.data, seed=cfg.seed, step=3,
+              runtime="data_parallel")
   return params
 
 
@@ -258,7 +259,8 @@ def test_safetensors_hold_the_exported_tensors(run, tmp_path, capsys):
   want = fragments.flatten_tree(orbax)
   for folder in (os.path.join(workdir, "export"), None):
     if folder is None:  # the same files, written by the end-of-run export itself
-      folder = os.path.join(export.save(str(tmp_path / "again"), params, cfg, step=3,
+      folder = os.path.join(export.save(str(tmp_path / "again"), params, model=cfg.model,
+                                        data=cfg.data, seed=cfg.seed, step=3,
                                         runtime="data_parallel", safetensors=True))
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     assert sorted(tensors) == sorted(want)
@@ -272,7 +274,8 @@ def test_safetensors_hold_the_exported_tensors(run, tmp_path, capsys):
     assert (config["vocab_size"], config["tokenizer"]) == (384, "byte")
     assert config["tensors"]["embedder/embedding"] == {"shape": [384, 64], "dtype": "float32"}
   # An export written again without them drops the old copies, which would no longer match.
-  again = export.save(str(tmp_path / "again"), params, cfg, step=4, runtime="data_parallel")
+  again = export.save(str(tmp_path / "again"), params, model=cfg.model, data=cfg.data,
+                      seed=cfg.seed, step=4, runtime="data_parallel")
   assert sorted(os.listdir(again)) == ["export.json", "params"]
 
 

@@ -59,10 +59,14 @@ _TOKENIZER_COMPANIONS = ("tokenizer_config.json",)
 StoreReader = Callable[[str, int], tuple[dict[str, np.ndarray], dict[int, int]]]
 
 
-def save(workdir: str, params: PyTree, cfg, *, step: int, runtime: str,
+def save(workdir: str, params: PyTree, *, model, data, seed: int, step: int, runtime: str,
          extra: dict | None = None, safetensors: bool = False) -> str:
   """Writes `params` (nested dict of NumPy or jax arrays) to WORKDIR/export; returns its path.
-  `safetensors`: also write model.safetensors and config.json (`write_safetensors`)."""
+
+  The run's `model` group (ModelConfig) and seed are recorded, and its `data` group's tokenizer
+  copied beside the parameters. `safetensors`: also write model.safetensors and config.json
+  (`write_safetensors`).
+  """
   from orbax.checkpoint import v1 as ocp_v1  # pylint: disable=import-outside-toplevel
   path = os.path.join(os.path.abspath(workdir), EXPORT_DIR)
   os.makedirs(path, exist_ok=True)
@@ -70,11 +74,11 @@ def save(workdir: str, params: PyTree, cfg, *, step: int, runtime: str,
   if os.path.exists(meta_path):
     os.remove(meta_path)  # an export being replaced is incomplete until the new JSON lands
   flat = fragments_lib.flatten_tree(params)
-  tokenizer, tokenizer_source = _copy_tokenizer(cfg.data, path)
+  tokenizer, tokenizer_source = _copy_tokenizer(data, path)
   meta = {"format": FORMAT, "step": int(step), "runtime": runtime,
-          "model": dataclasses.asdict(cfg.model), "seed": cfg.seed,
+          "model": dataclasses.asdict(model), "seed": seed,
           "data": {"tokenizer": tokenizer, "tokenizer_source": tokenizer_source,
-                   "seq_len": cfg.data.seq_len},
+                   "seq_len": data.seq_len},
           "num_params": int(sum(np.prod(v.shape) for v in flat.values()))}
   meta.update(extra or {})
   ocp_v1.save(os.path.join(path, PARAMS_DIR), params, overwrite=True, custom_metadata=meta)

@@ -152,7 +152,7 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   stores = shard_stores(store_root, cfg.sync.shards)
   store = stores[0].shared
   spec, init_fn, eval_fn = model_on_first_device(cfg)
-  writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="evaluator")
+  writer = metrics_lib.open_writer(cfg.log, workdir, role="syncer", process="evaluator")
   evaluator = Evaluator(cfg, spec, eval_fn, writer, os.path.join(workdir, VERSIONS_FILE))
   restarted = evaluator.recall(workdir)
   origin = store.run.start() or time.time()

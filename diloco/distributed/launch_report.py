@@ -70,7 +70,7 @@ def finish(cfg: Config, workdir: str, procs: dict[int, Proc], syncers: list[Proc
       chaos_events=len(applied),
       chaos_applied=sum(r["applied"] for r in applied))
   # Into the syncer's TensorBoard run (WORKDIR/tensorboard/syncer), at the last eval's step.
-  writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="launcher")
+  writer = metrics_lib.open_writer(cfg.log, workdir, role="syncer", process="launcher")
   tape = merged_tape(workdir, cfg.sync.shards)
   try:
     summary = report.finish(

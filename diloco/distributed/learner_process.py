@@ -208,7 +208,7 @@ def _metric_writer(cfg: Config, records: str, hosts: hosts_lib.HostGroup, learne
     return metrics_lib.MetricWriter(records, role="learner", learner=learner.id)
   # A restarted learner redoes the steps after its checkpoint: TensorBoard hides the old ones.
   return metrics_lib.open_writer(
-      cfg, records, role="learner", learner=learner.id, process=f"learner_{learner.id}",
+      cfg.log, records, role="learner", learner=learner.id, process=f"learner_{learner.id}",
       purge_step=learner.local_step + 1 if learner.local_step else None)
 
 

@@ -258,7 +258,7 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
                          fresh_s=cfg.sync.heartbeat_timeout_s / 2)
   # A shard holds only its fragments: the global eval is the evaluator process's.
   writer = None if cfg.sync.shards > 1 else metrics_lib.open_writer(
-      cfg, workdir, role="syncer", process="syncer", log_config=True)
+      cfg.log, workdir, role="syncer", process="syncer", config=dataclasses.asdict(cfg))
   evaluator = _start_evaluator(cfg, workdir, boot, writer, clock)
   progress, next_eval = 0, cfg.train.eval_every if evaluator else 0
   tape = open(tape_path, "a", encoding="utf-8")
@@ -308,8 +308,9 @@ def _finish(cfg: Config, workdir: str, store: Store, syncer: Syncer, evaluator, 
     evaluator.join()  # after the last merge: nothing waits on it any more
     final = evaluator.final(syncer.global_params(), progress, clock(), syncer.rounds)
   if cfg.sync.shards == 1:
-    export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()), cfg,
-                step=progress, runtime="multiprocess",
+    export.save(workdir, fragments_lib.unflatten_tree(syncer.global_params()),
+                model=cfg.model, data=cfg.data, seed=cfg.seed, step=progress,
+                runtime="multiprocess",
                 extra={"outer/rounds": syncer.rounds, "eval/loss": final,
                        "fragment_versions": {str(p): v for p, v in enumerate(syncer.versions)}})
   else:
@@ -327,7 +328,8 @@ def _export_sharded(cfg: Config, workdir: str, root, progress: int, clock) -> No
   while not all(global_view.stopped(s) for s in stores):
     time.sleep(cfg.store.poll_s)  # the launcher restarts a shard that died meanwhile
   flat, index, rounds = global_view.read_global(stores, with_rounds=True)
-  export.save(workdir, fragments_lib.unflatten_tree(flat), cfg, step=progress,
+  export.save(workdir, fragments_lib.unflatten_tree(flat), model=cfg.model, data=cfg.data,
+              seed=cfg.seed, step=progress,
               runtime="multiprocess",
               extra={"outer/rounds": rounds, "eval/loss": None, "syncer_shards": cfg.sync.shards,
                      "fragment_versions": {str(p): v for p, v in sorted(index.items())}})

@@ -3,12 +3,12 @@ progress."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from absl import logging
 
@@ -171,16 +171,16 @@ class Progress:
     return line
 
 
-def open_writer(cfg, workdir: str, *, role: str, learner: int | None = None,
-                process: str | None = None, log_config: bool = False,
+def open_writer(log, workdir: str, *, role: str, learner: int | None = None,
+                process: str | None = None, config: Mapping[str, Any] | None = None,
                 purge_step: int | None = None) -> MetricWriter:
-  """A MetricWriter with the trackers `cfg.log` asks for (TensorBoard by default, wandb).
+  """A MetricWriter with the trackers `log` (the `log` group) asks for (TensorBoard by
+  default, wandb).
 
-  `process` names this process's wandb run (default: the writer's name); `log_config` logs
-  the resolved config as hyperparameters (one writer per run does).
+  `process` names this process's wandb run (default: the writer's name); `config`, the resolved
+  run config as a dict, is logged as hyperparameters (one writer per run gives it).
   """
   name = role if learner is None else f"{role}_{learner}"
-  config = dataclasses.asdict(cfg) if log_config else None
-  trackers = tracking.open_trackers(cfg.log, workdir, name, role=process or name, config=config,
+  trackers = tracking.open_trackers(log, workdir, name, role=process or name, config=config,
                                     purge_step=purge_step)
   return MetricWriter(workdir, role=role, learner=learner, trackers=trackers)

@@ -117,7 +117,7 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
   tokens_sharding = batch_sharding(mesh)
   eval_set = [jax.device_put(b, tokens_sharding) for b in data_lib.eval_batches(
       cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
-  writer = metrics_lib.open_writer(cfg, workdir, role="dp", log_config=True,
+  writer = metrics_lib.open_writer(cfg.log, workdir, role="dp", config=dataclasses.asdict(cfg),
                                    purge_step=start + 1 if start else None)
   progress = metrics_lib.Progress(total, cfg.log.progress_every_s, start_step=start)
   pending = None  # (step, device metrics) of the step dispatched last
@@ -167,7 +167,8 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
         "accounting/wall_s": elapsed, "accounting/steps": trained,
         "accounting/tokens_per_s": trained * cfg.train.batch_size * cfg.data.seq_len
         / max(elapsed, 1e-9)})
-    export.save(workdir, state["params"], cfg, step=total, runtime="data_parallel",
+    export.save(workdir, state["params"], model=cfg.model, data=cfg.data, seed=cfg.seed,
+                step=total, runtime="data_parallel",
                 extra={"eval/loss": last_eval.get("eval/loss", float("nan"))})
   finally:
     writer.close()

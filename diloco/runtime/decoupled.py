@@ -163,12 +163,13 @@ class _Session:
         cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
     # A resumed run hides the TensorBoard events written after its checkpoint (they are redone).
     resumed_at = max(s.resume.local_step for s in rt.slots) if snapshot is not None else 0
-    self.writer = metrics_lib.open_writer(cfg, workdir, role="syncer", process="decoupled",
-                                          log_config=True, purge_step=resumed_at or None)
+    self.writer = metrics_lib.open_writer(cfg.log, workdir, role="syncer", process="decoupled",
+                                          config=dataclasses.asdict(cfg),
+                                          purge_step=resumed_at or None)
     # Learners' train/* go to WORKDIR/tensorboard/learner_<m> from their own threads: a
     # tracker only enqueues (see diloco/observe/tracking.py).
     self.learner_writers = {s.index: metrics_lib.open_writer(
-        cfg, workdir, role="learner", learner=s.index, process="decoupled",
+        cfg.log, workdir, role="learner", learner=s.index, process="decoupled",
         purge_step=s.resume.local_step + 1 if s.resume.local_step else None) for s in rt.slots}
     self.status = Status(rt, cfg.log.progress_every_s)
     self.written: dict[int, int] = {}
@@ -274,7 +275,8 @@ class _Session:
       w.close()
 
   def export(self, final: float | None) -> None:
-    export.save(self.workdir, self.rt.global_params(), self.cfg, step=self.progress(),
+    export.save(self.workdir, self.rt.global_params(), model=self.cfg.model,
+                data=self.cfg.data, seed=self.cfg.seed, step=self.progress(),
                 runtime="decoupled", extra={"outer/rounds": self.rt.syncer.rounds,
                                             "eval/loss": final})
 

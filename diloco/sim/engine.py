@@ -309,7 +309,7 @@ class _Engine:
     n_step = self.n_step
     stepping = sum(n_step)
     alive = stepping + self.n_paused_alive
-    if not stepping or stepping < policy.required_quorum(self.cfg.quorum, alive):
+    if not stepping or stepping < policy.required_quorum(self.cfg.sync.quorum, alive):
       self.sig = None
       self.rate = self.prod_rate = self.merged_rate = 0.0
       return
@@ -331,9 +331,9 @@ class _Engine:
     cfg = self.cfg
     speeds = [speed for c, speed in enumerate(self.classes) for _ in range(sig[c])]
     window = rounds.sample_window(
-        speeds, config=self.policy, step_s=cfg.step_s, step_jitter=cfg.step_jitter,
-        sync_s=cfg.sync_s, fragments=cfg.fragments, inner_steps=cfg.inner_steps,
-        window_steps=cfg.window_steps, seed=hash((cfg.seed, sig)) & 0x7FFFFFFF)
+        speeds, sync=cfg.sync, config=self.policy, step_s=cfg.step_s,
+        step_jitter=cfg.step_jitter, sync_s=cfg.sync_s, window_steps=cfg.window_steps,
+        seed=hash((cfg.seed, sig)) & 0x7FFFFFFF)
     self.windows[sig] = window
     return window
 
@@ -353,7 +353,7 @@ class _Engine:
     hist = {s: c / total for s, c in sorted(stale_counts.items())} if total else {}
     cfg = self.cfg
     return SimResult(
-        mode=cfg.mode, chips=cfg.chips, learners=cfg.learners, quorum=cfg.quorum,
+        mode=cfg.mode, chips=cfg.chips, learners=cfg.learners, quorum=cfg.sync.quorum,
         grace=cfg.grace, days=cfg.days, seed=cfg.seed,
         goodput=self.useful / self.allocated if self.allocated else 0.0,
         uptime=self.uptime / end,

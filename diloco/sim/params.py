@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from diloco.settings import frozen
+from diloco.errors import ConfigError
+from diloco.settings import check_fields, frozen, require
 from diloco.sync import policy
 from diloco.sync.policy import SyncConfig
 
 YEAR_S = 365.0 * 86400.0
 DAY_S = 86400.0
 MODES = ("dp", "elastic", "decoupled")
-# The config's sync group: the policy and schedule defaults of a simulated run are a real run's.
-_SYNC = SyncConfig()
 
 
 def _require(ok: bool, owner: str, field: str, value: object, allowed: str) -> None:
   if not ok:
-    raise ValueError(f"{owner}.{field} = {value!r}; allowed: {allowed}")
+    raise ConfigError(f"{owner}.{field} = {value!r}; allowed: {allowed}")
 
 
 @frozen
@@ -66,11 +65,13 @@ class SimConfig:
     learners: M, Decoupled learners, each an elastic job of chips / M (1 for dp and elastic).
     days: simulated wall time.
     seed: seeds failures, step jitter and sampled rounds.
-    quorum: K of the syncer (capped by the number of alive learners; 0 = all of them).
-    grace: use the adaptive grace window (gamma below) or not (gamma = 0).
-    gamma, tau, heartbeat_timeout_s, max_staleness: the syncer policy (`diloco.sync.policy`); these
-      and P, H default to the config's `sync` group (`diloco.sync.policy.SyncConfig`).
-    fragments, inner_steps: P and H; fragment p is due every H steps at offset p * H // P.
+    sync: the run's `sync` group, checked by its own rules: the policy the syncer runs
+      (quorum K, gamma, tau, heartbeat timeout, staleness bound) and the schedule, P =
+      `num_fragments` fragments, fragment p due every H = `period` steps at offset p * H // P.
+      The simulator models the "overwrite" receipt with `block_on_late_round`; it does not
+      read the group's other fields (scheme, moments, send queue, shards).
+    grace: use the adaptive grace window (`sync.gamma`) or not (gamma = 0): the simulator's
+      switch to compare a policy with and without it (the group has no such switch).
     speeds: per-learner step-time factors (cycled if shorter than the number of learners).
     step_jitter: per-step variation; a step takes `step_s * factor * U(1 - j, 1 + j)`.
     step_s: nominal inner-step time in seconds.
@@ -84,14 +85,8 @@ class SimConfig:
   learners: int = 8
   days: float = 30.0
   seed: int = 0
-  quorum: int = _SYNC.quorum
+  sync: SyncConfig = SyncConfig()
   grace: bool = True
-  gamma: float = _SYNC.gamma
-  tau: int = _SYNC.tau
-  heartbeat_timeout_s: float = _SYNC.heartbeat_timeout_s
-  max_staleness: int = _SYNC.max_staleness
-  fragments: int = _SYNC.num_fragments
-  inner_steps: int = _SYNC.period
   speeds: tuple[float, ...] = ()
   step_jitter: float = 0.0
   step_s: float = 1.0
@@ -108,23 +103,26 @@ class SimConfig:
     _require(self.mode == "decoupled" or self.learners == 1, own, "learners", self.learners,
              "1 unless mode is decoupled")
     _require(self.days > 0, own, "days", self.days, "a number > 0")
-    _require(self.fragments >= 1, own, "fragments", self.fragments, "an integer >= 1")
-    _require(self.inner_steps >= 1, own, "inner_steps", self.inner_steps, "an integer >= 1")
+    check_fields("sync", self.sync)
+    self.sync.check()
+    require(self.sync.receipt == "overwrite", "sync.receipt",
+            f"the simulator models 'overwrite' only, got {self.sync.receipt!r}")
+    require(self.sync.block_on_late_round, "sync.block_on_late_round",
+            "the simulator models learners that wait for a late round, got False")
     _require(all(s > 0 for s in self.speeds), own, "speeds", self.speeds, "factors > 0")
     _require(0 <= self.step_jitter < 1, own, "step_jitter", self.step_jitter, "[0, 1)")
     _require(self.step_s > 0, own, "step_s", self.step_s, "a number > 0")
     _require(self.sync_s >= 0, own, "sync_s", self.sync_s, "a number >= 0")
-    _require(self.window_steps >= 4 * self.inner_steps, own, "window_steps", self.window_steps,
-             f">= 4 * inner_steps = {4 * self.inner_steps}")
+    _require(self.window_steps >= 4 * self.sync.period, own, "window_steps", self.window_steps,
+             f">= 4 * sync.period = {4 * self.sync.period}")
     _require(self.mode == "decoupled" or not self.schedule, own, "schedule", self.schedule,
              "empty unless mode is decoupled")
     _require(all(day >= 0 and delta != 0 for day, delta in self.schedule), own, "schedule",
              self.schedule, "(day >= 0, delta != 0) pairs")
-    self.policy_config()  # Validates quorum, tau, gamma, heartbeat and staleness settings.
 
   def policy_config(self) -> policy.PolicyConfig:
     """The syncer policy this run drives (gamma = 0 when the grace window is off)."""
-    return policy.PolicyConfig.from_config(self, gamma=self.gamma if self.grace else 0.0)
+    return policy.PolicyConfig.from_config(self.sync, gamma=self.sync.gamma if self.grace else 0.0)
 
   def speed_of(self, learner: int) -> float:
     """The step-time factor of a learner (1 when no speeds are given)."""

@@ -63,26 +63,25 @@ class WindowStats:
   grace_s: float
 
 
-def sample_window(speeds: Sequence[float], *, config: policy.PolicyConfig, step_s: float,
-                  step_jitter: float, sync_s: float, fragments: int, inner_steps: int,
-                  window_steps: int, seed: int) -> WindowStats:
+def sample_window(speeds: Sequence[float], *, sync: policy.SyncConfig,
+                  config: policy.PolicyConfig, step_s: float, step_jitter: float,
+                  sync_s: float, window_steps: int, seed: int) -> WindowStats:
   """Simulates `window_steps` nominal steps of the given stepping learners and their syncer.
 
   Args:
     speeds: step-time factor of each stepping learner (all alive, all of known lineage).
-    config: the syncer policy.
+    sync: the `sync` group, for P (`num_fragments`) and H (`period`).
+    config: the syncer policy (built from `sync`; gamma = 0 without the grace window).
     step_s: nominal step time in seconds.
     step_jitter: per-step variation j, steps take `step_s * factor * U(1 - j, 1 + j)`.
     sync_s: time from closing a round to the learners receiving it.
-    fragments: P.
-    inner_steps: H.
     window_steps: length of the window, in nominal steps.
     seed: seeds the jitter.
 
   Returns:
     The window's statistics.
   """
-  return _Window(speeds, config, step_s, step_jitter, sync_s, fragments, inner_steps,
+  return _Window(speeds, config, step_s, step_jitter, sync_s, sync.num_fragments, sync.period,
                  window_steps, seed).run()
 
 

@@ -40,8 +40,11 @@ def run(mtbi_years: float) -> list[tuple[str, engine.SimResult]]:
   base = params.SimConfig(mode="decoupled", chips=FLAGS.chips, learners=m, days=FLAGS.days,
                           seed=FLAGS.seed, speeds=speeds, step_jitter=FLAGS.step_jitter,
                           failures=params.FailureModel(mtbi_years=mtbi_years))
-  return [(name, engine.simulate(dataclasses.replace(base, quorum=k, grace=grace)))
-          for name, k, grace in policies(m)]
+  results = []
+  for name, k, grace in policies(m):
+    cfg = dataclasses.replace(base, sync=dataclasses.replace(base.sync, quorum=k), grace=grace)
+    results.append((name, engine.simulate(cfg)))
+  return results
 
 
 def main(argv: Sequence[str]) -> None:
