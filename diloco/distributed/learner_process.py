@@ -265,9 +265,9 @@ def _start_together(cfg: Config, store: Store, learner_id: int, wait: bool) -> b
 
 
 class _ProcessHooks:
-  """`learner_loop.LoopHooks` (and `WallClock`) of a learner process: the run's clock, SIGTERM as a retirement
-  agreed by all its hosts (`hosts.AgreedLink.agree`), its own activity file and metric writer,
-  and a checkpoint every `checkpoint.every_steps` steps."""
+  """`learner_loop.LoopHooks` (and `WallClock`) of a learner process: the run's clock, SIGTERM
+  as a retirement agreed by all its hosts (`hosts.AgreedLink.agree`), its own activity file and
+  metric writer, and a checkpoint every `checkpoint.every_steps` steps."""
 
   def __init__(self, cfg: Config, learner: Learner, link, ckpt, activity, writer, clock,
                retiring: threading.Event):
