@@ -59,9 +59,10 @@ def _cfg(steps=3, timeout=30.0):
                                sync=types.SimpleNamespace(heartbeat_timeout_s=timeout))
 
 
-def _drive(life, learner, hooks, blocked, wait_s=1.0):
+def _drive(life, learner, hooks, blocked, wait_s=1.0, events=False):
   """Executes `life`'s requests: a step takes 1 s, a wait slice `wait_s`; the sync points
-  answer the `blocked` lists in turn ([] when none is left). Returns the request names."""
+  answer the `blocked` lists in turn ([] when none is left). `events`: a wait says when it
+  ran until its give-up time (as the virtual clock's timer does). Returns the request names."""
   names, outcome = [], None
   blocked = list(blocked)
   while True:
@@ -79,6 +80,7 @@ def _drive(life, learner, hooks, blocked, wait_s=1.0):
     elif isinstance(request, learner_loop.WaitForRound):
       assert request.heartbeat.local_step == learner.local_step
       hooks.t += wait_s
+      outcome = events and hooks.t >= request.give_up_at
     else:
       names[-1] += f"(finished={request.finished})"
 
@@ -100,13 +102,23 @@ def test_a_round_late_past_the_heartbeat_timeout_is_given_up():
   learner, hooks = _Learner(), _Hooks()
   names = _drive(learner_loop.life(learner, _cfg(steps=2, timeout=3.0), hooks), learner, hooks,
                  blocked=[[0, 1]] * 10, wait_s=1.0)
-  # Waits of 1 s from t = 1: the third one ends at the give-up time (t = 4).
-  assert names == ["Step", "SyncPoint", "WaitForRound", "SyncPoint", "WaitForRound",
-                   "SyncPoint", "WaitForRound", "Step", "SyncPoint", "WaitForRound",
-                   "SyncPoint", "WaitForRound", "SyncPoint", "WaitForRound",
+  # Wall-clock slices of 1 s from t = 1: it gives up after the one that ends past t = 4.
+  wait = ["WaitForRound", "SyncPoint"] * 3 + ["WaitForRound"]
+  assert names == ["Step", "SyncPoint", *wait, "Step", "SyncPoint", *wait,
                    "Leave(finished=True)"]
   assert learner.calls == [("give_up_waiting", [0, 1]), ("give_up_waiting", [0, 1]),
                            "read_metrics"]
+  assert hooks.spans[1] == ("wait", 1.0, 5.0)
+
+
+def test_an_event_clock_gives_up_at_the_give_up_time():
+  """A wait that ran until its give-up time (a virtual clock's timer) is given up then."""
+  learner, hooks = _Learner(), _Hooks()
+  names = _drive(learner_loop.life(learner, _cfg(steps=1, timeout=3.0), hooks), learner, hooks,
+                 blocked=[[1]] * 10, wait_s=1.0, events=True)
+  assert names == ["Step", "SyncPoint", "WaitForRound", "SyncPoint", "WaitForRound",
+                   "SyncPoint", "WaitForRound", "Leave(finished=True)"]
+  assert hooks.spans[1] == ("wait", 1.0, 4.0)
 
 
 def test_an_agreed_stop_leaves_before_the_last_step():

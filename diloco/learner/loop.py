@@ -59,7 +59,9 @@ class SyncPoint:
 class WaitForRound:
   """Waits a while for `fragment`'s round `version` to be published, heard by the syncer
   meanwhile (`heartbeat`); at the latest until `give_up_at`, when the loop gives it up. The
-  outcome is None: the loop asks the learner (`SyncPoint`) what it still waits for."""
+  outcome is whether the wait ran until `give_up_at` (an event clock wakes the learner exactly
+  then; a wall-clock slice ends on its own and the loop reads the clock): the loop then asks
+  the learner (`SyncPoint`) what it still waits for, or gives up."""
   fragment: int
   version: int
   heartbeat: Heartbeat
@@ -173,13 +175,13 @@ def _wait(learner: Learner, cfg: Config, hooks: LoopHooks, blocked: list[int],
   counting this learner) until they are published and applied, the runtime stops it, or it
   gives up after `sync.heartbeat_timeout_s`. Returns whether it was stopped meanwhile."""
   transport = learner.transport
-  give_up_at = waited_from + cfg.sync.heartbeat_timeout_s
+  timeout = cfg.sync.heartbeat_timeout_s
   while blocked and not hooks.stopped():
     p = blocked[0]
-    yield WaitForRound(p, transport.latest_version(p) + 1,
-                       Heartbeat(learner.id, learner.incarnation, learner.local_step, step_time,
-                                 hooks.now()), give_up_at)
-    agreed = hooks.agree(give_up=hooks.now() >= give_up_at)
+    timed_out = yield WaitForRound(p, transport.latest_version(p) + 1,
+                                   Heartbeat(learner.id, learner.incarnation, learner.local_step,
+                                             step_time, hooks.now()), waited_from + timeout)
+    agreed = hooks.agree(give_up=bool(timed_out) or hooks.now() - waited_from > timeout)
     if agreed.give_up:
       logging.warning("learner %d gave up waiting for fragments %s", learner.id, blocked)
       learner.give_up_waiting(blocked)

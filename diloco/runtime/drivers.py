@@ -186,11 +186,11 @@ class VirtualDriver(_Driver):
       self._tick_at = deadline
       self._push(deadline, "tick")
 
-  def _advance(self, slot: Slot) -> None:
-    """Runs the slot's learner loop up to its next request that takes time, and schedules
-    it (a `SyncPoint` takes none)."""
+  def _advance(self, slot: Slot, outcome: Any = None) -> None:
+    """Runs the slot's learner loop (sending it `outcome` first) up to its next request that
+    takes time, and schedules it (a `SyncPoint` takes none)."""
     g = slot.index
-    life, outcome = self._lives[g], None
+    life = self._lives[g]
     while True:
       try:
         request = life.send(outcome)
@@ -295,7 +295,7 @@ class VirtualDriver(_Driver):
         parked = self._waiting.get(g)
         if parked is not None and self.rt.slots[g].incarnation == incarnation and \
             parked.give_up_at == give_up_at:
-          self._advance(self.rt.slots[g])
+          self._advance(self.rt.slots[g], outcome=True)  # the wait ran until its give-up time
       elif kind == "fault":
         self._fault(data)
       elif kind == "down_end":
