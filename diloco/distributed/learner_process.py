@@ -136,12 +136,13 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
         f"{learner.local_step} on {len(devices)} {jax.default_backend()} devices", flush=True)
   hooks = _ProcessHooks(cfg, learner, link, ckpt, activity, writer, clock, retiring)
   try:
-    retired = learner_loop.train(learner, cfg, hooks)
-    state = RETIRED if retired else DONE
-    preempted = retired and cfg.store.on_sigterm == "restart"
     # A preempted learner comes back (its next incarnation resumes): only a finished or
     # retired one makes its final deliveries.
-    final = learner_loop.leave(learner, cfg, on_purpose=not preempted)
+    finished, final = learner_loop.run(
+        learner, cfg, hooks, hooks,
+        on_purpose=lambda done: done or cfg.store.on_sigterm != "restart")
+    state = DONE if finished else RETIRED
+    preempted = not finished and cfg.store.on_sigterm == "restart"
     if not preempted:
       _write_alive(link, learner, clock, final)
   finally:
@@ -264,9 +265,9 @@ def _start_together(cfg: Config, store: Store, learner_id: int, wait: bool) -> b
 
 
 class _ProcessHooks:
-  """`learner_loop.LoopHooks` of a learner process: the run's clock, SIGTERM as a retirement
-  agreed by all its hosts (`hosts.AgreedLink.agree`), its own activity file and metric writer,
-  and a checkpoint every `checkpoint.every_steps` steps."""
+  """`learner_loop.LoopHooks` (and `WallClock`) of a learner process: the run's clock, SIGTERM
+  as a retirement agreed by all its hosts (`hosts.AgreedLink.agree`), its own activity file and
+  metric writer, and a checkpoint every `checkpoint.every_steps` steps."""
 
   def __init__(self, cfg: Config, learner: Learner, link, ckpt, activity, writer, clock,
                retiring: threading.Event):

@@ -1,4 +1,4 @@
-"""One learner's life around its steps, shared by every runtime (docs/architecture.md).
+"""One learner's life around its steps, written once for every runtime (docs/architecture.md).
 
 A learner (`diloco.learner.learner.Learner`) knows how to step, deliver and apply merged fragments;
 this module decides when: step, pace to the configured speed, record step and wait spans,
@@ -6,21 +6,22 @@ apply what is due (`sync_point`), wait for a late round with heartbeats and give
 after `sync.heartbeat_timeout_s`, and, when the learner finishes or retires on purpose,
 deliver every fragment one last time (`sync.final_sync`) before flushing.
 
-The threaded driver's learner threads (`diloco.runtime.drivers`) and the learner processes
-(`diloco.distributed.learner_process`) run `train` and `leave` with their own `LoopHooks`;
-the virtual-clock driver is event-driven (a step is an event, a wait ends on a publish), so it
-shares the pieces that fit: `finished`, `leave`, `align_with_peers` and `SpanLog`. The schedule
-alignment with live peers and the gang start are shared here too. So a change to what a
-learner does between its steps is one edit that every runtime picks up. Nothing here knows
-the syncer: a learner only talks to its transport.
+`life` is a generator: it yields what the learner does next (`Step`, `SyncPoint`,
+`WaitForRound`, `Leave`) and receives the outcome. Each runtime executes the requests on its
+own clock: the threaded driver's learner threads (`diloco.runtime.drivers`) and the learner
+processes (`diloco.distributed.learner_process`) run them at once on the wall clock (`run`),
+and the virtual-clock driver schedules them as events (a step ends a step duration later, a
+wait ends on a publish). So a change to what a learner does between its steps is one edit
+that every runtime picks up. The schedule alignment with live peers and the gang start are
+shared here too. Nothing here knows the syncer: a learner only talks to its transport.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Generator
+from typing import Any, Protocol
 
 from absl import logging
 
@@ -30,11 +31,51 @@ from diloco.observe.accounting import span_record
 from diloco.learner.island import pacing_wait
 from diloco.transport import Heartbeat
 
-# How long one wait for a late round's publication lasts before the learner heartbeats
-# again and asks whether to go on waiting.
+# How long one wait for a late round's publication lasts on the wall clock before the learner
+# heartbeats again and asks whether to go on waiting.
 _WAIT_SLICE_S = 0.2
 # Shorter waits and stalls are not recorded as wait spans (timer noise).
 _MIN_WAIT_S = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """One inner step (`Learner.step`), taking the learner's step duration on the executor's
+  clock (on the wall clock: the step, then pacing to `hooks.slowdown()`). `step_time` is the
+  previous step's duration, `previous` when it ended. The outcome is None."""
+  step_time: float
+  previous: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPoint:
+  """Applies what is due (`Learner.sync_point`); the outcome is the fragments whose awaited
+  round is not published yet. A virtual clock first lets its syncer take what the learner
+  sent since it last ran."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitForRound:
+  """Waits a while for `fragment`'s round `version` to be published, heard by the syncer
+  meanwhile (`heartbeat`); at the latest until `give_up_at`, when the loop gives it up. The
+  outcome is whether the wait ran until `give_up_at` (an event clock wakes the learner exactly
+  then; a wall-clock slice ends on its own and the loop reads the clock): the loop then asks
+  the learner (`SyncPoint`) what it still waits for, or gives up."""
+  fragment: int
+  version: int
+  heartbeat: Heartbeat
+  give_up_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Leave:
+  """The learner ends its training (`leave`); `finished`: it took all its steps (otherwise
+  the runtime stopped it: whether that was on purpose is the runtime's to say). The outcome is
+  None, and the generator ends."""
+  finished: bool
+
+
+Request = Step | SyncPoint | WaitForRound | Leave
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +87,8 @@ class Agreement:
 
 
 class LoopHooks(Protocol):
-  """What differs between the runtimes; `train` calls these at fixed points of its loop.
+  """What differs between the runtimes besides their clocks; `life` calls these at fixed
+  points of its loop.
 
   A learner over several hosts must take the same decisions on every host: `agree` is then
   a collective call, made the same number of times at the same points on every host.
@@ -57,12 +99,6 @@ class LoopHooks(Protocol):
 
   def stopped(self) -> bool:
     """A stop this process alone can see before the next step (never a collective)."""
-
-  def slowdown(self) -> float:
-    """This step's pacing factor (its speed, with jitter): see `island.pacing_wait`."""
-
-  def pause(self, seconds: float) -> None:
-    """Sleeps for pacing; may return early when the learner is asked to stop."""
 
   def agree(self, give_up: bool = False) -> Agreement:
     """Whether to stop (after every step and wait slice) and to give up a late round."""
@@ -77,18 +113,31 @@ class LoopHooks(Protocol):
     """Between steps, after the sync point: saves the learner's state when one is due."""
 
 
-def train(learner: Learner, cfg: Config, hooks: LoopHooks) -> bool:
-  """Steps `learner` until `train.steps` local steps or a stop; returns whether it stopped
-  (by `hooks.stopped` or an agreed stop) rather than finishing."""
+class WallClock(Protocol):
+  """What the wall-clock executor (`run`) needs besides `LoopHooks`."""
+
+  def slowdown(self) -> float:
+    """This step's pacing factor (its speed, with jitter): see `island.pacing_wait`."""
+
+  def pause(self, seconds: float) -> None:
+    """Sleeps for pacing; may return early when the learner is asked to stop."""
+
+
+Life = Generator[Request, Any, None]
+
+
+def life(learner: Learner, cfg: Config, hooks: LoopHooks) -> Life:
+  """The learner's life: steps `learner` until `train.steps` local steps or a stop (by
+  `hooks.stopped` or an agreed stop), then leaves (`Leave`)."""
   step_time, previous = 0.0, hooks.now()
   stop = False
   while learner.local_step < cfg.train.steps and not stop and not hooks.stopped():
-    end, step_time = _step(learner, cfg, hooks, previous, step_time)
+    end, step_time = yield from _step(learner, hooks, previous, step_time)
     stop = hooks.agree().stop
-    blocked = learner.sync_point()  # applies what is due (not a wait: the next step's time)
+    blocked = yield SyncPoint()  # applies what is due (not a wait: the next step's time)
     waited_from = hooks.now()
     if blocked and not stop:
-      stop = _wait(learner, cfg, hooks, blocked, waited_from, step_time)
+      stop = yield from _wait(learner, cfg, hooks, blocked, waited_from, step_time)
     waited = hooks.now() - waited_from > _MIN_WAIT_S
     if waited:
       hooks.span("wait", waited_from, hooks.now(), local_step=learner.local_step)
@@ -99,17 +148,14 @@ def train(learner: Learner, cfg: Config, hooks: LoopHooks) -> bool:
     previous = hooks.now() if waited else end
   learner.read_metrics()  # the last step's metrics, which no next step reads
   hooks.after_step(final=True)
-  return stop or hooks.stopped()
+  stop = stop or hooks.stopped()
+  yield Leave(finished=finished(learner, cfg) and not stop)
 
 
-def _step(learner: Learner, cfg: Config, hooks: LoopHooks, previous: float,
-          step_time: float) -> tuple[float, float]:
-  """One paced step and its spans; returns (its end, its duration)."""
+def _step(learner: Learner, hooks: LoopHooks, previous: float, step_time: float):
+  """One step and its spans; returns (its end, its duration)."""
   send_wait = learner.send_wait_s
-  learner.step(hooks.now(), step_time)
-  extra = pacing_wait(hooks.now() - previous, hooks.slowdown(), cfg.learners.min_step_s)
-  if extra > 0:
-    hooks.pause(extra)
+  yield Step(step_time, previous)
   end = hooks.now()
   step_time = end - previous
   # Time the step waited for room to send (backpressure) is waiting, not training.
@@ -123,25 +169,57 @@ def _step(learner: Learner, cfg: Config, hooks: LoopHooks, previous: float,
 
 
 def _wait(learner: Learner, cfg: Config, hooks: LoopHooks, blocked: list[int],
-          waited_from: float, step_time: float) -> bool:
+          waited_from: float, step_time: float):
   """Waits for the late rounds of the `blocked` fragments (heartbeating, so the syncer keeps
   counting this learner) until they are published and applied, the runtime stops it, or it
   gives up after `sync.heartbeat_timeout_s`. Returns whether it was stopped meanwhile."""
   transport = learner.transport
+  timeout = cfg.sync.heartbeat_timeout_s
   while blocked and not hooks.stopped():
-    transport.heartbeat(Heartbeat(learner.id, learner.incarnation, learner.local_step,
-                                  step_time, hooks.now()))
     p = blocked[0]
-    transport.wait_for(p, transport.latest_version(p) + 1, _WAIT_SLICE_S)
-    agreed = hooks.agree(give_up=hooks.now() - waited_from > cfg.sync.heartbeat_timeout_s)
+    timed_out = yield WaitForRound(p, transport.latest_version(p) + 1,
+                                   Heartbeat(learner.id, learner.incarnation, learner.local_step,
+                                             step_time, hooks.now()), waited_from + timeout)
+    agreed = hooks.agree(give_up=bool(timed_out) or hooks.now() - waited_from > timeout)
     if agreed.give_up:
       logging.warning("learner %d gave up waiting for fragments %s", learner.id, blocked)
       learner.give_up_waiting(blocked)
       return agreed.stop
-    blocked = learner.sync_point()
+    blocked = yield SyncPoint()
     if agreed.stop:
       return True
   return hooks.stopped()
+
+
+def run(learner: Learner, cfg: Config, hooks: LoopHooks, clock: WallClock,
+        on_purpose: Callable[[bool], bool]) -> tuple[bool, list[int]]:
+  """Lives `life` on the wall clock: each request is executed at once (a step, then its
+  pacing; a wait slice of `_WAIT_SLICE_S`). At `Leave`, `on_purpose(finished)` says whether
+  the learner leaves on purpose (`leave`). Returns whether it finished (took all its steps,
+  not stopped) and the fragments of its final deliveries."""
+  transport, done, final = learner.transport, False, []
+  requests = life(learner, cfg, hooks)
+  outcome = None
+  while True:
+    try:
+      request = requests.send(outcome)
+    except StopIteration:
+      return done, final
+    outcome = None
+    if isinstance(request, Step):
+      learner.step(hooks.now(), request.step_time)
+      extra = pacing_wait(hooks.now() - request.previous, clock.slowdown(),
+                          cfg.learners.min_step_s)
+      if extra > 0:
+        clock.pause(extra)
+    elif isinstance(request, SyncPoint):
+      outcome = learner.sync_point()
+    elif isinstance(request, WaitForRound):
+      transport.heartbeat(request.heartbeat)
+      transport.wait_for(request.fragment, request.version, _WAIT_SLICE_S)
+    else:
+      done = request.finished
+      final = leave(learner, cfg, on_purpose(done))
 
 
 def finished(learner: Learner, cfg: Config) -> bool:

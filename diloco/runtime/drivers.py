@@ -4,7 +4,10 @@
     from the configured speeds and a seeded jitter, so the same seed gives bit-identical
     global parameters and event tapes (tests use it);
   * `ThreadedDriver`: one thread per learner and one for the syncer on the wall clock.
-Both apply the cooperative fault schedule (`diloco.runtime.faults`).
+Both run each learner's life as `diloco.learner.loop.life` says (the threads execute its
+requests at once, the virtual clock schedules them as events), and share the cooperative
+fault schedule (`diloco.runtime.faults`, `_Driver._fault`) and the final settling of the syncer
+(`_Driver._settle`).
 """
 
 from __future__ import annotations
@@ -25,31 +28,156 @@ from diloco.runtime.core import Runtime, Slot
 from diloco.transport import Heartbeat
 
 
-class VirtualDriver:
-  """Deterministic discrete-event driver on a virtual clock (one thread)."""
+class _Driver:
+  """What both drivers share: the fault schedule's dispatch and the final settling of the
+  syncer. Each driver says how it starts, retires and takes down a learner, and how its
+  syncer moves on."""
 
   def __init__(self, runtime: Runtime, on_eval, on_step):
     self.rt, self.on_eval, self.on_step = runtime, on_eval, on_step
     self.cfg = runtime.cfg
+    self.faults_fired = self.faults_ignored = 0  # of `learners.faults`, for the run's report
+
+  def _fault(self, fault: faults_lib.Fault) -> None:
+    """Applies one event of `learners.faults`; an event that finds no spare device group or
+    no running learner is ignored (counted)."""
+    self.faults_fired += 1
+    if fault.kind == "add":
+      idle = [s for s in self.rt.slots if s.status == "idle"]
+      if not idle:
+        logging.warning("fault add@%s: no spare device group left; ignored", fault.at)
+        self.faults_ignored += 1
+        return
+      self._add(idle[0])
+      return
+    slot = self.rt.slots[fault.learner]
+    if slot.status != "up":
+      logging.warning("fault %s: learner %d is %s; ignored", fault.kind, slot.index, slot.status)
+      self.faults_ignored += 1
+      return
+    if fault.kind == "retire":
+      self._retire(slot)
+    elif fault.kind == "nan":
+      self.rt.poison(slot)
+    else:
+      self._down(slot, fault.duration)
+
+  def _add(self, slot: Slot) -> None:
+    """Starts a learner on an idle device group."""
+    raise NotImplementedError
+
+  def _retire(self, slot: Slot) -> None:
+    """Retires a running learner on purpose (it leaves with its final deliveries)."""
+    raise NotImplementedError
+
+  def _down(self, slot: Slot, duration: float) -> None:
+    """Takes a running learner down; a new incarnation starts `duration` seconds later."""
+    raise NotImplementedError
+
+  def _settle(self) -> None:
+    """With `sync.final_sync`, the rounds that hold the learners' final deliveries close
+    after the last learner left: the syncer goes on until it has merged them, for at most
+    `sync.heartbeat_timeout_s` more of the run's clock."""
+    if not self.cfg.sync.final_sync or self._aborted():
+      return
+    until = self._clock() + self.cfg.sync.heartbeat_timeout_s
+    mark = self._settle_mark()
+    while not self._settled(mark):
+      if not self._syncer_moves(until):
+        if not self._aborted():
+          logging.warning("the syncer has not merged every final delivery within "
+                          "sync.heartbeat_timeout_s=%g s", self.cfg.sync.heartbeat_timeout_s)
+        return
+
+  def _aborted(self) -> bool:
+    """Whether a runtime thread failed (the run ends with its error)."""
+    return False
+
+  def _clock(self) -> float:
+    raise NotImplementedError
+
+  def _settle_mark(self) -> Any:
+    """Lets the syncer take every learner's last messages; what `_settled` needs to know it
+    has."""
+    raise NotImplementedError
+
+  def _settled(self, mark: Any) -> bool:
+    """Whether the syncer took the last messages (`mark`) and has merged everything."""
+    raise NotImplementedError
+
+  def _syncer_moves(self, until: float) -> bool:
+    """Lets the syncer move on (not past `until`); False when it cannot any more."""
+    raise NotImplementedError
+
+
+class _SlotHooks:
+  """`learner_loop.LoopHooks` shared by both drivers: the runtime's recorder and the run's
+  metrics; the run checkpoint (`diloco.runtime.run_checkpoint`) covers the learner's state, so
+  it saves none of its own."""
+
+  def __init__(self, driver: _Driver, slot: Slot):
+    self._driver, self._slot = driver, slot
+
+  def span(self, kind: str, start: float, end: float, **extra) -> None:
+    self._driver.rt.recorder.span(self._slot, kind, start, end, **extra)
+
+  def after_step(self, final: bool) -> None:
+    if not final:  # a finished learner's last metrics are written by `Runtime.on_done`
+      self._driver.on_step(self._slot)
+
+  def checkpoint(self) -> None:
+    return None  # the run checkpoint covers this learner (see the class docstring)
+
+
+class _VirtualHooks(_SlotHooks):
+  """`learner_loop.LoopHooks` of a learner on the virtual clock. Its clock starts when it
+  has loaded; the fault schedule stops learners as events of their own, so the loop never
+  sees a stop."""
+
+  def __init__(self, driver: VirtualDriver, slot: Slot, loaded_at: float):
+    super().__init__(driver, slot)
+    self._loaded_at = loaded_at
+
+  def now(self) -> float:
+    return max(self._driver.now, self._loaded_at)
+
+  def stopped(self) -> bool:
+    return False
+
+  def agree(self, give_up: bool = False) -> learner_loop.Agreement:
+    return learner_loop.Agreement(False, give_up)
+
+
+class VirtualDriver(_Driver):
+  """Deterministic discrete-event driver on a virtual clock (one thread).
+
+  It executes each learner's `learner_loop.life` on its event heap: a `Step` ends an event
+  a step duration (`Runtime.step_duration` x `learners.virtual_step_s`) after it begins, a
+  `WaitForRound` parks the learner until a publish or tick (it is heard at every tick
+  meanwhile) or its give-up time, a `SyncPoint` first lets the syncer take the steps' messages.
+  A fault ends a learner at once: a step in flight is lost.
+  """
+
+  def __init__(self, runtime: Runtime, on_eval, on_step):
+    super().__init__(runtime, on_eval, on_step)
     self.now = runtime.clock_start
     self._heap: list = []
     self._seq = itertools.count()
-    self._waiting: dict[int, tuple[float, list[int]]] = {}
+    self._lives: dict[int, learner_loop.Life] = {}
+    self._waiting: dict[int, learner_loop.WaitForRound] = {}  # parked learners
+    self._stepped = False  # a learner stepped since the syncer last ran
     self._tick_at: float | None = None
-    self.faults_fired = self.faults_ignored = 0  # of `learners.faults`, for the run's report
+    self._down_since: dict[int, float] = {}
 
   def _push(self, at: float, kind: str, data: Any = None) -> None:
     heapq.heappush(self._heap, (at, next(self._seq), kind, data))
-
-  def _schedule_step(self, slot: Slot, start: float) -> None:
-    duration = self.rt.step_duration(slot) * self.cfg.learners.virtual_step_s
-    self._push(start + duration, "step", (slot.index, slot.incarnation, start))
 
   def _tick(self) -> None:
     for g in self._waiting:  # waiting learners are alive
       slot = self.rt.slots[g]
       self.rt.transport.heartbeat(Heartbeat(g, slot.incarnation, slot.learner.local_step, 0.0,
                                             self.now))
+    self._stepped = False
     merged, deadline = self.rt.syncer.tick(self.now, *self.rt.transport.take())
     for m in merged:
       self._push(m.published_at, "publish", m)
@@ -58,30 +186,76 @@ class VirtualDriver:
       self._tick_at = deadline
       self._push(deadline, "tick")
 
-  def _after_step(self, slot: Slot) -> None:
-    learner = slot.learner
-    blocked = learner.sync_point()
-    if blocked:
-      self._waiting[slot.index] = (self.now, blocked)
-      self._push(self.now + self.cfg.sync.heartbeat_timeout_s, "give_up",
-                 (slot.index, slot.incarnation, learner.local_step))
-    elif learner_loop.finished(learner, self.cfg):
-      self._leave(slot, "done")
-    else:
-      self._schedule_step(slot, self.now)
+  def _advance(self, slot: Slot, outcome: Any = None) -> None:
+    """Runs the slot's learner loop (sending it `outcome` first) up to its next request that
+    takes time, and schedules it (a `SyncPoint` takes none)."""
+    g = slot.index
+    life = self._lives[g]
+    while True:
+      try:
+        request = life.send(outcome)
+      except NonFiniteMetrics as e:  # its last step's metrics, read as it finished
+        self._fail(slot, e)
+        return
+      outcome = None
+      if isinstance(request, learner_loop.SyncPoint):
+        if self._stepped:
+          self._tick()
+        outcome = slot.learner.sync_point()
+        continue
+      if isinstance(request, learner_loop.WaitForRound):
+        parked = self._waiting.get(g)
+        self._waiting[g] = request
+        if parked is None or parked.give_up_at != request.give_up_at:
+          self._push(request.give_up_at, "give_up", (g, slot.incarnation, request.give_up_at))
+        return
+      self._waiting.pop(g, None)
+      if isinstance(request, learner_loop.Step):
+        start = request.previous
+        duration = self.rt.step_duration(slot) * self.cfg.learners.virtual_step_s
+        self._push(start + duration, "step", (g, slot.incarnation, start))
+        return
+      self._end_life(slot)  # `Leave`: it finished (the loop never sees a stop here)
+      learner_loop.leave(slot.learner, self.cfg, on_purpose=True)
+      self.rt.stop_learner(slot, "done" if request.finished else "retired")
+      return
 
-  def _leave(self, slot: Slot, status: str) -> None:
-    """A learner that finished ("done") or retires on purpose ("retired") leaves
-    (`learner_loop.leave`: its final deliveries, then a flush)."""
-    learner_loop.leave(slot.learner, self.cfg, on_purpose=True)
-    self.rt.stop_learner(slot, status)
+  def _end_life(self, slot: Slot) -> None:
+    self._waiting.pop(slot.index, None)
+    life = self._lives.pop(slot.index, None)
+    if life is not None:
+      life.close()
+
+  def _fail(self, slot: Slot, error: NonFiniteMetrics) -> None:
+    """Its step went non-finite: the learner fails, and rejoins at once unless retired."""
+    self._end_life(slot)
+    if self.rt.learner_failed(slot, error):
+      self._down_since[slot.index] = self.now
+      self._push(self.now, "down_end", slot.index)
+    self._tick()
 
   def _join(self, slot: Slot, joins_running: bool = True) -> None:
     self.rt.start_learner(slot, background_io=False, now=self.now, clock=lambda: self.now,
                           joins_running=joins_running)
-    load = self.cfg.learners.virtual_step_s
-    self.rt.recorder.span(slot, "load", self.now, self.now + load)
-    self._schedule_step(slot, self.now + load)
+    loaded = self.now + self.cfg.learners.virtual_step_s
+    self.rt.recorder.span(slot, "load", self.now, loaded)
+    self._lives[slot.index] = learner_loop.life(slot.learner, self.cfg,
+                                                _VirtualHooks(self, slot, loaded))
+    self._advance(slot)
+
+  def _add(self, slot: Slot) -> None:
+    self._join(slot)
+
+  def _retire(self, slot: Slot) -> None:
+    self._end_life(slot)
+    learner_loop.leave(slot.learner, self.cfg, on_purpose=True)
+    self.rt.stop_learner(slot, "retired")
+
+  def _down(self, slot: Slot, duration: float) -> None:
+    self._end_life(slot)
+    self.rt.stop_learner(slot, "down")
+    self._down_since[slot.index] = self.now
+    self._push(self.now + duration, "down_end", slot.index)
 
   def run(self) -> None:
     cfg = self.cfg
@@ -93,7 +267,6 @@ class VirtualDriver:
       self._push(f.at, "fault", f)
     if cfg.train.eval_every:
       self._push(cfg.train.eval_every * cfg.learners.virtual_step_s, "eval")
-    down_since: dict[int, float] = {}
     while self._heap:
       if all(s.status in ("idle", "retired", "done") for s in self.rt.slots):
         break
@@ -107,36 +280,27 @@ class VirtualDriver:
           self.rt.align_schedule(slot)
           slot.learner.step(self.now, self.now - start)
         except NonFiniteMetrics as e:
-          if self.rt.learner_failed(slot, e):
-            down_since[slot.index] = self.now
-            self._push(self.now, "down_end", slot.index)
-          self._tick()
+          self._fail(slot, e)
           continue
-        self.rt.recorder.span(slot, "step", start, self.now, local_step=slot.learner.local_step,
-                              tokens=slot.learner.tokens_per_step)
-        self.on_step(slot)
-        self._tick()
-        self._after_step(slot)
+        self._stepped = True
+        self._advance(slot)
       elif kind in ("publish", "tick"):
         if kind == "publish":
           self.rt.transport.publish(data)
         self._tick()
-        self._wake_waiting()
+        for g in sorted(self._waiting):  # each asks its learner what it still waits for
+          self._advance(self.rt.slots[g])
       elif kind == "give_up":
-        g, incarnation, step = data
-        slot = self.rt.slots[g]
-        if g in self._waiting and slot.incarnation == incarnation and \
-            slot.learner.local_step == step:
-          since, blocked = self._waiting.pop(g)
-          logging.warning("learner %d gave up waiting for fragments %s", g, blocked)
-          slot.learner.give_up_waiting(blocked)
-          self.rt.recorder.span(slot, "wait", since, self.now)
-          self._after_step(slot)
+        g, incarnation, give_up_at = data
+        parked = self._waiting.get(g)
+        if parked is not None and self.rt.slots[g].incarnation == incarnation and \
+            parked.give_up_at == give_up_at:
+          self._advance(self.rt.slots[g], outcome=True)  # the wait ran until its give-up time
       elif kind == "fault":
-        self._fault(data, down_since)
+        self._fault(data)
       elif kind == "down_end":
         slot = self.rt.slots[data]
-        self.rt.recorder.span(slot, "down", down_since.pop(data), self.now)
+        self.rt.recorder.span(slot, "down", self._down_since.pop(data), self.now)
         self._join(slot)
       elif kind == "eval":
         self.on_eval(self.now)
@@ -144,73 +308,36 @@ class VirtualDriver:
           self._push(self.now + cfg.train.eval_every * cfg.learners.virtual_step_s, "eval")
     self._settle()
 
-  def _settle(self) -> None:
-    """With `sync.final_sync`, the rounds that hold the learners' final deliveries close
-    after the last learner left: the syncer goes on ticking and publishing until it has
-    settled, for at most `sync.heartbeat_timeout_s` more of the virtual clock."""
-    if not self.cfg.sync.final_sync:
-      return
-    until = self.now + self.cfg.sync.heartbeat_timeout_s
+  def _clock(self) -> float:
+    return self.now
+
+  def _settle_mark(self) -> None:
     self._tick()
-    while not self.rt.syncer.settled() and self._heap and self._heap[0][0] <= until:
+
+  def _settled(self, mark: None) -> bool:
+    return self.rt.syncer.settled()
+
+  def _syncer_moves(self, until: float) -> bool:
+    """The next publish or tick on the heap (nobody is left to step, evaluate or fail)."""
+    while self._heap and self._heap[0][0] <= until:
       at, _, kind, data = heapq.heappop(self._heap)
       if kind not in ("publish", "tick"):
-        continue  # nobody is left to step, evaluate or fail
+        continue
       self.now = at
       if kind == "publish":
         self.rt.transport.publish(data)
       self._tick()
-    if not self.rt.syncer.settled():
-      logging.warning("the syncer has not merged every final delivery within "
-                      "sync.heartbeat_timeout_s=%g s", self.cfg.sync.heartbeat_timeout_s)
-
-  def _wake_waiting(self) -> None:
-    for g in sorted(self._waiting):
-      slot = self.rt.slots[g]
-      blocked = slot.learner.sync_point()
-      if not blocked:
-        since, _ = self._waiting.pop(g)
-        self.rt.recorder.span(slot, "wait", since, self.now)
-        if learner_loop.finished(slot.learner, self.cfg):
-          self._leave(slot, "done")
-        else:
-          self._schedule_step(slot, self.now)
-
-  def _fault(self, fault: faults_lib.Fault, down_since: dict[int, float]) -> None:
-    self.faults_fired += 1
-    if fault.kind == "add":
-      idle = [s for s in self.rt.slots if s.status == "idle"]
-      if not idle:
-        logging.warning("fault add@%s: no spare device group left; ignored", fault.at)
-        self.faults_ignored += 1
-        return
-      self._join(idle[0])
-      return
-    slot = self.rt.slots[fault.learner]
-    if slot.status != "up":
-      logging.warning("fault %s: learner %d is %s; ignored", fault.kind, slot.index, slot.status)
-      self.faults_ignored += 1
-      return
-    if fault.kind != "nan":
-      self._waiting.pop(slot.index, None)
-    if fault.kind == "retire":
-      self._leave(slot, "retired")
-      return
-    if fault.kind == "nan":
-      self.rt.poison(slot)
-      return
-    self.rt.stop_learner(slot, "down")
-    down_since[slot.index] = self.now
-    self._push(self.now + fault.duration, "down_end", slot.index)
+      return True
+    return False
 
 
-class _ThreadHooks:
-  """`learner_loop.LoopHooks` of a learner thread: the wall clock, its stop event (a fault or
-  the end of the run) and the runtime's recorder; the run checkpoint
-  (`diloco.runtime.run_checkpoint.Periodic`) covers its state, so it saves none of its own."""
+class _ThreadHooks(_SlotHooks):
+  """`learner_loop.LoopHooks` (and `WallClock`) of a learner thread: the wall clock, its stop
+  event (a fault or the end of the run)."""
 
   def __init__(self, driver: ThreadedDriver, slot: Slot, stop: threading.Event):
-    self._driver, self._slot, self._stop = driver, slot, stop
+    super().__init__(driver, slot)
+    self._stop = stop
 
   def now(self) -> float:
     return self._driver.now()
@@ -227,29 +354,20 @@ class _ThreadHooks:
   def agree(self, give_up: bool = False) -> learner_loop.Agreement:
     return learner_loop.Agreement(self.stopped(), give_up)
 
-  def span(self, kind: str, start: float, end: float, **extra) -> None:
-    self._driver.rt.recorder.span(self._slot, kind, start, end, **extra)
 
-  def after_step(self, final: bool) -> None:
-    if not final:  # a finished learner's last metrics are written by `Runtime.on_done`
-      self._driver.on_step(self._slot)
-
-  def checkpoint(self) -> None:
-    return None  # the run checkpoint covers this learner (see the class docstring)
-
-
-class ThreadedDriver:
-  """Wall-clock driver: a thread per learner, one for the syncer; faults from the main thread."""
+class ThreadedDriver(_Driver):
+  """Wall-clock driver: a thread per learner, one for the syncer; faults from the main thread.
+  Each learner thread executes its `learner_loop.life` at once (`learner_loop.run`)."""
 
   def __init__(self, runtime: Runtime, on_eval, on_step):
-    self.rt, self.on_eval, self.on_step = runtime, on_eval, on_step
-    self.cfg = runtime.cfg
+    super().__init__(runtime, on_eval, on_step)
     self._t0 = time.monotonic() - runtime.clock_start
     self.done = threading.Event()
     self._errors: list[BaseException] = []
     self._stops: dict[int, threading.Event] = {}
     self._threads: dict[int, threading.Thread] = {}
     self._failed: queue.SimpleQueue = queue.SimpleQueue()  # (slot, since) to restart
+    self._returns: list[tuple[float, Slot, float]] = []  # (at, slot, since) to restart
     self._cohort: set[int] = set()  # initial learners that have not reached the gang start
     self._gang_size = 0
     self._ready = 0  # initial learners that reached the gang start
@@ -257,7 +375,6 @@ class ThreadedDriver:
     self._eval: threading.Thread | None = None
     self.evals_skipped = 0
     self._ticks = 0  # the syncer thread's ticks, under the runtime's lock
-    self.faults_fired = self.faults_ignored = 0  # of `learners.faults`, for the run's report
 
   def now(self) -> float:
     return time.monotonic() - self._t0
@@ -284,25 +401,29 @@ class ThreadedDriver:
       for m in merged:
         self.rt.transport.publish(m)
 
-  def _settle(self) -> None:
-    """With `sync.final_sync`, waits (at most `sync.heartbeat_timeout_s`) until the syncer
-    thread has merged the learners' final deliveries. Every learner has left, so its messages
-    are all in the transport: once a tick that took them after this call began has run (two
-    more ticks: the one under way may have taken before), a settled syncer has them all."""
-    if not self.cfg.sync.final_sync or self.done.is_set():
-      return  # (set: a runtime thread failed)
+  def _aborted(self) -> bool:
+    return self.done.is_set()
+
+  def _clock(self) -> float:
+    return self.now()
+
+  def _settle_mark(self) -> int:
+    """Every learner has left, so its messages are all in the transport: once a tick that
+    took them after this call began has run (two more ticks: the one under way may have taken
+    before), a settled syncer has them all."""
     with self.rt.lock:
-      after = self._ticks + 2
-    until = time.monotonic() + self.cfg.sync.heartbeat_timeout_s
-    while time.monotonic() < until:
-      with self.rt.lock:
-        if self._ticks >= after and self.rt.syncer.settled():
-          return
-      if self.done.is_set():
-        return
-      time.sleep(0.01)
-    logging.warning("the syncer has not merged every final delivery within "
-                    "sync.heartbeat_timeout_s=%g s", self.cfg.sync.heartbeat_timeout_s)
+      return self._ticks + 2
+
+  def _settled(self, mark: int) -> bool:
+    with self.rt.lock:
+      return self._ticks >= mark and self.rt.syncer.settled()
+
+  def _syncer_moves(self, until: float) -> bool:
+    """Gives the syncer thread 10 ms."""
+    if self.now() >= until or self.done.is_set():
+      return False
+    time.sleep(0.01)
+    return True
 
   def _learner_loop(self, slot: Slot, stop: threading.Event) -> None:
     try:
@@ -320,11 +441,11 @@ class ThreadedDriver:
     self.rt.recorder.span(slot, "load", start, self.now())
     self._start_together(slot)
     self.rt.align_schedule(slot)
-    learner_loop.train(learner, self.cfg, _ThreadHooks(self, slot, stop))
-    finished = learner_loop.finished(learner, self.cfg) and not stop.is_set()
+    hooks = _ThreadHooks(self, slot, stop)
     # `_stop` sets the status before it stops the thread: "retired" is a planned retirement.
-    retired = stop.is_set() and slot.status == "retired"
-    learner_loop.leave(learner, self.cfg, on_purpose=finished or retired)
+    finished, _ = learner_loop.run(
+        learner, self.cfg, hooks, hooks,
+        on_purpose=lambda done: done or (stop.is_set() and slot.status == "retired"))
     self.rt.stop_learner(slot, "done" if finished else slot.status)
 
   def _start_together(self, slot: Slot) -> None:
@@ -372,12 +493,12 @@ class ThreadedDriver:
     for slot in initial:
       self._start(slot)
     pending = list(self.rt.faults)
-    returns: list[tuple[float, Slot, float]] = []
+    returns = self._returns
     next_eval = cfg.train.eval_every
     while not self.done.is_set():
       now = self.now()
       while pending and pending[0].at <= now:
-        self._fault(pending.pop(0), returns)
+        self._fault(pending.pop(0))
       while not self._failed.empty():  # rejoin at once from the global fragments
         slot, since = self._failed.get()
         self._threads[slot.index].join()
@@ -421,26 +542,12 @@ class ThreadedDriver:
     with self.rt.lock:
       self.rt.syncer.tick(self.now(), *messages)
 
-  def _fault(self, fault: faults_lib.Fault, returns) -> None:
-    self.faults_fired += 1
-    if fault.kind == "add":
-      idle = [s for s in self.rt.slots if s.status == "idle"]
-      if idle:
-        self._start(idle[0])
-      else:
-        logging.warning("fault add@%s: no spare device group left; ignored", fault.at)
-        self.faults_ignored += 1
-      return
-    slot = self.rt.slots[fault.learner]
-    if slot.status != "up":
-      logging.warning("fault %s: learner %d is %s; ignored", fault.kind, slot.index, slot.status)
-      self.faults_ignored += 1
-      return
-    if fault.kind == "retire":
-      self._stop(slot, "retired")
-      return
-    if fault.kind == "nan":
-      self.rt.poison(slot)
-      return
+  def _add(self, slot: Slot) -> None:
+    self._start(slot)
+
+  def _retire(self, slot: Slot) -> None:
+    self._stop(slot, "retired")
+
+  def _down(self, slot: Slot, duration: float) -> None:
     self._stop(slot, "down")
-    returns.append((self.now() + fault.duration, slot, self.now()))
+    self._returns.append((self.now() + duration, slot, self.now()))
