@@ -37,7 +37,7 @@ from absl import app, flags, logging
 from diloco.config import run_config as config_lib
 from diloco.model.sharding import batch_sharding
 from diloco.runtime.core import Runtime
-from diloco.runtime.drivers import ThreadedDriver
+from diloco.runtime.threaded_driver import ThreadedDriver
 from diloco.train import data as data_lib
 from diloco.train import state as train_state
 

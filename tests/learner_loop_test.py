@@ -6,7 +6,7 @@ import inspect
 import types
 
 from diloco.learner import loop as learner_loop
-from diloco.runtime import drivers
+from diloco.runtime import drivers, threaded_driver, virtual_driver
 
 
 class _Transport:
@@ -174,13 +174,16 @@ def test_the_wall_clock_executor_paces_steps():
 
 def test_the_drivers_only_execute_the_loop():
   """Both drivers of the single-controller runtime live the shared loop; what a learner does
-  between its steps (waiting, giving up, pacing, leaving) is nowhere in drivers.py."""
-  source = inspect.getsource(drivers)
-  assert "learner_loop.life(" in inspect.getsource(drivers.VirtualDriver)
-  assert "learner_loop.run(" in inspect.getsource(drivers.ThreadedDriver)
-  for decision in ("give_up_waiting", "deliver_final", "pacing_wait", "learner_loop.finished",
-                   "gave up"):
-    assert decision not in source, decision
+  between its steps (waiting, giving up, pacing, leaving) is nowhere in the drivers."""
+  assert "learner_loop.life(" in inspect.getsource(virtual_driver.VirtualDriver)
+  assert "learner_loop.run(" in inspect.getsource(threaded_driver.ThreadedDriver)
+  for module in (drivers, virtual_driver, threaded_driver):
+    source = inspect.getsource(module)
+    for decision in ("give_up_waiting", "deliver_final", "pacing_wait", "learner_loop.finished",
+                     "gave up"):
+      assert decision not in source, (module.__name__, decision)
   # One fault dispatch and one settling, shared by both drivers.
   for name in ("_fault", "_settle"):
-    assert name not in vars(drivers.VirtualDriver) and name not in vars(drivers.ThreadedDriver)
+    assert name in vars(drivers.Driver)
+    for cls in (virtual_driver.VirtualDriver, threaded_driver.ThreadedDriver):
+      assert issubclass(cls, drivers.Driver) and name not in vars(cls), (cls.__name__, name)

@@ -28,7 +28,8 @@ from diloco.observe import report as report_lib
 from diloco.observe import tracking
 from diloco.runtime import run_checkpoint
 from diloco.runtime.core import Runtime, Slot
-from diloco.runtime.drivers import ThreadedDriver, VirtualDriver
+from diloco.runtime.threaded_driver import ThreadedDriver
+from diloco.runtime.virtual_driver import VirtualDriver
 from diloco.train import data as data_lib
 from diloco.artifacts import export
 
