@@ -224,3 +224,33 @@ def test_no_two_modules_share_a_name():
       if name.endswith(".py") and name not in ("__init__.py", "__main__.py"):
         seen.setdefault(name, []).append(os.path.relpath(os.path.join(folder, name), PACKAGE))
   assert not {n: p for n, p in seen.items() if len(p) > 1}
+
+
+# The vocabulary every layer imports, and `main.py`, which keeps `python -m diloco.main` working;
+# everything else lives in the subpackage named for its concept.
+TOP_LEVEL = {"__init__.py", "__main__.py", "delivery.py", "errors.py", "fragments.py", "main.py",
+             "settings.py", "transport.py"}
+
+
+def test_the_top_level_holds_only_the_vocabulary():
+  found = {n for n in os.listdir(PACKAGE) if n.endswith(".py")}
+  assert found == TOP_LEVEL, f"new top-level modules {sorted(found - TOP_LEVEL)}: move them " \
+      "into the subpackage of their concept (docs/architecture.md)"
+
+
+def test_modules_and_classes_stay_readable():
+  """A module past 500 lines or a class past 350 holds two jobs: split it by job."""
+  big = []
+  for folder, _, files in os.walk(PACKAGE):
+    for name in files:
+      if name.endswith(".py"):
+        path = os.path.join(folder, name)
+        with open(path, encoding="utf-8") as f:
+          text = f.read()
+        rel = os.path.relpath(path, os.path.dirname(PACKAGE))
+        if len(text.splitlines()) > 500:
+          big.append(f"{rel}: {len(text.splitlines())} lines")
+        big += [f"{rel}: class {node.name} {node.end_lineno - node.lineno + 1} lines"
+                for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ClassDef)
+                and node.end_lineno - node.lineno + 1 > 350]
+  assert not big, big
