@@ -239,6 +239,36 @@ def test_every_bad_entry_kind_is_rejected_with_its_reason(where):
     np.testing.assert_array_equal(s.global_params()[k], g0[k])
 
 
+def test_a_learner_that_left_while_no_syncer_ran_has_its_last_deliveries_merged(where):
+  """A learner flushes its final deliveries, then says it left (RETIRED or DONE), while the
+  syncer is down. The restarted syncer's link reports the departure with the deliveries, not on
+  its first poll (which only takes a baseline), so the syncer, which forgets a learner after the
+  tick, merges them instead of refusing them as a departed incarnation's."""
+  root, _ = where
+  store = Store(root)
+  for state in ("retired", "done"):
+    s = _syncer()  # as restored: learner 0 registered, its round not closed yet
+    s.tick(0.5, [Heartbeat(0, 0, 3, 0.1, 0.5)], [])
+    p = 1 if state == "done" else 0
+    store.payloads.put(_payload(0, p, _params(1), step=4))
+    _beat(store, 0, seq=5 if state == "done" else 4, state=state)
+    link = SyncerStoreLink(store, EXPECTED)
+    try:
+      merged, left_seen = [], []
+      for now in (1.0, 2.0):
+        beats, payloads, rejected, left = link.poll(now)
+        assert rejected == []
+        merged += s.tick(now, beats, payloads)[0]
+        for learner, incarnation in left:  # as `syncer_process.sync_once`: after the tick
+          s.forget(learner, incarnation)
+        left_seen += left
+        link.release(s.pending_keys())
+      assert left_seen == [(0, 0)] and [m.fragment for m in merged] == [p], state
+      assert "departed" not in s.rejections
+    finally:
+      link.close()
+
+
 def test_uncommitted_entries_are_collected_by_the_age_this_process_saw_them(where):
   """No modification time is read (an object store has none for a prefix, and a dead
   writer's clock is not ours): an entry is collected once this process has seen it

@@ -230,3 +230,22 @@ def test_all_finite_matches_numpy(value, finite):
   x[17, 5] = value
   assert syncer_lib._all_finite(x) is finite
   assert finite == bool(np.isfinite(x).all())
+
+
+@pytest.mark.parametrize("without_time", [(0,), (1,), (0, 1)])
+def test_a_restart_takes_heartbeats_of_learners_with_no_step_time_yet(without_time):
+  """A learner registered before any step time (a restarted incarnation still compiling: its
+  heartbeats say 0 s) has no step-time average in the durable state; the restarted syncer's
+  next heartbeat of that learner starts one instead of raising (the syncer once crash-looped
+  on it after a kill)."""
+  s = _syncer()
+  beats = [Heartbeat(m, 0, 1, 0.0 if m in without_time else 1.0, 1.0) for m in (0, 1)]
+  s.tick(1.0, beats, [])
+  state = s.export_state()
+  assert {int(m) for m, v in state["step_ema"].items() if v is None} == set(without_time)
+  again = _syncer()
+  again.restore_state(state, {}, {}, s.rounds)
+  again.tick(2.0, [Heartbeat(m, 0, 2, 0.5, 2.0) for m in (0, 1)], [])
+  for m in (0, 1):
+    want = 0.5 if m in without_time else 0.9 * 1.0 + 0.1 * 0.5  # fresh, or carried on
+    assert again.registry[m].step_time == pytest.approx(want)

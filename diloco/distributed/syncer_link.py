@@ -104,6 +104,7 @@ class SyncerStoreLink:
     self._held: dict[str, tuple[int, int, int, int]] = {}
     self._done = set(already_merged)
     self._first_poll = True
+    self._left_later: list[tuple[int, int]] = []  # departures seen by the first poll
     self._released: set[str] = set()  # handed to the deleter; never read again
     self._quarantining: dict[str, tuple[str, str]] = {}  # name -> (reason, detail)
     self._deleter = _Deleter()
@@ -133,7 +134,12 @@ class SyncerStoreLink:
         beats.append(beat)
     if self._first_poll:  # payloads wait for the next poll, when live learners have beaten
       self._first_poll = False
-      return beats, [], [], left
+      # So do departures: a learner that flushed its last deliveries and left while no syncer
+      # ran is forgotten only after those deliveries are taken (the syncer forgets after the
+      # tick), else they would be refused as a departed incarnation's.
+      self._left_later = left
+      return beats, [], [], []
+    left, self._left_later = self._left_later + left, []
     payloads, rejected = [], []
     listed = self.store.payloads.committed()
     # A name released earlier may still be listed by a listing that began before its delete

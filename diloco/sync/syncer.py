@@ -144,7 +144,10 @@ class Syncer:
       return  # a late message of a superseded incarnation
     # An older incarnation is taken back once the newer one fell silent: a crafted jump
     # costs the live learner at most one heartbeat timeout, never the rest of the run.
-    if known is None or beat.incarnation != known.incarnation:
+    # A new incarnation starts a new average; so does a learner whose average a restart did not
+    # bring back (none was stored while its incarnation had not reported a step time yet).
+    if (known is None or beat.incarnation != known.incarnation
+        or beat.learner not in self._step_ema):
       self._step_ema[beat.learner] = policy.Ema(self.policy.ema_decay)
     if _is_duration(beat.step_time) and beat.step_time > 0:
       self._step_ema[beat.learner] = self._step_ema[beat.learner].update(beat.step_time)
