@@ -49,7 +49,7 @@ from diloco.delivery import Delivery
 from diloco.distributed import learner_registry, store_names
 from diloco.distributed import store as store_lib
 from diloco.distributed.launch_report import param_shapes
-from diloco.sync import ownership as syncer_shards
+from diloco.sync import ownership
 
 flags.DEFINE_string("config", "configs/multiprocess.py:cpu", "The run config (model shapes).")
 flags.DEFINE_integer("learners", 8, "Learners delivering every fragment each round (M = K).")
@@ -165,7 +165,7 @@ def _measure(shards: int, top: str) -> dict:
   cfg = _config()
   shapes = param_shapes(cfg)
   plan = fragments.plan_fragments(shapes, FLAGS.fragments, cfg.sync.scheme)
-  owner = syncer_shards.assign(plan.num_elements, shards)
+  owner = ownership.assign(plan.num_elements, shards)
   store_root = os.path.join(top, "store")
   stores = store_lib.shard_stores(store_root, shards)
   shared = store_lib.shared_store(store_root, shards)

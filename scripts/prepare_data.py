@@ -34,8 +34,7 @@ from absl import app, flags, logging
 
 from diloco.config.run_config import validate_data
 from diloco.errors import ConfigError
-from diloco.train import array_records as shards
-from diloco.train import corpus, tokenizers
+from diloco.train import array_records, corpus, tokenizers
 from diloco.train import data as data_lib
 from diloco.train.data import DATA_SOURCES, DataConfig
 
@@ -67,7 +66,7 @@ def train_sentencepiece(cfg: DataConfig, out: str, vocab_size: int) -> str:
   import sentencepiece as spm  # pylint: disable=import-outside-toplevel
 
   def sentences():
-    for docs in shards.chunks(corpus.documents(cfg), 1 << 20, cfg.max_bytes):
+    for docs in array_records.chunks(corpus.documents(cfg), 1 << 20, cfg.max_bytes):
       for key, raw in docs:
         if not data_lib.is_eval_document(key, cfg.eval_fraction):
           text = raw.decode("utf-8", errors="replace")
@@ -85,11 +84,11 @@ def train_sentencepiece(cfg: DataConfig, out: str, vocab_size: int) -> str:
 def write_shards(cfg: DataConfig, out: str, train_shards: int, *, workers: int,
                  chunk_bytes: int) -> tuple[dict, dict]:
   """Streams `cfg`'s corpus into shards; returns their names and the tokens per split."""
-  writers = {"train": shards.ShardWriter(out, "train", train_shards),
-             "eval": shards.ShardWriter(out, "eval", 1)}
-  cutters = {s: shards.WindowCutter(cfg.seq_len + 1) for s in shards.SPLITS}
+  writers = {"train": array_records.ShardWriter(out, "train", train_shards),
+             "eval": array_records.ShardWriter(out, "eval", 1)}
+  cutters = {s: array_records.WindowCutter(cfg.seq_len + 1) for s in array_records.SPLITS}
   try:
-    for streams in shards.tokenized(corpus.documents(cfg), cfg.tokenizer, cfg.eval_fraction,
+    for streams in array_records.tokenized(corpus.documents(cfg), cfg.tokenizer, cfg.eval_fraction,
                                     workers=workers, chunk_bytes=chunk_bytes,
                                     max_bytes=cfg.max_bytes):
       for split, tokens in streams.items():
@@ -97,7 +96,7 @@ def write_shards(cfg: DataConfig, out: str, train_shards: int, *, workers: int,
   finally:
     for w in writers.values():
       w.close()
-  tokens = {s: cutters[s].tokens for s in shards.SPLITS}
+  tokens = {s: cutters[s].tokens for s in array_records.SPLITS}
   where = cfg.path or corpus.root(cfg)
   if not sum(tokens.values()):
     field = f" in data.text_key={cfg.text_key!r}" if cfg.source in corpus.RECORD_SOURCES else ""

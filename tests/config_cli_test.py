@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from configs import diloco, dp, multiprocess, streaming
-from diloco.cli import config_flags as config_cli
+from diloco.cli import config_flags
 from diloco.config import run_config as config_lib
 from diloco.errors import ConfigError
 from diloco.sync import policy
@@ -37,12 +37,12 @@ def test_misspelled_key_names_it_and_the_nearest_keys(tmp_path):
 
 
 def test_nearest_keys():
-  keys = config_cli._leaf_keys(diloco.get_config("tiny"))  # pylint: disable=protected-access
-  assert config_cli.nearest_keys("outer.lr", keys)[0] == "outer.learning_rate"
-  assert config_cli.nearest_keys("sync.quorm", keys) == ["sync.quorum"]
-  assert config_cli.nearest_keys("outer.tau", keys) == ["sync.tau"]
-  assert config_cli.unknown_key_message(diloco.get_config("tiny"), "sync.quorum") is None
-  message = config_cli.unknown_key_message(diloco.get_config("tiny"), "learners.cont")
+  keys = config_flags._leaf_keys(diloco.get_config("tiny"))  # pylint: disable=protected-access
+  assert config_flags.nearest_keys("outer.lr", keys)[0] == "outer.learning_rate"
+  assert config_flags.nearest_keys("sync.quorm", keys) == ["sync.quorum"]
+  assert config_flags.nearest_keys("outer.tau", keys) == ["sync.tau"]
+  assert config_flags.unknown_key_message(diloco.get_config("tiny"), "sync.quorum") is None
+  message = config_flags.unknown_key_message(diloco.get_config("tiny"), "learners.cont")
   assert message.startswith("unknown config key --config.learners.cont; did you mean "
                             "learners.count?")
   assert "learners has: count, devices" in message
@@ -57,7 +57,7 @@ def test_quorum_all_learners_follows_learners_count(module):
   k = policy.PolicyConfig.from_config(cfg.sync).quorum
   assert policy.required_quorum(k, cfg.learners.count) == 8  # K = M, not the preset's 4
   assert policy.required_quorum(k, 3) == 3  # and only the live ones once some are gone
-  assert "quorum=0 (all learners, K = M = 8)" in " ".join(config_cli.summary(cfg))
+  assert "quorum=0 (all learners, K = M = 8)" in " ".join(config_flags.summary(cfg))
 
 
 def test_quorum_validation():
@@ -93,7 +93,7 @@ def test_derived_fields_follow_command_line_overrides():
 
 
 def test_every_field_has_its_comment_as_help():
-  helps = config_cli.field_help()
+  helps = config_flags.field_help()
   for name, cls in config_lib.GROUPS.items():
     assert set(helps[name][1]) == {f.name for f in dataclasses.fields(cls)}, name
   assert helps["sync"][1]["quorum"].startswith("K: a round merges once")

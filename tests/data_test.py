@@ -11,9 +11,8 @@ import pytest
 from script_import import import_script
 
 from diloco.errors import ConfigError
+from diloco.train import data, tokenizers
 from diloco.train.data import DataConfig
-from diloco.train import data
-from diloco.train import tokenizers
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 
@@ -621,7 +620,7 @@ def test_streaming_reads_a_bounded_number_of_chunks_ahead():
   """An endless corpus: the pipeline still yields, having read only `in_flight` chunks ahead."""
   import itertools
 
-  from diloco.train import array_records as shards
+  from diloco.train import array_records
   pulled = []
 
   def endless():
@@ -629,7 +628,7 @@ def test_streaming_reads_a_bounded_number_of_chunks_ahead():
       pulled.append(i)
       yield f"doc{i}", f"document {i:06d}".encode().ljust(100, b".")  # 100 bytes each
 
-  stream = shards.tokenized(endless(), "byte", 0.2, workers=2, chunk_bytes=1000, in_flight=4)
+  stream = array_records.tokenized(endless(), "byte", 0.2, workers=2, chunk_bytes=1000, in_flight=4)
   first = next(stream)
   assert len(pulled) <= 4 * 10                      # 4 chunks of 10 documents in flight
   assert sum(len(v) for v in first.values()) == 10 * 101  # 10 documents, each with its BOS
@@ -640,10 +639,10 @@ def test_streaming_reads_a_bounded_number_of_chunks_ahead():
 
 
 def test_window_cutter_matches_the_whole_stream():
-  from diloco.train import array_records as shards
+  from diloco.train import array_records
   rng = np.random.default_rng(0)
   stream = rng.integers(0, 258, size=5000).astype(np.int32)
-  cutter, rows, start = shards.WindowCutter(33), [], 0
+  cutter, rows, start = array_records.WindowCutter(33), [], 0
   while start < len(stream):
     end = start + int(rng.integers(0, 120))
     rows.append(cutter.add(stream[start:end]))

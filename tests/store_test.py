@@ -13,22 +13,19 @@ from etils import epath
 from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 
 from diloco import fragments, outer
-from diloco.sync import ownership as syncer_shards
-from diloco.sync import syncer as syncer_lib
 from diloco.config.run_config import StoreConfig
-from diloco.errors import ConfigError
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
-from diloco.distributed import chaos
-from diloco.distributed import global_view
+from diloco.distributed import chaos, global_view, syncer_process, wan
 from diloco.distributed import store as store_lib
-from diloco.distributed import syncer_process
-from diloco.distributed import wan
 from diloco.distributed.store import Store
 from diloco.distributed.store_names import parse_payload_name, payload_name
 from diloco.distributed.store_transport import LearnerStoreLink
 from diloco.distributed.syncer_link import SyncerStoreLink
+from diloco.errors import ConfigError
+from diloco.outer.merge import OuterConfig
+from diloco.sync import ownership
+from diloco.sync import syncer as syncer_lib
+from diloco.sync.policy import SyncConfig
 from diloco.transport import Heartbeat, Merged
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}
@@ -483,7 +480,7 @@ def test_chaos_targets_a_syncer_shard_and_refuses_a_bad_one():
 
 
 # The sharded syncer's layout (`sync.shards` > 1, docs/design.md 3.1).
-OWNER = syncer_shards.assign(PLAN.num_elements, 2)
+OWNER = ownership.assign(PLAN.num_elements, 2)
 
 
 def _merged(p, version, seed=0):
@@ -584,7 +581,7 @@ def test_a_shard_recovers_only_its_own_fragments(tmp_path):
   """Shard 1 restarted over its folder resumes its fragments' versions and ledger; shard 0's
   folder and fragments are untouched by it."""
   shards = store_lib.shard_stores(str(tmp_path / "store"), 2)
-  own = syncer_shards.owned(OWNER, 1)
+  own = ownership.owned(OWNER, 1)
   records = []
   s1 = syncer_lib.Syncer(_params(0), PLAN, SyncConfig(quorum=1, gamma=0.0), OuterConfig(),
                          sync_delay_s=0.0, on_round=records.append, owned=own)
@@ -609,7 +606,7 @@ def test_init_from_a_store_assembles_g_from_every_shards_newest_version(tmp_path
   folder (here fragment 0 at version 2, the others at 0), checked against the values written."""
   from diloco.artifacts import export  # pylint: disable=import-outside-toplevel
   root = str(tmp_path / "store")
-  owner = syncer_shards.assign(PLAN.num_elements, num_shards)
+  owner = ownership.assign(PLAN.num_elements, num_shards)
   stores = store_lib.shard_stores(root, num_shards)
   momentum = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
   for p in range(PLAN.num_fragments):

@@ -33,22 +33,19 @@ import jax
 import numpy as np
 from absl import logging
 
-from diloco.learner import loop as learner_loop
-from diloco.sync import ownership as syncer_shards
 from diloco.config.run_config import Config, ConfigError
-from diloco.distributed import chaos
+from diloco.distributed import chaos, wan
 from diloco.distributed import hosts as hosts_lib
-from diloco.distributed import wan
-from diloco.distributed.store import Store, global_index, shard_stores, shared_store
 from diloco.distributed.learner_registry import DONE, RETIRED
-from diloco.learner.learner import Learner, Resume
-from diloco.observe import accounting
-from diloco.observe import metrics as metrics_lib
-from diloco.train import checkpoint as checkpoint_lib
+from diloco.distributed.store import Store, global_index, shard_stores, shared_store
 from diloco.learner import island
+from diloco.learner import loop as learner_loop
+from diloco.learner.learner import Learner, Resume
+from diloco.observe import metrics as metrics_lib
+from diloco.sync import ownership
+from diloco.train import checkpoint as checkpoint_lib
 from diloco.train import optim
 from diloco.transport import Heartbeat
-
 
 PREEMPTED = "preempted"
 _PREEMPTED_EXIT = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
@@ -102,7 +99,7 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   up, down = wan.learner_links(cfg.store, learner_id)
   # Each fragment's deliveries and versions live in the folder of the shard that owns it.
   folders = shard_stores(store_root, cfg.sync.shards)
-  owner = syncer_shards.assign(plan.num_elements, cfg.sync.shards)
+  owner = ownership.assign(plan.num_elements, cfg.sync.shards)
   link = hosts_lib.AgreedLink(store, learner_id, incarnation, hosts, poll_s=cfg.store.poll_s,
                               up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s,
                               send_queue=cfg.sync.send_queue, shards=folders, owner=owner)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from absl import logging
 
-from diloco import settings as config_rules
+from diloco import settings
 from diloco.errors import ConfigError
 from diloco.settings import POSITIVE, OneOf, frozen, require, setting
 
@@ -177,7 +177,7 @@ class WandbTracker:
 def check(log) -> None:
   """ConfigErrors for the `log` fields that trackers read: the `log` group's own rules
   (`LogConfig`), rerun for a LogConfig that was built without validation."""
-  config_rules.check_fields("log", log)
+  settings.check_fields("log", log)
   log.check()
 
 

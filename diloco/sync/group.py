@@ -2,7 +2,7 @@
 
 With `sync.shards = S` (docs/design.md 3.1, "Sharded syncer") the single-controller runtime runs
 S independent `Syncer` instances in its one process, shard s owning the fragments
-`syncer_shards.owned(assignment, s)`. Every shard sees every heartbeat and every departure (each
+`ownership.owned(assignment, s)`. Every shard sees every heartbeat and every departure (each
 keeps its own registry, so each judges liveness and quorums alone); a delivery goes only to its
 fragment's owner. Each shard has its own policy EMAs (quorum, sync and lead time), as the
 paper's independent syncers do: with grace on (gamma > 0) a shard's windows follow its own
@@ -26,8 +26,7 @@ import numpy as np
 from diloco import fragments as fragments_lib
 from diloco.errors import ConfigError
 from diloco.outer.merge import OuterConfig
-from diloco.sync import intake
-from diloco.sync import ownership as syncer_shards
+from diloco.sync import intake, ownership
 from diloco.sync.policy import SyncConfig
 from diloco.sync.syncer import Syncer
 from diloco.transport import Merged
@@ -41,13 +40,13 @@ class SyncerGroup:
                on_round: Callable[[dict], None] | None = None,
                limits: intake.Limits | None = None):
     self.plan = plan
-    self.assignment = syncer_shards.assign(plan.num_elements, sync.shards)
+    self.assignment = ownership.assign(plan.num_elements, sync.shards)
     self._on_round = on_round
     self._records: list[tuple[int, dict]] = []
     self.shards = [
         Syncer(global_params, plan, sync, outer_cfg, sync_delay_s=sync_delay_s,
                on_round=self._collector(s), limits=limits,
-               owned=syncer_shards.owned(self.assignment, s))
+               owned=ownership.owned(self.assignment, s))
         for s in range(sync.shards)]
     # A bad or ignored heartbeat reaches every shard: one of them counts it (and records it on
     # the tape), so the run's rejection counts do not grow with S.

@@ -42,8 +42,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
-from diloco import fragments
-from diloco import settings as config_rules
+from diloco import fragments, settings
 from diloco.delivery import Delivery
 from diloco.settings import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, OneOf, frozen, require, setting
 from diloco.transport import RECEIPT_MODES
@@ -63,14 +62,14 @@ REJECT_STALE = "stale"
 # those `SyncConfig` fields and checked again by `PolicyConfig`, so the config and the policy
 # accept the same values (tests/config_policy_test.py).
 SYNC_BOUNDS = {
-    "quorum": config_rules.Range(low=0, integer=True, text=">= 1, or 0 for all learners"),
-    "tau": config_rules.Range(low=0, integer=True),
+    "quorum": settings.Range(low=0, integer=True, text=">= 1, or 0 for all learners"),
+    "tau": settings.Range(low=0, integer=True),
     # The window is capped at one step time anyway; a gain beyond 10 is a typo.
-    "gamma": config_rules.Range(low=0, high=10),
-    "heartbeat_timeout_s": config_rules.POSITIVE,
-    "max_staleness": config_rules.Range(low=0, integer=True),
+    "gamma": settings.Range(low=0, high=10),
+    "heartbeat_timeout_s": settings.POSITIVE,
+    "max_staleness": settings.Range(low=0, integer=True),
 }
-EMA_DECAY_BOUND = config_rules.FRACTION
+EMA_DECAY_BOUND = settings.FRACTION
 
 
 @frozen
