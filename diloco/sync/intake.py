@@ -37,7 +37,7 @@ IGNORED_TIME = "bad_time_ignored"
 REJECT_TOO_LARGE = "too_large"  # a delivery's values alone exceed MAX_NORM
 REJECT_OVERFLOW = "overflow"  # merging it could take G or the momentum past MAX_NORM
 REJECT_BAD_HEARTBEAT = "bad_heartbeat"
-REJECT_WRONG_SHARD = "wrong_shard"  # a fragment another syncer shard owns (syncer_shards.py)
+REJECT_WRONG_SHARD = "wrong_shard"  # a fragment another syncer shard owns (sync/ownership.py)
 # A delivery whose ingestion or merge raised: the syncer survives it (and the multi-process
 # runtime moves its store entry to quarantine, so a restarted syncer never reads it again).
 REJECT_INGEST_ERROR = "ingest_error"

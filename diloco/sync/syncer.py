@@ -65,7 +65,7 @@ class Syncer:
                limits: intake.Limits | None = None, owned: Sequence[int] | None = None):
     """`global_params` maps paths to arrays; `sync_delay_s` fixes the (virtual) sync time;
     `limits` what an honest delivery can hold (`intake.check_earned`); `owned` the fragments
-    this syncer shard holds and merges (`syncer_shards.py`; None: all of them)."""
+    this syncer shard holds and merges (`sync/ownership.py`; None: all of them)."""
     self.plan = plan
     self.owned = (tuple(range(plan.num_fragments)) if owned is None
                   else tuple(sorted(set(owned))))
@@ -92,7 +92,7 @@ class Syncer:
     self.last_quorum = 0
     self.last_grace = 0.0
     # Whether this instance counts (and tapes) the heartbeats it rejects or ignores: of S
-    # shards that all see every heartbeat in one process, one does (`syncer_group.py`).
+    # shards that all see every heartbeat in one process, one does (`sync/group.py`).
     self.counts_heartbeats = True
 
   @property
