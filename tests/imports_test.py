@@ -82,22 +82,26 @@ def _module_graph():
   return graph
 
 
-def test_the_package_has_no_import_cycles():
-  graph = _module_graph()
+def _assert_acyclic(graph, what):
+  """Depth-first search of {node: nodes it imports}; fails naming the first cycle found."""
   state = {}
 
-  def visit(module, path):
-    state[module] = "open"
-    for dep in sorted(graph.get(module, ())):
+  def visit(node, path):
+    state[node] = "open"
+    for dep in sorted(graph.get(node, ())):
       if state.get(dep) == "open":
-        raise AssertionError("import cycle: " + " -> ".join(path + [module, dep]))
+        raise AssertionError(f"{what} cycle: " + " -> ".join(path + [node, dep]))
       if dep not in state:
-        visit(dep, path + [module])
-    state[module] = "done"
+        visit(dep, path + [node])
+    state[node] = "done"
 
-  for module in sorted(graph):
-    if module not in state:
-      visit(module, [])
+  for node in sorted(graph):
+    if node not in state:
+      visit(node, [])
+
+
+def test_the_package_has_no_import_cycles():
+  _assert_acyclic(_module_graph(), "import")
 
 
 def test_the_model_does_not_import_the_run_configuration():
@@ -199,20 +203,7 @@ def test_no_cycles_between_folders():
     for dep in deps:
       if _unit(dep) != _unit(module):
         edges.setdefault(_unit(module), set()).add(_unit(dep))
-  state = {}
-
-  def visit(unit, path):
-    state[unit] = "open"
-    for dep in sorted(edges.get(unit, ())):
-      if state.get(dep) == "open":
-        raise AssertionError("folder cycle: " + " -> ".join(path + [unit, dep]))
-      if dep not in state:
-        visit(dep, path + [unit])
-    state[unit] = "done"
-
-  for unit in sorted(edges):
-    if unit not in state:
-      visit(unit, [])
+  _assert_acyclic(edges, "folder")
 
 
 def test_no_two_modules_share_a_name():
