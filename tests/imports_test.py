@@ -2,6 +2,7 @@
 one name per module, and a learner and a syncer that meet only through the transport."""
 
 import ast
+import functools
 import os
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "diloco")
@@ -56,6 +57,7 @@ def test_every_transport_implements_the_learner_protocol():
       assert list(got.parameters) == list(want.parameters), (cls.__name__, name, got)
 
 
+@functools.cache  # one parse of the package for every test here (callers do not mutate it)
 def _module_graph():
   """{module: modules of the package it imports}, anywhere in its file (deferred imports too).
   `from a import b` counts as importing `a.b` when that is a module, else `a`."""
