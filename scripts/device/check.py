@@ -68,9 +68,9 @@ def plan(name: str, out: str) -> list[Item]:
   if name == "tiny":  # the CPU rehearsal: every item's path at a size a CPU runs in seconds
     return [
         env,
-        Item("step_tiny", _bench("--preset=tiny", "--steps=2", "--batch_size=2",
+        Item("step_tiny", _bench("--preset=tiny", "--steps=2", "--batch_size=8",
                                  "--seq_len=32", "--matmul_size=64"), 40, 120),
-        Item("profile_tiny", _bench("--preset=tiny", "--steps=2", "--batch_size=2",
+        Item("profile_tiny", _bench("--preset=tiny", "--steps=2", "--batch_size=8",
                                     "--seq_len=32", "--matmul_size=64",
                                     f"--profile_dir={traces}"), 40, 120),
     ]
