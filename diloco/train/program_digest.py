@@ -437,7 +437,7 @@ def _memory(compiled) -> Memory:
     return Memory()
   if stats is None:
     return Memory()
-  get = lambda name: getattr(stats, name, None)  # noqa: E731
+  get = lambda name: getattr(stats, name, None)
   return Memory(get("temp_size_in_bytes"), get("argument_size_in_bytes"),
                 get("output_size_in_bytes"), get("alias_size_in_bytes"),
                 get("generated_code_size_in_bytes"))
