@@ -48,12 +48,12 @@ def test_a_bf16_dot_with_f32_accumulation_keeps_bf16_operands():
 def test_an_indexed_add_is_one_scatter_of_its_dtype_and_updates():
   table, ids = jnp.zeros((10, 4), jnp.float32), jnp.array([1, 1, 2, 9, 1, 0, 3], jnp.int32)
   d = program_digest.digest(lambda t, i, u: t.at[i].add(u), table, ids, jnp.ones((7, 4)))
-  assert [(s.dtype, s.update_count, s.operand.shape) for s in d.scatters()] == [("f32", 7, (10, 4))]
+  assert [(s.dtype, s.count, s.operand.shape) for s in d.scatters()] == [("f32", 7, (10, 4))]
   assert len(d.scatters("f32")) == 1 and not d.scatters("bf16")
   # A bf16 scatter-add: the CPU backend compiles it in f32, the lowered program says bf16.
   d = program_digest.digest(lambda t, i, u: t.at[i].add(u), table.astype(jnp.bfloat16), ids,
                             jnp.ones((7, 4), jnp.bfloat16))
-  assert [(s.dtype, s.update_count) for s in d.lowered_scatters] == [("bf16", 7)]
+  assert [(s.dtype, s.count) for s in d.lowered_scatters] == [("bf16", 7)]
   assert len(d.scatters()) == 1
 
 
@@ -146,7 +146,7 @@ def test_gpu_gemms_attention_and_transfers_are_read_from_the_hlo_text():
   assert d.f32_dots() == (gemm,)
   assert d.dot_flops() == gemm.flops + 3 * lt.flops
   assert [w.trip_count for w in d.while_loops] == [3]
-  assert [c.target for c in d.attention_kernels()] == ["__cudnn$fmhaSoftmax"]
+  assert [c.kind for c in d.attention_kernels()] == ["__cudnn$fmhaSoftmax"]
   assert sorted(t.kind for t in d.host_transfers()) == ["send", "to_host"]
   summary = d.summary()
   assert summary["attention_kernels"] == ["__cudnn$fmhaSoftmax"]
@@ -189,9 +189,9 @@ def test_the_tiny_train_step_has_its_model_flops_and_no_host_transfer(tiny_confi
   # The embedding's gradient is a scatter-add into the table, one update per token (the
   # other scatter is the gradient of the target-logit gather, also one per token).
   table = (m.vocab_size, m.embed_dim)
-  assert [s.update_count for s in d.scatters() if s.operand.shape == table] == [
+  assert [s.count for s in d.scatters() if s.operand.shape == table] == [
       tokens_per_step // d.num_partitions]
-  assert [s.update_count for s in d.lowered_scatters if s.operand.shape == table] == [
+  assert [s.count for s in d.lowered_scatters if s.operand.shape == table] == [
       tokens_per_step]
   assert d.memory.temp_bytes is not None and d.memory.argument_bytes > 0
 

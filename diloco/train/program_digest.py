@@ -1,10 +1,6 @@
 """What a compiled step really runs: its matmuls, scatters, loops, host transfers and memory,
 read from the compiled program so that tests on CPU can hold the step to its performance rules.
 
-  d = program_digest.digest(step_fn, state, batch)   # a jitted fn and its arguments,
-  d = program_digest.digest(step_fn.lower(state, batch))   # or a Lowered / Compiled
-  d.f32_dots(min_flops=1e6); d.scatters("bf16"); d.host_transfers(); d.summary()
-
 Every HLO fact comes from one parser (`parse_hlo`) of the optimized HLO text
 (`compiled.as_text()`), which sees what the backend made of the program: on CPU a dot sits inside
 a fusion (`__ynn_fusion`, ...), on GPU it is a cuBLAS custom call (`__cublas$gemm`,
@@ -18,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -71,25 +67,14 @@ class Dot:
 
 
 @dataclasses.dataclass(frozen=True)
-class Scatter:
-  """A scatter: `updates` index rows written (or combined) into an array of `dtype`."""
+class Indexed:
+  """A scatter (`window` is its updates) or a gather (`window` is its result): `count` index
+  rows between `operand`, an array of `dtype`, and the windows."""
   name: str
   dtype: str
   operand: Array
-  updates: Array
-  update_count: int  # index rows, i.e. how many windows are scattered
-  executions: int
-  op_name: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Gather:
-  """A gather of `slice_count` windows from `operand`."""
-  name: str
-  dtype: str
-  operand: Array
-  result: Array
-  slice_count: int
+  window: Array
+  count: int
   executions: int
   op_name: str
 
@@ -102,17 +87,11 @@ class WhileLoop:
 
 
 @dataclasses.dataclass(frozen=True)
-class HostTransfer:
-  """An instruction that moves data between host and device, or runs host code."""
+class Op:
+  """A custom call (`kind` is its target) or a host transfer (`kind` is the opcode, the
+  custom-call target, or "to_host" / "from_host" for a move between memory spaces)."""
   name: str
-  kind: str  # the opcode, the custom-call target, or "to_host" / "from_host" (memory space)
-  op_name: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CustomCall:
-  name: str
-  target: str
+  kind: str
   op_name: str
 
 
@@ -130,18 +109,18 @@ class Memory:
 class ProgramDigest:
   """The facts of one compiled program that its performance depends on."""
   dots: tuple[Dot, ...]
-  scatters_all: tuple[Scatter, ...]
-  gathers: tuple[Gather, ...]
+  scatters_all: tuple[Indexed, ...]
+  gathers: tuple[Indexed, ...]
   while_loops: tuple[WhileLoop, ...]
-  transfers: tuple[HostTransfer, ...]
-  custom_calls: tuple[CustomCall, ...]
+  transfers: tuple[Op, ...]  # data moved between host and device, or host code run
+  custom_calls: tuple[Op, ...]
   memory: Memory
   cost_flops: float | None  # `compiled.cost_analysis()["flops"]`, None where not given
   num_partitions: int  # devices one SPMD program runs on; the figures here are per device
   # The lowered StableHLO's dots and scatters, each once, in the dtypes the program asks for
   # before the backend rewrites any (None when only a Compiled was given).
   lowered_dots: tuple[Dot, ...] | None = None
-  lowered_scatters: tuple[Scatter, ...] | None = None
+  lowered_scatters: tuple[Indexed, ...] | None = None
 
   def dot_flops(self) -> int:
     """FLOPs of every matmul, per device, loops' known trip counts included."""
@@ -153,22 +132,22 @@ class ProgramDigest:
     return tuple(d for d in self.dots
                  if d.operand_dtypes == ("f32", "f32") and d.flops >= min_flops)
 
-  def scatters(self, dtype: str | None = None) -> tuple[Scatter, ...]:
+  def scatters(self, dtype: str | None = None) -> tuple[Indexed, ...]:
     """Scatters, only those into `dtype` (HLO spelling: "bf16", "f32") if given."""
     return tuple(s for s in self.scatters_all if dtype is None or s.dtype == dtype)
 
-  def host_transfers(self) -> tuple[HostTransfer, ...]:
+  def host_transfers(self) -> tuple[Op, ...]:
     return self.transfers
 
   def custom_call_counts(self) -> dict[str, int]:
     counts: dict[str, int] = {}
     for c in self.custom_calls:
-      counts[c.target] = counts.get(c.target, 0) + 1
+      counts[c.kind] = counts.get(c.kind, 0) + 1
     return counts
 
-  def attention_kernels(self) -> tuple[CustomCall, ...]:
+  def attention_kernels(self) -> tuple[Op, ...]:
     """Fused attention custom calls (cuDNN `__cudnn$fmha*` on GPU); none on CPU."""
-    return tuple(c for c in self.custom_calls if _ATTENTION.search(c.target))
+    return tuple(c for c in self.custom_calls if _ATTENTION.search(c.kind))
 
   def summary(self) -> dict[str, Any]:
     """A JSON-able account for benches: FLOPs by operand dtypes, the rest as counts."""
@@ -176,21 +155,20 @@ class ProgramDigest:
     for d in self.dots:
       key = " x ".join(d.operand_dtypes) + " -> " + d.result.dtype
       by_dtypes[key] = by_dtypes.get(key, 0) + d.flops * d.executions
-    scatters = [{"dtype": s.dtype, "updates": s.update_count, "executions": s.executions,
-                 "op_name": s.op_name} for s in self.scatters_all]
     return {
         "num_partitions": self.num_partitions,
         "dots": len(self.dots),
         "dot_flops": self.dot_flops(),
         "dot_flops_by_dtypes": dict(sorted(by_dtypes.items())),
         "cost_analysis_flops": self.cost_flops,
-        "scatters": scatters,
+        "scatters": [{"dtype": s.dtype, "updates": s.count, "executions": s.executions,
+                      "op_name": s.op_name} for s in self.scatters_all],
         "gathers": len(self.gathers),
         "while_loops": [w.trip_count for w in self.while_loops],
         "host_transfers": sorted({t.kind for t in self.transfers}),
         "host_transfer_count": len(self.transfers),
         "custom_calls": self.custom_call_counts(),
-        "attention_kernels": sorted({c.target for c in self.attention_kernels()}),
+        "attention_kernels": sorted({c.kind for c in self.attention_kernels()}),
         "memory": dataclasses.asdict(self.memory),
     }
 
@@ -210,13 +188,8 @@ def _split_type(text: str) -> tuple[str, str]:
   if not text.startswith("("):
     head, _, rest = text.partition(" ")
     return head, rest
-  depth = 0
-  for i, ch in enumerate(text):
-    depth += ch == "("
-    depth -= ch == ")"
-    if depth == 0:
-      return text[:i + 1], text[i + 1:].lstrip()
-  return text, ""
+  inside, rest = _balanced(text[1:])
+  return f"({inside})", rest.lstrip()
 
 
 def _arrays(type_text: str) -> tuple[Array, ...]:
@@ -275,7 +248,6 @@ def _executions(instructions, entry, callers) -> Callable[[str], int]:
     if computation == entry or computation not in callers:
       return 1
     if computation not in memo:
-      memo[computation] = 0  # a cycle cannot occur in HLO; this only guards the recursion
       total = 0
       for caller, kind in callers[computation]:
         inst = instructions[caller]
@@ -283,7 +255,7 @@ def _executions(instructions, entry, callers) -> Callable[[str], int]:
         if inst.opcode == "while" and kind == "body":
           trips = _trip_count(inst) or 1
         total += runs(inst.computation) * trips
-      memo[computation] = max(total, 1)
+      memo[computation] = max(total, 1)  # HLO has no recursion: callers finish first
     return memo[computation]
 
   return runs
@@ -359,29 +331,28 @@ def digest_hlo_text(text: str) -> ProgramDigest:
       if operand is not None and updates is not None:
         window = _dims(inst.attributes, "update_window_dims")
         rows = math.prod(s for i, s in enumerate(updates.shape) if i not in window)
-        scatters.append(Scatter(inst.name, inst.types[0].dtype, operand, updates, rows, n,
+        scatters.append(Indexed(inst.name, inst.types[0].dtype, operand, updates, rows, n,
                                 op_name))
     elif inst.opcode == "gather" and inst.operands:
       operand, result = shape_of(inst.operands[0]), inst.types[0]
       offsets = _dims(inst.attributes, "offset_dims")
       slices = math.prod(s for i, s in enumerate(result.shape) if i not in offsets)
       if operand is not None:
-        gathers.append(Gather(inst.name, result.dtype, operand, result, slices, n, op_name))
+        gathers.append(Indexed(inst.name, result.dtype, operand, result, slices, n, op_name))
     elif inst.opcode == "while":
       loops.append(WhileLoop(inst.name, _trip_count(inst), op_name))
     if inst.opcode == "custom-call":
       target = _attr(inst.attributes, "custom_call_target")
-      calls.append(CustomCall(inst.name, target, op_name))
+      calls.append(Op(inst.name, target, op_name))
       if "callback" in target.lower() or target in _HOST_PLACEMENT_TARGETS:
-        transfers.append(HostTransfer(inst.name, target, op_name))
+        transfers.append(calls[-1])
     elif inst.opcode in _HOST_OPCODES:
-      transfers.append(HostTransfer(inst.name, inst.opcode, op_name))
+      transfers.append(Op(inst.name, inst.opcode, op_name))
     elif inst.opcode != "parameter":
       to_host = any(t.host for t in inst.types)
       from_host = any((s := shape_of(o)) is not None and s.host for o in inst.operands)
       if to_host != from_host and inst.opcode not in ("get-tuple-element", "tuple", "bitcast"):
-        transfers.append(HostTransfer(inst.name, "to_host" if to_host else "from_host",
-                                      op_name))
+        transfers.append(Op(inst.name, "to_host" if to_host else "from_host", op_name))
   header = re.search(r"num_partitions=(\d+)", text.split("\n", 1)[0])
   return ProgramDigest(tuple(dots), tuple(scatters), tuple(gathers), tuple(loops),
                        tuple(transfers), tuple(calls), Memory(), None,
@@ -417,7 +388,7 @@ _STABLEHLO_SCATTER = re.compile(
     re.DOTALL)
 
 
-def stablehlo_scatters(text: str) -> tuple[Scatter, ...]:
+def stablehlo_scatters(text: str) -> tuple[Indexed, ...]:
   """Scatters of a lowered StableHLO module in the dtype the program asks for (the CPU backend
   compiles a bf16 scatter-add as f32, so only this shows the bf16 one there)."""
   scatters = []
@@ -426,32 +397,29 @@ def stablehlo_scatters(text: str) -> tuple[Scatter, ...]:
     types = [_tensor(t) for t in re.findall(r"tensor<([^>]*)>", m.group(2))]
     operand, updates = types[0], types[-1]  # (inputs..., indices, updates...)
     rows = math.prod(n for d, n in enumerate(updates.shape) if d not in window)
-    scatters.append(Scatter(f"scatter.{i}", operand.dtype, operand, updates, rows, 1, ""))
+    scatters.append(Indexed(f"scatter.{i}", operand.dtype, operand, updates, rows, 1, ""))
   return tuple(scatters)
 
 
-def _memory(compiled) -> Memory:
+def _figures(compiled) -> tuple[Memory, float | None]:
+  """`memory_analysis()` and `cost_analysis()` flops, None for what the backend cannot give."""
+  errors = (NotImplementedError, RuntimeError, jax.errors.JaxRuntimeError)
   try:
     stats = compiled.memory_analysis()
-  except (NotImplementedError, RuntimeError, jax.errors.JaxRuntimeError):
-    return Memory()
-  if stats is None:
-    return Memory()
+  except errors:
+    stats = None
   get = lambda name: getattr(stats, name, None)
-  return Memory(get("temp_size_in_bytes"), get("argument_size_in_bytes"),
-                get("output_size_in_bytes"), get("alias_size_in_bytes"),
-                get("generated_code_size_in_bytes"))
-
-
-def _cost_flops(compiled) -> float | None:
+  memory = Memory(get("temp_size_in_bytes"), get("argument_size_in_bytes"),
+                  get("output_size_in_bytes"), get("alias_size_in_bytes"),
+                  get("generated_code_size_in_bytes"))
   try:
     cost = compiled.cost_analysis()
-  except (NotImplementedError, RuntimeError, jax.errors.JaxRuntimeError):
-    return None
+  except errors:
+    cost = None
   if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
     cost = cost[0] if cost else None
   flops = cost.get("flops") if isinstance(cost, dict) else None
-  return None if flops is None else float(flops)
+  return memory, None if flops is None else float(flops)
 
 
 def digest(fn_or_stage, *args, **kwargs) -> ProgramDigest:
@@ -469,8 +437,9 @@ def digest(fn_or_stage, *args, **kwargs) -> ProgramDigest:
     compiled = lowered.compile()
   result = digest_hlo_text(compiled.as_text() or "")
   text = None if lowered is None else lowered.as_text()
+  memory, flops = _figures(compiled)
   return dataclasses.replace(
-      result, memory=_memory(compiled), cost_flops=_cost_flops(compiled),
+      result, memory=memory, cost_flops=flops,
       lowered_dots=None if text is None else stablehlo_dots(text),
       lowered_scatters=None if text is None else stablehlo_scatters(text))
 
@@ -488,15 +457,11 @@ class Residual:
 
 @dataclasses.dataclass(frozen=True)
 class Residuals:
-  """What the backward pass of a function keeps from its forward pass."""
-  entries: tuple[Residual, ...]
+  entries: tuple[Residual, ...]  # what the backward pass keeps from the forward pass
 
   @property
   def total_bytes(self) -> int:
     return sum(r.nbytes for r in self.entries)
-
-  def summary(self) -> dict[str, Any]:
-    return {"count": len(self.entries), "total_bytes": self.total_bytes}
 
 
 def saved_residuals(fn: Callable, *args) -> Residuals:
@@ -514,15 +479,12 @@ def saved_residuals(fn: Callable, *args) -> Residuals:
   def backward_of(*flat):
     return jax.vjp(lambda *a: fn(*jax.tree.unflatten(tree, a)), *flat)[1]
 
-  closed, out_shape = jax.make_jaxpr(backward_of, return_shape=True)(*leaves)
-  jaxpr = closed.jaxpr
-  count = len(jax.tree.leaves(out_shape))
-  outvars: Sequence = jaxpr.outvars[len(jaxpr.outvars) - count:]
+  jaxpr = jax.make_jaxpr(backward_of)(*leaves).jaxpr  # its outputs: the closure's arrays
   producer = {v: e.primitive.name for e in jaxpr.eqns for v in e.outvars}
   argument = {v: i for i, v in enumerate(jaxpr.invars)}
   constants = set(jaxpr.constvars)
   entries = []
-  for v in outvars:
+  for v in jaxpr.outvars:
     if isinstance(v, jax.extend.core.Literal):
       source = "literal"
     elif v in argument:
