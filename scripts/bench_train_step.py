@@ -350,7 +350,7 @@ class Sweep:
           jax.block_until_ready(metrics)
     loss = float(metrics["train/loss"])
     row = self._figures(cfg, compiled, mesh, times, compile_s)
-    row["data"] = source
+    row["data"], row["state_build_s"] = source, round(self.built_s, 3)  # 0: reused
     row["loss"] = round(loss, 4)
     if not np.isfinite(loss):
       row["error"] = "failed"
