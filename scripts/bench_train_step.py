@@ -369,8 +369,8 @@ class Sweep:
     hardware = None if extra is None else causal + extra
     peak = peak_flops_per_device(devices[0].device_kind)
     peak_total = None if peak is None else peak * len(devices)
-    per_s = lambda f: None if f is None else f * tokens / median  # noqa: E731
-    ratio = lambda f, d: None if f is None or d is None else round(per_s(f) / d, 4)  # noqa: E731
+    per_s = lambda f: None if f is None else f * tokens / median
+    ratio = lambda f, d: None if f is None or d is None else round(per_s(f) / d, 4)
     analysis = compiled.memory_analysis()
     memory = devices[0].memory_stats() or {}
     mm_bf16, mm_fp32 = (self.baselines["matmul_bf16_flops_per_s"],
@@ -451,7 +451,7 @@ def main(argv):
                                     if len(variants) > 1 else _PROFILE.value)
       try:
         head.update(sweep.run(cfg, source, steps, profile))
-      except Exception as e:  # pylint: disable=broad-except  # one variant's failure is a result
+      except Exception as e:  # noqa: BLE001  (one variant's failure is a result)
         head.update(error="oom" if _is_oom(e) else "failed", error_type=type(e).__name__,
                     message=str(e).splitlines()[0][:500] if str(e) else "")
       durations.append(time.perf_counter() - began - sweep.built_s)
