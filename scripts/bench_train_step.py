@@ -404,7 +404,8 @@ def _layout(spec) -> tuple:
           tuple((a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(spec.abstract)))
 
 
-def _is_oom(error: BaseException) -> bool:
+def is_oom(error: BaseException) -> bool:
+  """Whether `error` is the device running out of memory (XLA's RESOURCE_EXHAUSTED)."""
   return any(marker in str(error) for marker in _OOM)
 
 
@@ -452,7 +453,7 @@ def main(argv):
       try:
         head.update(sweep.run(cfg, source, steps, profile))
       except Exception as e:  # noqa: BLE001  (one variant's failure is a result)
-        head.update(error="oom" if _is_oom(e) else "failed", error_type=type(e).__name__,
+        head.update(error="oom" if is_oom(e) else "failed", error_type=type(e).__name__,
                     message=str(e).splitlines()[0][:500] if str(e) else "")
       durations.append(time.perf_counter() - began - sweep.built_s)
       jax.clear_caches()

@@ -131,3 +131,23 @@ def test_time_budget_skips_what_would_not_fit():
   first, second, summary = [json.loads(line) for line in out.stdout.strip().splitlines()]
   assert "error" not in first and second["error"] == "skipped"
   assert [row.get("error") for row in summary["variants"]] == [None, "skipped"]
+
+
+def test_attention_and_oom_are_read_from_the_program_and_the_error():
+  bench = import_script("bench_train_step")
+
+  class Program:  # what compiled.as_text() shows of a GPU step with and without cuDNN attention
+    def __init__(self, text):
+      self.text = text
+
+    def as_text(self):
+      return self.text
+
+  fused = ('%fmha = (bf16[4,2048,8,256]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), '
+           'custom_call_target="__cudnn$fmhaSoftmax", backend_config={}')
+  assert bench.compiled_attention(Program(fused)) == "cudnn"
+  gemm = 'custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"'
+  assert bench.compiled_attention(Program(gemm)) == "xla"
+  assert bench.compiled_attention(Program("")) == "xla"
+  assert bench.is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))
+  assert not bench.is_oom(ValueError("shapes do not match"))
