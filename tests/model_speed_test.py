@@ -280,7 +280,7 @@ def test_bench_train_step_prints_mfu_json_on_cpu():
        "--num_layers=4"],
       capture_output=True, text=True, env=env, timeout=300, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
-  row = json.loads(out.stdout.strip().splitlines()[-1])
+  row = json.loads(out.stdout.strip().splitlines()[0])  # the variant; the summary is last
   assert row["backend"] == "cpu" and row["device_kind"] == "cpu"
   assert row["mfu"] is None and row["peak_flops_per_s"] is None  # cpu is not in the table
   assert (row["dtype"], row["scan_layers"], row["remat"], row["attention_resolved"]) == (
