@@ -35,7 +35,7 @@ def test_tiny_plan_writes_the_results_table_logs_and_traces(tmp_path):
   env = next(r for r in lines if r.get("bench") == "env")
   import jax  # noqa: PLC0415
   assert env["jax"] == jax.__version__ and env["backend"] == "cpu"
-  steps = [r for r in lines if r.get("bench") == "train_step"]
+  steps = [r for r in lines if r.get("bench") == "train_step" and "variant" in r]
   assert {r["item"] for r in steps} == {"step_tiny", "profile_tiny"}
   assert all(r["step_s"] > 0 and r["host_ops"] == [] for r in steps)
   statuses = {r["item"]: r["status"] for r in lines if "status" in r}
@@ -80,3 +80,18 @@ def test_an_item_that_hangs_after_its_last_line_is_killed_and_keeps_its_line(tmp
   status, _, records = check._run(slow, 1.5, str(tmp_path / "slow.log"))
   assert status == "timeout" and records == []
   assert "killed (timeout)" in (tmp_path / "slow.log").read_text()
+
+
+def test_the_import_shim_stands_in_only_for_missing_hijax_names():
+  shim = os.path.join(ROOT, "scripts", "device", "shim")
+  code = ("import jax.experimental.hijax as h\n"
+          "real = [n for n in dir(h) if not n.startswith('_')]\n"
+          "from jax.experimental.hijax import NotInThisJax\n"
+          "class Sub(NotInThisJax): pass\n"
+          "Sub(1, key=2)\n"
+          "assert all(getattr(h, n).__module__ != 'sitecustomize' for n in real)\n"
+          "print(NotInThisJax.__module__)")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        env={**os.environ, "PYTHONPATH": shim}, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == "sitecustomize"

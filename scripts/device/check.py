@@ -152,7 +152,7 @@ def _run(item: Item, seconds: float, log_path: str) -> tuple[str, int | None, li
 # The columns of results.md, in order, where a record has them.
 _COLUMNS = ("variant", "batch_size", "seq_len", "remat", "step_s", "step_s_p90", "tokens_per_s",
             "mfu", "mfu_full_attention", "hfu", "compile_s", "peak_bytes_in_use",
-            "attention_impl", "error")
+            "attention_resolved", "error")
 
 
 def _table(rows: list[dict]) -> str:

@@ -8,16 +8,11 @@ fails without it (the bundle normally carries flax 0.12.8, which needs no shim).
 """
 
 import importlib
-import sys
-import types
 
 try:
   _hijax = importlib.import_module("jax.experimental.hijax")
-except ImportError:
-  import jax.experimental
-  _hijax = types.ModuleType("jax.experimental.hijax")
-  sys.modules["jax.experimental.hijax"] = _hijax
-  jax.experimental.hijax = _hijax
+except ImportError:  # a JAX without the module: its flax does not name it either
+  _hijax = None
 
 
 def _stand_in(name: str):
@@ -28,4 +23,5 @@ def _stand_in(name: str):
   return cls
 
 
-_hijax.__getattr__ = _stand_in
+if _hijax is not None:
+  _hijax.__getattr__ = _stand_in
