@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import gzip
 import json
 import os
 import platform
@@ -55,6 +56,7 @@ from diloco.train import data as data_lib
 from diloco.train import flops as flops_lib
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
+from diloco.train import program_digest
 from diloco.train import state as train_state
 from diloco.train import step as train_step
 
@@ -78,6 +80,8 @@ _MATMUL_CHAIN = flags.DEFINE_integer("matmul_chain", 10, "Matmuls timed back to 
                                      "sync at the end, per baseline.")
 _PROFILE = flags.DEFINE_string("profile_dir", "", "Write a jax.profiler trace of 3 timed steps "
                                "(of each variant, in v<index>/ under it, in a sweep).")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", "", "Write each variant's compiled program text "
+                               "(gzipped HLO) here, to digest again off the device.")
 _VARIANTS = flags.DEFINE_string("variants", "", "';'-separated variants of ','-separated "
                                 "key=value pairs (see the module docstring); '' = the flags.")
 _BUDGET = flags.DEFINE_float("time_budget_s", 0.0, "Start no variant that would end past this "
@@ -246,6 +250,21 @@ def _program_text(compiled) -> str | None:
     return None
 
 
+def program_summary(text: str | None) -> dict | None:
+  """What the compiled step does (`diloco.train.program_digest`): FLOPs by dot operand dtypes,
+  scatters and their dtypes, loops, host transfers, the attention kernel. Read from the program
+  the device runs, so a claim about the step rests on it; a parse failure is reported, not
+  raised (the timing stands on its own)."""
+  if text is None:
+    return None
+  try:
+    summary = program_digest.digest_hlo_text(text).summary()
+  except Exception as e:  # noqa: BLE001
+    return {"error": f"{type(e).__name__}: {e}"[:300]}
+  summary.pop("memory", None)  # the compiled executable's figures are in the row already
+  return summary
+
+
 def versions() -> dict:
   """The software stack and the environment switches that the figures depend on."""
   try:
@@ -321,7 +340,7 @@ class Sweep:
     mesh = mesh_lib.learner_mesh(jax.devices(), cfg.mesh)
     return train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, 1000), mesh)
 
-  def run(self, cfg, source: str, steps: int, profile_dir: str) -> dict:
+  def run(self, cfg, source: str, steps: int, profile_dir: str, hlo_path: str = "") -> dict:
     """Compiles, warms up and times one variant; the figures as a dict."""
     spec = self._spec(cfg)
     self._state_for(cfg, spec)
@@ -350,6 +369,12 @@ class Sweep:
           jax.block_until_ready(metrics)
     loss = float(metrics["train/loss"])
     row = self._figures(cfg, compiled, mesh, times, compile_s)
+    text = _program_text(compiled)
+    row["program"] = program_summary(text)
+    if hlo_path and text:
+      os.makedirs(os.path.dirname(hlo_path) or ".", exist_ok=True)
+      with gzip.open(hlo_path, "wt") as f:
+        f.write(text)
     row["data"], row["state_build_s"] = source, round(self.built_s, 3)  # 0: reused
     row["loss"] = round(loss, 4)
     if not np.isfinite(loss):
@@ -450,8 +475,9 @@ def main(argv):
       began = time.perf_counter()
       profile = _PROFILE.value and (os.path.join(_PROFILE.value, f"v{index}")
                                     if len(variants) > 1 else _PROFILE.value)
+      hlo_path = _HLO_DIR.value and os.path.join(_HLO_DIR.value, f"v{index}.hlo.txt.gz")
       try:
-        head.update(sweep.run(cfg, source, steps, profile))
+        head.update(sweep.run(cfg, source, steps, profile, hlo_path))
       except Exception as e:  # noqa: BLE001  (one variant's failure is a result)
         head.update(error="oom" if is_oom(e) else "failed", error_type=type(e).__name__,
                     message=str(e).splitlines()[0][:500] if str(e) else "")

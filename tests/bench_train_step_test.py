@@ -3,6 +3,7 @@ the figures a short GPU run depends on cannot silently change meaning."""
 
 import json
 import os
+import gzip
 import subprocess
 import sys
 
@@ -79,10 +80,10 @@ def test_parse_variants_types_and_errors():
     bench.parse_variants("batch_size=four")
 
 
-def test_sweep_prints_one_line_per_variant_then_a_summary():
+def test_sweep_prints_one_line_per_variant_then_a_summary(tmp_path):
   variants = ("remat=full,sliding_window=8,attention_impl=xla;"
               "batch_size=4,remat=dots_with_no_batch_dims_saveable,sliding_window=8,data=corpus")
-  out = _bench("--num_layers=3", f"--variants={variants}")
+  out = _bench("--num_layers=3", f"--variants={variants}", f"--hlo_dir={tmp_path}")
   assert out.returncode == 0, out.stderr[-3000:]
   lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
   assert len(lines) == 3 and lines[-1]["summary"] and lines[-1]["variants"] == lines[:2]
@@ -116,6 +117,15 @@ def test_sweep_prints_one_line_per_variant_then_a_summary():
     assert row["compiled_temp_bytes"] > 0 and row["compiled_argument_bytes"] > 0
   assert first["hfu_recompute"] == "layer_forward"
   assert second["hfu_recompute"] == "attention_forward"
+  # The compiled program's own account, and its text kept for digesting again elsewhere.
+  for index, row in enumerate((first, second)):
+    program = row["program"]
+    assert program["host_transfer_count"] == 0 and program["attention_kernels"] == []
+    assert list(program["dot_flops_by_dtypes"]) == ["f32 x f32 -> f32"]
+    # The masked attention computes every query-key pair: at least the causal count.
+    assert program["dot_flops"] >= row["model_flops_per_token"] * row["batch_size"] * 32
+    with gzip.open(tmp_path / f"v{index}.hlo.txt.gz", "rt") as f:
+      assert "HloModule" in f.read(200)
 
 
 def test_unknown_variant_key_is_a_one_line_error():
