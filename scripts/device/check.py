@@ -61,33 +61,63 @@ def _bench(*flags: str) -> tuple[str, ...]:
   return (PY, BENCH, *flags)
 
 
+# The speed switches of issue 32 against today's path, in the order they are worth measuring.
+# Each entry: (global batch, switches). The first of each list is the reference path.
+M35_VARIANTS = (
+    (64, "embed_impl=gather,head_grad_dtype=float32"),  # before the switches
+    (64, "embed_impl=auto,head_grad_dtype=compute"),  # the defaults: one-hot embedding
+    (64, "embed_impl=gather_f32,head_grad_dtype=compute"),
+)
+GEMMA_VARIANTS = (
+    (4, "remat=full,embed_impl=gather,head_grad_dtype=float32,loss_chunk=4096"),  # before
+    (4, "remat=full"),  # the defaults: bf16 head backward, f32 embedding gradient
+    (4, "remat=save_attention"),
+    (4, "remat=save_dots_and_attention"),
+    (8, "remat=save_attention"),
+    (8, "remat=full"),
+    (2, "remat=none"),
+)
+
+
+def _variants(entries, batch_scale: float = 1.0) -> str:
+  return ";".join(f"batch_size={max(1, int(batch * batch_scale))},{switches}"
+                  for batch, switches in entries)
+
+
 def plan(name: str, out: str) -> list[Item]:
-  """The items of plan `name`, most valuable first."""
+  """The items of plan `name`, most valuable first. "tiny" runs the same items and variants
+  as "gpu" at sizes a CPU runs in seconds, so a rehearsal catches what would fail on a loan."""
   env = Item("env", (PY, "-c", _ENV_SNIPPET), 15, 60)
   traces = os.path.join(out, "traces")
-  if name == "tiny":  # the CPU rehearsal: every item's path at a size a CPU runs in seconds
-    return [
-        env,
-        Item("step_tiny", _bench("--preset=tiny", "--steps=2", "--batch_size=8",
-                                 "--seq_len=32", "--matmul_size=64"), 40, 120),
-        Item("profile_tiny", _bench("--preset=tiny", "--steps=2", "--batch_size=8",
-                                    "--seq_len=32", "--matmul_size=64",
-                                    f"--profile_dir={traces}"), 40, 120),
-    ]
-  if name == "gpu":
-    accel = ("--dtype=bfloat16", "--scan_layers=true", "--attention_impl=auto")
-    return [
-        env,
-        Item("gemma_2b_b4_full", _bench("--preset=gemma_2b", "--batch_size=4", "--seq_len=2048",
-                                        "--remat=full", "--steps=8", *accel), 100, 200),
-        Item("m35_64x512", _bench("--preset=m35", "--batch_size=64", "--seq_len=512",
-                                  "--steps=20"), 45, 120),
-        Item("gemma_2b_b4_dots", _bench("--preset=gemma_2b", "--batch_size=4",
-                                        "--seq_len=2048",
-                                        "--remat=dots_with_no_batch_dims_saveable",
-                                        "--steps=8", *accel), 100, 200),
-    ]
-  raise SystemExit(f"check.py: unknown --plan {name!r}; known: gpu, tiny")
+  hlo = f"--hlo_dir={os.path.join(traces, 'hlo')}"
+  if name not in ("gpu", "tiny"):
+    raise SystemExit(f"check.py: unknown --plan {name!r}; known: gpu, tiny")
+  gpu = name == "gpu"
+  # The CPU rehearsal runs on the 8 emulated devices of the tests: batches must divide by 8.
+  scale = 1.0 if gpu else 4.0
+  accel = ("--dtype=bfloat16", "--scan_layers=true", "--attention_impl=auto")
+  small = () if gpu else ("--seq_len=32", "--matmul_size=64", "--num_layers=3")
+  m35 = ("--preset=m35", "--seq_len=512", "--steps=20") if gpu else ("--preset=tiny", "--steps=2")
+  gemma = (("--preset=gemma_2b", "--seq_len=2048", "--steps=6") if gpu else
+           ("--preset=tiny", "--steps=2"))
+  overhead = (("--model=small", "--devices=1", "--batch_size=64", "--seq_len=1024",
+               "--dtype=bfloat16") if gpu else
+              ("--model=tiny", "--devices=1", "--steps=8", "--repeats=1"))
+  return [
+      env,
+      Item("m35_sweep", _bench(*m35, *small, "--data=corpus",
+                               f"--variants={_variants(M35_VARIANTS, 1.0 if gpu else 0.125)}"),
+           90 if gpu else 60, 150 if gpu else 240, budget_flag="--time_budget_s"),
+      Item("gemma_2b_sweep", _bench(*gemma, *small, *accel, "--data=corpus", hlo,
+                                    f"--variants={_variants(GEMMA_VARIANTS, scale)}"),
+           150 if gpu else 90, 420 if gpu else 300, budget_flag="--time_budget_s"),
+      Item("learner_overhead", (PY, OVERHEAD, *overhead), 90 if gpu else 60, 150 if gpu else 240),
+      Item("profile_gemma_2b", _bench(*gemma, *small, *accel, "--data=corpus",
+                                      "--batch_size=4" if gpu else "--batch_size=8",
+                                      "--remat=save_attention", "--steps=2",
+                                      f"--profile_dir={traces}"),
+           80 if gpu else 40, 120 if gpu else 240),
+  ]
 
 
 def _is_final(record: dict) -> bool:
