@@ -62,6 +62,9 @@ _TOKENIZER_COMPANIONS = ("tokenizer_config.json",)
 _META_FIELDS = {"format": str, "step": int, "model": dict, "data": dict,
                 "runtime": Field(str, required=False), "seed": Field(int, required=False),
                 "num_params": Field(int, required=False)}
+# The model fields that size the parameters: a saved model always states them.
+_SIZE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "mlp_dim")
 _DATA_FIELDS = {"tokenizer": Field(str, required=False),
                 "tokenizer_source": Field(str, required=False),
                 "seq_len": Field(int, required=False)}
@@ -192,8 +195,11 @@ def export_dir(path: str) -> str | None:
 
 
 def read_model(fields: dict, file: str) -> ModelConfig:
-  """The ModelConfig of a document's `model` object: known fields of their types, under the
-  model's own rules (a model training would refuse is refused here too)."""
+  """The ModelConfig of a document's `model` object: the fields that size the parameters
+  present, every field known and of its type, under the model's own rules (a model training
+  would refuse is refused here too)."""
+  documents.fields(documents.obj(fields, file, "model"), {k: int for k in _SIZE_FIELDS}, file,
+                   prefix="model.")
   return documents.group(ModelConfig, "model", fields, file)
 
 
@@ -241,15 +247,24 @@ def _saved_shapes(params_path: str) -> PyTree:
 
 
 def check_size(cfg: ModelConfig, saved: PyTree, file: str) -> None:
-  """DocumentError when the model fields ask for more parameters than the saved tensors hold,
-  before a model (even an abstract one) is built: e.g. `num_layers: 1000000` beside the
-  tensors of two layers. The transformer's embedding and attention weights alone give a lower
-  bound; another architecture is checked tensor by tensor once built."""
-  held = sum(math.prod(tuple(v.shape)) for v in fragments_lib.flatten_tree(saved).values())
+  """DocumentError when the model fields ask for more parameters (or tensors) than the saved
+  ones hold, before a model (even an abstract one) is built: e.g. `num_layers: 1000000`
+  beside the tensors of two layers. For the transformer, its embedding, and each layer's
+  attention, MLP and four tensors at least, give the bound; another architecture is checked
+  tensor by tensor once built."""
+  flat = fragments_lib.flatten_tree(saved)
+  held = sum(math.prod(tuple(v.shape)) for v in flat.values())
   if cfg.arch != "transformer":
     return
-  attention = cfg.embed_dim * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
-  least = cfg.vocab_size * cfg.embed_dim + cfg.num_layers * attention
+  if cfg.num_layers * 4 + 1 > len(flat):
+    raise DocumentError(file, "model.num_layers", f"is {cfg.num_layers}, but the saved "
+                        f"parameters hold {len(flat)} tensors; the fields were changed after "
+                        "the parameters were saved")
+  d = cfg.embed_dim
+  attention = d * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
+  mlp = (cfg.num_experts * (3 * d * cfg.expert_mlp_dim + d) if cfg.num_experts
+         else 3 * d * cfg.mlp_dim)
+  least = cfg.vocab_size * d + cfg.num_layers * (attention + mlp)
   if least > held:
     raise DocumentError(file, "model", f"its fields give a model of at least {least} "
                         f"parameters, but the saved tensors hold {held}; the fields were "
