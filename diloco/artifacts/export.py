@@ -223,7 +223,7 @@ def refuse_code(cfg: ModelConfig, file: str, trust_code: bool) -> None:
   `--trust_export_code`: a folder someone else wrote is data, and data does not run code."""
   if cfg.module and not trust_code:
     raise DocumentError(file, "model.module", f"names code to import ({documents.show(cfg.module)}"
-                        f"), which loading this model would run; pass {TRUST_FLAG} only if you "
+                        f"), which building this model runs; pass {TRUST_FLAG} only if you "
                         "trust whoever wrote this file")
 
 
@@ -271,15 +271,14 @@ def check_size(cfg: ModelConfig, saved: PyTree, file: str) -> None:
                         "changed after the parameters were saved")
 
 
-def load(path: str, abstract: PyTree | None = None, *,
-         trust_code: bool = False) -> tuple[PyTree, dict]:
+def load(path: str, abstract: PyTree | None = None) -> tuple[PyTree, dict]:
   """(params, metadata) of the export at `path` (an export directory or a workdir).
 
   export.json is checked (`read_meta`) and the model fields against the saved tensors'
-  shapes (`check_size`) before any array is read; an export whose model names code is refused
-  unless `trust_code` (`refuse_code`). With `abstract` (ShapeDtypeStructs, with
-  shardings) the parameters are shape-checked and loaded onto those shardings; without, they
-  are NumPy arrays.
+  shapes (`check_size`) before any array is read. Nothing here imports the export's
+  `model.module`: a caller that builds its model checks `refuse_code` first. With `abstract`
+  (ShapeDtypeStructs, with shardings) the parameters are shape-checked and loaded onto those
+  shardings; without, they are NumPy arrays.
   """
   from orbax.checkpoint import v1 as ocp_v1  # pylint: disable=import-outside-toplevel
   found = export_dir(os.path.abspath(path))  # Orbax refuses a relative checkpoint path
@@ -290,9 +289,7 @@ def load(path: str, abstract: PyTree | None = None, *,
   params_path = _params_dir(found)
   saved = _saved_shapes(params_path)
   meta_file = os.path.join(found, META_FILE)
-  cfg = read_model(meta["model"], meta_file)
-  refuse_code(cfg, meta_file, trust_code)
-  check_size(cfg, saved, meta_file)
+  check_size(read_model(meta["model"], meta_file), saved, meta_file)
   if abstract is not None:
     check_shapes(saved, abstract, f"export {found}")
   # NumPy targets: read on the host whatever devices wrote it (a data-parallel export holds
@@ -404,9 +401,7 @@ def read_params(path: str, what: str = "train.init_from",
     return (fragments_lib.unflatten_tree(flat),
             f"store {path} ({shards} syncer shard(s); fragment versions {versions})")
   if export_dir(path) is not None:
-    # Only the tensors are taken (the running config's model is built), so the export's
-    # `model.module` is never imported here.
-    params, meta = load(path, trust_code=True)
+    params, meta = load(path)
     return params, f"export {export_dir(path)} (step {meta.get('step')})"
   found = _resolve_checkpoint(path)
   if found is None:

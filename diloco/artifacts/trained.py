@@ -118,8 +118,11 @@ def load(workdir: str, step: int | None = None, *, trust_code: bool = False) -> 
     found = export.export_dir(workdir)
     if found is None:
       raise ConfigError(_no_export_message(workdir))
-    params, meta = export.load(found, trust_code=trust_code)
-    cfg = model_config(meta["model"], os.path.join(found, export.META_FILE))
+    meta_file = os.path.join(found, export.META_FILE)
+    export.refuse_code(export.read_model(export.read_meta(found)["model"], meta_file),
+                       meta_file, trust_code)
+    params, meta = export.load(found)
+    cfg = model_config(meta["model"], meta_file)
     spec = export.tokenizer_spec(found, meta)
     source = f"export {found} (step {meta.get('step')})"
   else:

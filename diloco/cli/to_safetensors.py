@@ -13,6 +13,8 @@ model names code to import; see `diloco.cli.command.define_trust_flag`).
 
 from __future__ import annotations
 
+import os
+
 from absl import flags
 
 from diloco.artifacts import export
@@ -31,7 +33,12 @@ def _convert() -> None:
   if found is None:
     raise ConfigError(f"--workdir: {FLAGS.workdir!r} holds no export "
                       f"({export.EXPORT_DIR}/{export.META_FILE})")
-  params, meta = export.load(found, trust_code=FLAGS.trust_export_code)
+  # Nothing here builds the model, but the copy is made for other readers: one that names
+  # code to import is passed on only by a user who trusts it.
+  meta_file = os.path.join(found, export.META_FILE)
+  export.refuse_code(export.read_model(export.read_meta(found)["model"], meta_file), meta_file,
+                     FLAGS.trust_export_code)
+  params, meta = export.load(found)
   for path in export.write_safetensors(found, params, meta):
     print(f"wrote {path}")
 
