@@ -428,3 +428,22 @@ def test_tokenizer_config_not_json_is_named(tmp_path):
   with pytest.raises(DocumentError) as e:
     tokenizers.HuggingFaceTokenizer._configured_tokens(path)
   assert e.value.file == path and "is not JSON" in str(e.value)
+
+
+def test_a_checkpoint_that_does_not_fit_the_runtime_is_refused_before_restoring():
+  """`restore` checks the meta against the runtime first: a version per fragment, every
+  tensor of the plan, slot indexes that exist (the syncer is never touched)."""
+  from types import SimpleNamespace
+  cfg = run_config.load("decoupled.py:tiny")
+  rt = SimpleNamespace(plan=SimpleNamespace(fragments=[["a"], ["b"]]), slots=[None], syncer=None)
+  tensors = {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
+  meta = _valid_meta(cfg)
+  for bad, field in [(dict(meta, versions=[0]), "versions"),
+                     (dict(meta, slots=[dict(meta["slots"][0], index=3)]), "slots.0.index")]:
+    with pytest.raises(DocumentError) as e:
+      run_checkpoint.restore(rt, run_checkpoint.Snapshot(tensors, tensors, bad, "ckpt/1"))
+    assert (e.value.file, e.value.field) == ("ckpt/1/meta", field)
+  with pytest.raises(DocumentError) as e:
+    run_checkpoint.restore(rt, run_checkpoint.Snapshot({"a": tensors["a"]}, tensors, meta,
+                                                        "ckpt/1"))
+  assert (e.value.file, e.value.field) == ("ckpt/1/params", "b")

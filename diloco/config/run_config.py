@@ -16,6 +16,7 @@ rule across groups is in `_check_across_groups`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
@@ -256,6 +257,7 @@ def load(spec: str) -> ml_collections.ConfigDict:
 def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
   """Validated frozen Config from a ConfigDict (or a plain nested dict)."""
   raw = cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else cfg
+  raw = dict(raw) if isinstance(raw, Mapping) else raw
   if not isinstance(raw, dict):
     raise ConfigError(f"the config must be an object of groups ({sorted(_GROUPS)}, seed), "
                       f"got {type(raw).__name__}")
