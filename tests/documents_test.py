@@ -36,7 +36,7 @@ from diloco.train import tokenizers
 import run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROPERTY = settings(max_examples=60, deadline=5000, derandomize=True,
+PROPERTY = settings(max_examples=60, deadline=5000, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
 
