@@ -138,7 +138,8 @@ def test_modules_are_imported_normally():
 # A module may import its own layer's units (without a cycle between folders) and the layers
 # below, never one above, deferred imports included. Why each layer sits where it does:
 # - the vocabulary (errors, config rules, document readers, fragments, deliveries, transport
-#   messages and the receipt modes) is imported by all and imports nothing of the package but itself;
+#   messages and the receipt modes) is imported by all and imports nothing of the package but
+#   itself;
 # - `outer` (the syncer's NumPy math) and `model` need only the vocabulary;
 # - `train` (the substrate: mesh, state, step, optimiser, data) builds on the model, and
 #   `observe` (metrics, trackers, accounting) on nothing above the vocabulary;
