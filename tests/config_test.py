@@ -26,7 +26,10 @@ def _with(preset="tiny", **dotted):
 
 
 @pytest.mark.parametrize("dotted, message", [
-    ({"optim__learning_rate": -0.1}, r"optim.learning_rate: must be > 0, got -0.1"),
+    ({"optim__learning_rate": -0.1},
+     r"optim.learning_rate: must be a finite number > 0, got -0.1"),
+    ({"optim__learning_rate": float("inf")}, r"optim.learning_rate: must be a finite number > 0"),
+    ({"outer__learning_rate": float("inf")}, r"outer.learning_rate: must be a finite number > 0"),
     ({"optim__weight_decay": -1.0}, r"optim.weight_decay: must be >= 0"),
     ({"optim__b1": 1.5}, r"optim.b1: must be in \[0, 1\), got 1.5"),
     ({"train__steps": 0}, r"train.steps: must be >= 1"),
@@ -117,7 +120,8 @@ def test_cli_reports_config_errors(tmp_path):
                           timeout=120)
   bad_rate = run("--config=configs/dp.py:tiny", "--config.optim.learning_rate=-1")
   assert bad_rate.returncode != 0
-  assert "config error: optim.learning_rate: must be > 0, got -1.0" in bad_rate.stderr
+  assert ("config error: optim.learning_rate: must be a finite number > 0, got -1.0"
+          in bad_rate.stderr)
   bad_mesh = run("--config=configs/dp.py:tiny", "--config.mesh.data=3")
   assert bad_mesh.returncode != 0 and "does not match the 8 devices" in bad_mesh.stderr
   unknown = run("--config=configs/dp.py:tiny", "--config.bogus=1")

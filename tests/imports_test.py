@@ -137,8 +137,9 @@ def test_modules_are_imported_normally():
 # The layers of the package, lowest first; a unit is a top-level module or a folder of `diloco`.
 # A module may import its own layer's units (without a cycle between folders) and the layers
 # below, never one above, deferred imports included. Why each layer sits where it does:
-# - the vocabulary (errors, config rules, fragments, deliveries, transport messages and the
-#   receipt modes) is imported by all and imports nothing of the package but itself;
+# - the vocabulary (errors, config rules, document readers, fragments, deliveries, transport
+#   messages and the receipt modes) is imported by all and imports nothing of the package but
+#   itself;
 # - `outer` (the syncer's NumPy math) and `model` need only the vocabulary;
 # - `train` (the substrate: mesh, state, step, optimiser, data) builds on the model, and
 #   `observe` (metrics, trackers, accounting) on nothing above the vocabulary;
@@ -151,7 +152,7 @@ def test_modules_are_imported_normally():
 # - the runtimes (`runtime`, `distributed`, `deploy`) put learners and syncers together from a
 #   Config; `cli` (and the `main`/`__main__` entry points) parse flags and call them.
 LAYERS = (
-    {"errors", "settings", "fragments", "delivery", "transport"},
+    {"errors", "settings", "documents", "fragments", "delivery", "transport"},
     {"outer", "model"},
     {"train", "observe"},
     {"sync", "artifacts"},
@@ -221,8 +222,8 @@ def test_no_two_modules_share_a_name():
 
 # The vocabulary every layer imports, and `main.py`, which keeps `python -m diloco.main` working;
 # everything else lives in the subpackage named for its concept.
-TOP_LEVEL = {"__init__.py", "__main__.py", "delivery.py", "errors.py", "fragments.py", "main.py",
-             "settings.py", "transport.py"}
+TOP_LEVEL = {"__init__.py", "__main__.py", "delivery.py", "documents.py", "errors.py",
+             "fragments.py", "main.py", "settings.py", "transport.py"}
 
 
 def test_the_top_level_holds_only_the_vocabulary():

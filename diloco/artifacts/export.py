@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -38,8 +39,11 @@ import jax
 import numpy as np
 from absl import logging
 
+from diloco import documents
 from diloco import fragments as fragments_lib
-from diloco.errors import ConfigError
+from diloco.documents import Field
+from diloco.errors import ConfigError, DocumentError
+from diloco.model.config import ModelConfig
 from diloco.train import storage, tokenizers
 
 PyTree = Any
@@ -47,11 +51,23 @@ EXPORT_DIR = "export"
 META_FILE = "export.json"
 PARAMS_DIR = "params"
 FORMAT = "diloco-export/1"
+# The flag of every command that builds a model from a document that names code to import.
+TRUST_FLAG = "--trust_export_code"
 SAFETENSORS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SAFETENSORS_FORMAT = "diloco-safetensors/1"
 # Read by a `tokenizer.json` for its special tokens (`diloco.train.tokenizers`): copied along.
 _TOKENIZER_COMPANIONS = ("tokenizer_config.json",)
+# What `load` reads of export.json (other keys, e.g. "eval/loss", are the run's record).
+_META_FIELDS = {"format": str, "step": int, "model": dict, "data": dict,
+                "runtime": Field(str, required=False), "seed": Field(int, required=False),
+                "num_params": Field(int, required=False)}
+# The model fields that size the parameters: a saved model always states them.
+_SIZE_FIELDS = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "mlp_dim")
+_DATA_FIELDS = {"tokenizer": Field(str, required=False),
+                "tokenizer_source": Field(str, required=False),
+                "seq_len": Field(int, required=False)}
 
 
 # (store path, its number of syncer shards) -> (flat global parameters, {fragment: version}):
@@ -135,7 +151,7 @@ def _copy_tokenizer(data_cfg, path: str) -> tuple[str, str]:
 def tokenizer_spec(found: str, meta: dict) -> str:
   """The `data.tokenizer` value that loads the tokenizer of the export at `found`: "byte", the
   copy in the export folder, or (an export written before copies) the path the run used."""
-  name = meta.get("data", {}).get("tokenizer", "byte")
+  name = meta["data"].get("tokenizer", "byte")
   if name == "byte":
     return name
   for candidate in (os.path.join(found, name), name):
@@ -178,28 +194,112 @@ def export_dir(path: str) -> str | None:
   return None
 
 
+def read_model(fields: dict, file: str) -> ModelConfig:
+  """The ModelConfig of a document's `model` object: the fields that size the parameters
+  present, every field known and of its type, under the model's own rules (a model training
+  would refuse is refused here too)."""
+  documents.fields(documents.obj(fields, file, "model"), {k: int for k in _SIZE_FIELDS}, file,
+                   prefix="model.")
+  return documents.group(ModelConfig, "model", fields, file)
+
+
+def read_meta(found: str) -> dict:
+  """export.json of the export folder `found`, checked: the format, the fields `load` and its
+  callers read (of their types) and the model config (`read_model`)."""
+  file = os.path.join(found, META_FILE)
+  meta = documents.obj(documents.read(file), file)
+  if meta.get("format") != FORMAT:
+    raise DocumentError(file, "format", f"is {documents.show(meta.get('format'))}, expected "
+                        f"{FORMAT!r}")
+  documents.fields(meta, _META_FIELDS, file)
+  documents.fields(meta["data"], _DATA_FIELDS, file, prefix="data.")
+  read_model(meta["model"], file)
+  return meta
+
+
+def refuse_code(cfg: ModelConfig, file: str, trust_code: bool) -> None:
+  """DocumentError unless the model of the document `file` names no code (`model.module`, a
+  module or .py file that building the model imports, i.e. runs) or the user passed
+  `--trust_export_code`: a folder someone else wrote is data, and data does not run code."""
+  if cfg.module and not trust_code:
+    raise DocumentError(file, "model.module", f"names code to import ({documents.show(cfg.module)}"
+                        f"), which building this model runs; pass {TRUST_FLAG} only if you "
+                        "trust whoever wrote this file")
+
+
+def _params_dir(found: str) -> str:
+  path = os.path.join(found, PARAMS_DIR)
+  if not os.path.isdir(path):
+    what = "is not a directory" if os.path.exists(path) else "is missing"
+    raise DocumentError(path, "", f"{what}; an export holds its parameters there (an Orbax "
+                        "checkpoint)")
+  return path
+
+
+def _saved_shapes(params_path: str) -> PyTree:
+  """The Orbax metadata (shapes and dtypes) of the saved parameters: read before any array."""
+  from orbax.checkpoint import v1 as ocp_v1  # pylint: disable=import-outside-toplevel
+  try:
+    return ocp_v1.metadata(params_path).metadata
+  except Exception as e:  # pylint: disable=broad-except  (whatever Orbax makes of a bad folder)
+    raise DocumentError(params_path, "", "is not a readable Orbax checkpoint "
+                        f"({type(e).__name__}: {documents.show(str(e), 160)})") from None
+
+
+def check_size(cfg: ModelConfig, saved: PyTree, file: str) -> None:
+  """DocumentError when the model fields ask for more parameters (or tensors) than the saved
+  ones hold, before a model (even an abstract one) is built: e.g. `num_layers: 1000000`
+  beside the tensors of two layers. For the transformer, its embedding, and each layer's
+  attention, MLP and four tensors at least, give the bound; another architecture is checked
+  tensor by tensor once built."""
+  flat = fragments_lib.flatten_tree(saved)
+  held = sum(math.prod(tuple(v.shape)) for v in flat.values())
+  if cfg.arch != "transformer":
+    return
+  if cfg.num_layers * 4 + 1 > len(flat):
+    raise DocumentError(file, "model.num_layers", f"is {cfg.num_layers}, but the saved "
+                        f"parameters hold {len(flat)} tensors; the fields were changed after "
+                        "the parameters were saved")
+  d = cfg.embed_dim
+  attention = d * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
+  mlp = (cfg.num_experts * (3 * d * cfg.expert_mlp_dim + d) if cfg.num_experts
+         else 3 * d * cfg.mlp_dim)
+  least = cfg.vocab_size * d + cfg.num_layers * (attention + mlp)
+  if least > held:
+    raise DocumentError(file, "model", f"its fields give a model of at least {least} "
+                        f"parameters, but the saved tensors hold {held}; the fields were "
+                        "changed after the parameters were saved")
+
+
 def load(path: str, abstract: PyTree | None = None) -> tuple[PyTree, dict]:
   """(params, metadata) of the export at `path` (an export directory or a workdir).
 
-  With `abstract` (ShapeDtypeStructs, with shardings) the parameters are shape-checked and
-  loaded onto those shardings; without, they are NumPy arrays.
+  export.json is checked (`read_meta`) and the model fields against the saved tensors'
+  shapes (`check_size`) before any array is read. Nothing here imports the export's
+  `model.module`: a caller that builds its model checks `refuse_code` first. With `abstract`
+  (ShapeDtypeStructs, with shardings) the parameters are shape-checked and loaded onto those
+  shardings; without, they are NumPy arrays.
   """
   from orbax.checkpoint import v1 as ocp_v1  # pylint: disable=import-outside-toplevel
   found = export_dir(os.path.abspath(path))  # Orbax refuses a relative checkpoint path
   if found is None:
     raise ConfigError(f"{path!r} is not an export: no {META_FILE} there or in "
                       f"{os.path.join(path, EXPORT_DIR)}")
-  with open(os.path.join(found, META_FILE), encoding="utf-8") as f:
-    meta = json.load(f)
-  if meta.get("format") != FORMAT:
-    raise ConfigError(f"{found}/{META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
-  params_path = os.path.join(found, PARAMS_DIR)
-  saved = ocp_v1.metadata(params_path).metadata
+  meta = read_meta(found)
+  params_path = _params_dir(found)
+  saved = _saved_shapes(params_path)
+  meta_file = os.path.join(found, META_FILE)
+  check_size(read_model(meta["model"], meta_file), saved, meta_file)
   if abstract is not None:
     check_shapes(saved, abstract, f"export {found}")
   # NumPy targets: read on the host whatever devices wrote it (a data-parallel export holds
   # sharded jax.Arrays, whose device layout need not exist here).
-  params = ocp_v1.load(params_path, jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved))
+  try:
+    params = ocp_v1.load(params_path,
+                         jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved))
+  except Exception as e:  # pylint: disable=broad-except  (a torn or tampered checkpoint)
+    raise DocumentError(params_path, "", "cannot be read as the parameters its metadata "
+                        f"lists ({type(e).__name__}: {documents.show(str(e), 160)})") from None
   if abstract is None:
     return params, meta
   targets = fragments_lib.flatten_tree(abstract)

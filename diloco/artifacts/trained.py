@@ -4,23 +4,30 @@
 `load(workdir, step=N)` reads checkpoint N of the run instead (WORKDIR/run_checkpoints/N of a
 Decoupled DiLoCo run, else WORKDIR/checkpoints/N of a data-parallel one), with the model and
 tokenizer of WORKDIR/config.json. Used by `diloco.cli.sample`, `diloco.cli.evaluate` and
-`diloco.cli.to_safetensors`; every failure is a one-line ConfigError naming the flag.
+`diloco.cli.to_safetensors`; every failure is a one-line ConfigError naming the flag, or a
+DocumentError naming the file and the field. Every document is checked, and its model fields
+against the saved tensors, before a model is built; a model that names code to import
+(`model.module`) is built only with `trust_code` (`--trust_export_code`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 from flax import nnx
 
+from diloco import documents
 from diloco import fragments as fragments_lib
 from diloco.artifacts import export
+from diloco.documents import Field
 from diloco.errors import ConfigError
 from diloco.model.config import ModelConfig
 from diloco.train import tokenizers
+from diloco.train.data import DataConfig
+
+RUN_CONFIG = "config.json"
 
 
 @dataclasses.dataclass
@@ -36,24 +43,31 @@ class Trained:
 
 
 def model_config(fields: dict, where: str) -> ModelConfig:
-  """The ModelConfig of saved fields, for inference: no remat, and an attention that every
-  backend has (the parameters do not depend on either)."""
-  known = {f.name for f in dataclasses.fields(ModelConfig)}
-  unknown = sorted(set(fields) - known)
-  if unknown:
-    raise ConfigError(f"{where}: model field {unknown[0]!r} is unknown to this version of "
-                      "diloco")
-  cfg = ModelConfig(**fields)
+  """The ModelConfig of saved fields (checked as `export.read_model` does), for inference: no
+  remat, and an attention that every backend has (the parameters do not depend on either)."""
+  cfg = export.read_model(fields, where)
   impl = "auto" if cfg.attention_impl == "cudnn" else cfg.attention_impl
   return dataclasses.replace(cfg, remat="none", attention_impl=impl)
 
 
-def _read_json(path: str, what: str) -> dict:
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ConfigError(f"{what}: cannot read {path} ({e})") from None
+@dataclasses.dataclass(frozen=True)
+class RunDocument:
+  """What a run's config.json says about its model and data (the groups a trained model needs;
+  the others are the training's, checked by `diloco.config.run_config.read_file`)."""
+  model: ModelConfig
+  data: DataConfig
+  raw: dict
+
+
+def read_run_config(path: str) -> RunDocument:
+  """A run's config.json: an object whose `model` and `data` groups (`data` may be absent: the
+  defaults) hold fields of their types under the config's rules (not the data rules that look
+  at `data.path`: a run's data may have moved since)."""
+  doc = documents.obj(documents.read(path), path)
+  documents.fields(doc, {"model": dict, "data": Field(dict, required=False)}, path)
+  model = export.read_model(doc["model"], path)
+  data = documents.group(DataConfig, "data", doc.get("data", {}), path, across=False)
+  return RunDocument(model, data, doc)
 
 
 def _no_export_message(workdir: str) -> str:
@@ -75,13 +89,14 @@ def _checkpoint_dir(workdir: str, step: int) -> str:
   raise ConfigError(f"--step: {workdir!r} has no checkpoint {step} (checkpoints: {listed})")
 
 
-def _tokenizer_from_run(workdir: str, config: dict) -> str:
-  data = config.get("data", {})
-  if data.get("source") == "array_record":
-    shards = os.path.join(data.get("path", ""), "meta.json")
-    name = _read_json(shards, "--step").get("tokenizer_model")
-    return os.path.join(data["path"], name) if name else "byte"
-  spec = data.get("tokenizer", "byte")
+def _tokenizer_from_run(workdir: str, data: DataConfig) -> str:
+  if data.source == "array_record":
+    shards = os.path.join(data.path, "meta.json")
+    shard_meta = documents.obj(documents.read(shards), shards)
+    name = documents.fields(shard_meta, {"tokenizer_model": Field((str, type(None)), False)},
+                            shards).get("tokenizer_model")
+    return os.path.join(data.path, name) if name else "byte"
+  spec = data.tokenizer
   if spec == "byte" or os.path.exists(spec):
     return spec
   beside = os.path.join(workdir, spec)
@@ -91,8 +106,9 @@ def _tokenizer_from_run(workdir: str, config: dict) -> str:
                     "not exist from here; run from the directory the run ran in")
 
 
-def load(workdir: str, step: int | None = None) -> Trained:
-  """The model of the export in `workdir` (or of its checkpoint `step`), built on the host."""
+def load(workdir: str, step: int | None = None, *, trust_code: bool = False) -> Trained:
+  """The model of the export in `workdir` (or of its checkpoint `step`), built on the host.
+  `trust_code`: build a model whose config names code to import (`model.module`)."""
   if not workdir:
     raise ConfigError("--workdir is required: a run's workdir or an export folder")
   if not os.path.isdir(workdir):
@@ -102,21 +118,27 @@ def load(workdir: str, step: int | None = None) -> Trained:
     found = export.export_dir(workdir)
     if found is None:
       raise ConfigError(_no_export_message(workdir))
+    meta_file = os.path.join(found, export.META_FILE)
+    export.refuse_code(export.read_model(export.read_meta(found)["model"], meta_file),
+                       meta_file, trust_code)
     params, meta = export.load(found)
-    cfg = model_config(meta["model"], f"{found}/{export.META_FILE}")
+    cfg = model_config(meta["model"], meta_file)
     spec = export.tokenizer_spec(found, meta)
     source = f"export {found} (step {meta.get('step')})"
   else:
     if step < 0:
       raise ConfigError(f"--step: must be >= 0, got {step}")
-    config_path = os.path.join(workdir, "config.json")
+    config_path = os.path.join(workdir, RUN_CONFIG)
     if not os.path.isfile(config_path):
       raise ConfigError(f"--step: {workdir!r} has no config.json (a checkpoint needs the run's "
                         "model config)")
-    meta = _read_json(config_path, "--step")
+    run = read_run_config(config_path)
+    export.refuse_code(run.model, config_path, trust_code)
+    meta = run.raw
     cfg = model_config(meta["model"], config_path)
     params, source = export.read_params(_checkpoint_dir(workdir, step), "--step")
-    spec = _tokenizer_from_run(workdir, meta)
+    export.check_size(cfg, params, config_path)
+    spec = _tokenizer_from_run(workdir, run.data)
   return Trained(build(cfg, params, source), cfg, params, tokenizers.make(spec), spec, source,
                  meta)
 

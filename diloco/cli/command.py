@@ -44,6 +44,16 @@ def at_least(value, low, flag: str) -> None:
     raise ConfigError(f"--{flag}: must be >= {low}, got {value}")
 
 
+def define_trust_flag(flag_values: flags.FlagValues) -> None:
+  """--trust_export_code on a command that loads a model from a folder: without it, an export
+  (or run config) whose `model.module` names code to import is refused, because building that
+  model would run the code; with it, the code runs with the user's rights."""
+  flags.DEFINE_bool("trust_export_code", False,
+                    "Build a model whose export.json (or config.json) names code to import "
+                    "(model.module): that code runs. Only for an export you trust.",
+                    flag_values=flag_values)
+
+
 def _own_flags(argv: list[str]) -> list[str]:
   flags.FLAGS(argv[:1])  # absl's global flags stay at their defaults; main parses the rest
   return argv

@@ -56,19 +56,18 @@ flags.DEFINE_float("eval_fraction", None, "data.eval_fraction: documents held ou
 flags.DEFINE_integer("step", None, "Use checkpoint STEP of the run instead of its export.",
                      flag_values=FLAGS)
 flags.DEFINE_bool("json", False, "Print one JSON line.", flag_values=FLAGS)
+command.define_trust_flag(FLAGS)
 
 
 def _run_data(model: trained.Trained) -> DataConfig:
   """The run's DataConfig (WORKDIR/config.json beside the export), else the defaults."""
   found = export.export_dir(FLAGS.workdir) if FLAGS.step is None else None
   run_dir = os.path.dirname(found) if found else FLAGS.workdir
-  path = os.path.join(run_dir, "config.json")
+  path = os.path.join(run_dir, trained.RUN_CONFIG)
   if os.path.isfile(path):
-    with open(path, encoding="utf-8") as f:
-      fields = json.load(f).get("data")
-    if isinstance(fields, dict):
-      known = {f.name for f in dataclasses.fields(DataConfig)}
-      return DataConfig(**{k: v for k, v in fields.items() if k in known})
+    run = trained.read_run_config(path)
+    if "data" in run.raw:
+      return run.data
   if FLAGS.data is None:
     raise ConfigError(f"--data: required here: {model.source} has no run config.json beside "
                       "it to say what it trained on")
@@ -145,7 +144,7 @@ def score(model: nnx.Module, token_batches: list[np.ndarray]) -> dict:
 def _evaluate() -> None:
   command.at_least(FLAGS.batch_size, 1, "batch_size")
   command.at_least(FLAGS.num_batches, 0, "num_batches")
-  model = trained.load(FLAGS.workdir, FLAGS.step)
+  model = trained.load(FLAGS.workdir, FLAGS.step, trust_code=FLAGS.trust_export_code)
   cfg = data_config(model)
   data_lib.check_vocab(cfg, model.cfg.vocab_size)
   result = score(model.model, batches(cfg, FLAGS.split, FLAGS.batch_size, FLAGS.num_batches))

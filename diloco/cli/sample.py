@@ -7,7 +7,8 @@ at the first document boundary (BOS or EOS id) unless `--nostop_at_boundary`.
 
 Flags: --workdir (a run or an export folder), --prompt or --prompt_ids (comma-separated ids),
 --max_tokens (64), --temperature (0.8; 0 is greedy), --top_k (0: all), --seed (0),
---num_samples (1), --step (a checkpoint instead of the export), --nobos.
+--num_samples (1), --step (a checkpoint instead of the export), --nobos, --trust_export_code
+(build a model whose export names code to import: that code runs).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ flags.DEFINE_bool("bos", True, "Put the tokenizer's BOS before the prompt, as in
                   flag_values=FLAGS)
 flags.DEFINE_bool("stop_at_boundary", True, "Cut each continuation at the first BOS or EOS.",
                   flag_values=FLAGS)
+command.define_trust_flag(FLAGS)
 
 
 def check_flags() -> decode.Sampling:
@@ -93,7 +95,7 @@ def continuation(model: trained.Trained, ids: np.ndarray, stop: bool) -> str:
 
 def _sample() -> None:
   sampling = check_flags()
-  model = trained.load(FLAGS.workdir, FLAGS.step)
+  model = trained.load(FLAGS.workdir, FLAGS.step, trust_code=FLAGS.trust_export_code)
   prompt = prompt_tokens(model, FLAGS.prompt, FLAGS.prompt_ids, FLAGS.bos)
   # Only ids the tokenizer can decode (a table padded for sharding has more).
   sampling = decode.Sampling(temperature=sampling.temperature, top_k=sampling.top_k,

@@ -7,10 +7,13 @@ the tokenizer file's name (copied into the export folder), so that a reader with
 (`safetensors.numpy.load_file`, PyTorch) can load the model. `export.save(...,
 safetensors=True)` writes the same two files at the end of a run.
 
-Flags: --workdir (a run or an export folder).
+Flags: --workdir (a run or an export folder), --trust_export_code (convert an export whose
+model names code to import; see `diloco.cli.command.define_trust_flag`).
 """
 
 from __future__ import annotations
+
+import os
 
 from absl import flags
 
@@ -20,6 +23,7 @@ from diloco.errors import ConfigError
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("workdir", None, "The run's workdir, or an export folder.", flag_values=FLAGS)
+command.define_trust_flag(FLAGS)
 
 
 def _convert() -> None:
@@ -29,6 +33,11 @@ def _convert() -> None:
   if found is None:
     raise ConfigError(f"--workdir: {FLAGS.workdir!r} holds no export "
                       f"({export.EXPORT_DIR}/{export.META_FILE})")
+  # Nothing here builds the model, but the copy is made for other readers: one that names
+  # code to import is passed on only by a user who trusts it.
+  meta_file = os.path.join(found, export.META_FILE)
+  export.refuse_code(export.read_model(export.read_meta(found)["model"], meta_file), meta_file,
+                     FLAGS.trust_export_code)
   params, meta = export.load(found)
   for path in export.write_safetensors(found, params, meta):
     print(f"wrote {path}")

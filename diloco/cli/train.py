@@ -18,7 +18,6 @@ model is built (`diloco.cli.preflight`); Ctrl-C stops a run with one line on how
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -64,12 +63,7 @@ def _load_config() -> config_lib.Config:
     raise config_lib.ConfigError("give exactly one of --config=NAME:PRESET (or FILE.py:PRESET) "
                                  "or --config_json=FILE")
   if _CONFIG_JSON.value is not None:
-    try:
-      with open(_CONFIG_JSON.value, encoding="utf-8") as f:
-        raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-      raise config_lib.ConfigError(f"--config_json={_CONFIG_JSON.value}: {e}") from None
-    return config_lib.from_config_dict(raw)
+    return config_lib.read_file(_CONFIG_JSON.value)
   return config_lib.from_config_dict(_CONFIG.value)
 
 

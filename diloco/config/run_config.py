@@ -16,10 +16,12 @@ rule across groups is in `_check_across_groups`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
 
+from diloco import documents
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
 from diloco.model.config import ModelConfig
@@ -254,21 +256,42 @@ def load(spec: str) -> ml_collections.ConfigDict:
 
 def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
   """Validated frozen Config from a ConfigDict (or a plain nested dict)."""
-  raw = cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else dict(cfg)
+  raw = cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else cfg
+  raw = dict(raw) if isinstance(raw, Mapping) else raw
+  if not isinstance(raw, dict):
+    raise ConfigError(f"the config must be an object of groups ({sorted(_GROUPS)}, seed), "
+                      f"got {type(raw).__name__}")
   unknown = set(raw) - set(_GROUPS) - {"seed"}
   if unknown:
     raise ConfigError(f"unknown config groups {sorted(unknown)}; allowed: "
                       f"{sorted(_GROUPS) + ['seed']}")
   kwargs = {name: group_from_dict(name, raw.get(name, {})) for name in _GROUPS}
-  config = Config(**kwargs, seed=int(raw.get("seed", 0)))
+  seed = raw.get("seed", 0)
+  if not isinstance(seed, int) or isinstance(seed, bool):
+    raise ConfigError(f"seed: must be an integer, got {seed!r}")
+  config = Config(**kwargs, seed=seed)
   validate(config)
   return config
+
+
+def read_file(path: str, what: str = "--config_json") -> Config:
+  """The validated Config of a JSON file (`--config_json`, a run's config.json): a
+  DocumentError naming the file and the field when it is not JSON, not an object of groups,
+  holds a value of another type or a non-finite number, or breaks a config rule."""
+  doc = documents.read(path, f"{what}={path}")
+  documents.non_finite(doc, f"{what}={path}")
+  try:
+    return from_config_dict(doc)
+  except ConfigError as e:
+    raise documents.from_config_error(e, f"{what}={path}") from None
 
 
 def group_from_dict(name: str, values: dict[str, Any]) -> Any:
   """The group `name` (its defaults overridden by `values`), each value of its field's type
   (an int is taken for a float); not yet checked against the rules (`check_group`)."""
   cls = _GROUPS[name]
+  if not isinstance(values, dict):
+    raise ConfigError(f"{name}: must be an object of the group's fields, got {values!r}")
   values = dict(values)
   fields = {f.name: f for f in dataclasses.fields(cls)}
   for key in values:
@@ -277,7 +300,10 @@ def group_from_dict(name: str, values: dict[str, Any]) -> Any:
   for key, value in values.items():
     expected = type(getattr(cls(), key))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
-      values[key] = float(value)
+      try:
+        values[key] = float(value)
+      except OverflowError:
+        raise ConfigError(f"{name}.{key}: must be a finite number, got {value}") from None
     elif not isinstance(values[key], expected) or (
         expected is int and isinstance(value, bool)):
       raise ConfigError(f"{name}.{key} must be {expected.__name__}, got {value!r}")

@@ -21,7 +21,7 @@ import numpy as np
 
 from diloco.outer import kernels
 from diloco.outer.quantize import QUANT_BITS
-from diloco.settings import AT_LEAST_ONE, FRACTION, POSITIVE, OneOf, frozen, setting
+from diloco.settings import AT_LEAST_ONE, FRACTION, OneOf, Range, frozen, setting
 
 PyTree = Any
 
@@ -52,7 +52,7 @@ QUANTIZE_BITS = (0,) + QUANT_BITS
 class OuterConfig:
   """The syncer's merge and Nesterov outer step (docs/design.md 2.4)."""
   # Outer SGD with Nesterov momentum on the merged outer gradient.
-  learning_rate: float = setting(0.7, POSITIVE)
+  learning_rate: float = setting(0.7, Range(low=0, low_open=True, finite=True))
   momentum: float = setting(0.9, FRACTION)
   # Merge weight of a delivery: tokens2_per_step (tokens^2 / steps) | tokens | uniform.
   weights: str = setting("tokens2_per_step", OneOf(WEIGHT_SCHEMES))

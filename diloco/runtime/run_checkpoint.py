@@ -27,9 +27,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from diloco import documents
 from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config
-from diloco.errors import ConfigError
+from diloco.documents import Field
+from diloco.errors import ConfigError, DocumentError
 from diloco.learner.learner import Resume
 from diloco.model import config as model_config
 from diloco.train import data as data_lib
@@ -39,6 +41,13 @@ LOG_FILES = ("tape.jsonl", "activity.jsonl")
 METRICS_FILE = "metrics.jsonl"
 # Groups that may change between a run and its resume: how it prints and how it checkpoints.
 _FREE_GROUPS = ("log", "checkpoint")
+# What a resume reads of a checkpoint's meta (`take_snapshot` writes it), checked on load.
+_META_FIELDS = {"syncer": dict, "versions": list, "rounds": int, "clock": float,
+                "initial_loss": Field((float, type(None)), finite=False), "identity": dict,
+                "lengths": dict, "slots": list, "finished": Field(bool, required=False),
+                "syncer_shards": Field(list, required=False)}
+_SLOT_FIELDS = {"index": int, "status": str, "incarnation": int, "local_step": int,
+                "data_state": (dict, type(None)), "merged_step": int}
 
 
 @dataclasses.dataclass
@@ -47,6 +56,7 @@ class Snapshot:
   params: dict[str, np.ndarray]
   momentum: dict[str, np.ndarray]
   meta: dict[str, Any]
+  source: str = DIRECTORY  # the step directory it was loaded from, for errors
 
 
 def identity(cfg: Config) -> dict[str, Any]:
@@ -183,14 +193,21 @@ class RunCheckpointer:
     step = self._manager.latest_step() if step is None else step
     if step is None:
       return None
-    r = self._manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(), momentum=ocp.args.StandardRestore(),
-        meta=ocp.args.JsonRestore()))
+    where = os.path.join(self.directory, str(step))
+    try:
+      r = self._manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(), momentum=ocp.args.StandardRestore(),
+          meta=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except  (whatever Orbax makes of bad files)
+      raise DocumentError(where, "", f"cannot be restored ({type(e).__name__}: "
+                          f"{documents.show(str(e), 160)}); it was changed outside the run, or "
+                          "use a fresh --workdir") from None
 
     def flat(tree):
       return {k: np.asarray(v, np.float32) for k, v in fragments_lib.flatten_tree(tree).items()}
 
-    return Snapshot(flat(r.params), flat(r.momentum), dict(r.meta))
+    meta = check_meta(r.meta, os.path.join(where, "meta"))
+    return Snapshot(flat(r.params), flat(r.momentum), meta, where)
 
   def wait(self) -> None:
     self._manager.wait_until_finished()
@@ -198,6 +215,34 @@ class RunCheckpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def check_meta(meta, file: str) -> dict:
+  """A checkpoint's meta, checked before a resume reads it: the fields `take_snapshot` writes,
+  of their types, whole numbers where they count, one entry per slot index."""
+  meta = documents.obj(meta, file)
+  documents.fields(meta, _META_FIELDS, file)
+  for p, version in enumerate(meta["versions"]):
+    if documents.value(version, int, file, f"versions.{p}") < 0:
+      raise DocumentError(file, f"versions.{p}", f"must be >= 0, got {version}")
+  for name in LOG_FILES + (METRICS_FILE,):
+    got = documents.fields(meta["lengths"], {name: int}, file, prefix="lengths.")[name]
+    if got < 0:
+      raise DocumentError(file, f"lengths.{name}", f"must be >= 0, got {got}")
+  for key in ("model", "sync"):
+    if key in meta["identity"]:
+      documents.obj(meta["identity"][key], file, f"identity.{key}")
+  seen = set()
+  for i, slot in enumerate(meta["slots"]):
+    documents.fields(documents.obj(slot, file, f"slots.{i}"), _SLOT_FIELDS, file,
+                     prefix=f"slots.{i}.")
+    if slot["index"] < 0 or slot["index"] in seen:
+      raise DocumentError(file, f"slots.{i}.index", f"must be a new index >= 0, got "
+                          f"{slot['index']}")
+    seen.add(slot["index"])
+  for i, state in enumerate(meta.get("syncer_shards") or []):
+    documents.obj(state, file, f"syncer_shards.{i}")
+  return dict(meta)
 
 
 def check_resumable(snapshot: Snapshot, cfg: Config, workdir: str) -> None:
@@ -229,8 +274,8 @@ def _cut_lines(path: str, keep: int) -> None:
           break
         lines.append(line)
   if len(lines) < keep:
-    raise RuntimeError(f"{path} has {len(lines)} records, fewer than the {keep} its checkpoint "
-                       "covers; it was changed outside the run")
+    raise DocumentError(path, "", f"has {len(lines)} records, fewer than the {keep} its "
+                        "checkpoint covers; it was changed outside the run")
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     f.writelines(lines)
@@ -270,6 +315,24 @@ def _fast_forward(cfg: Config, learner: int, num_learners: int, data_state: dict
   return it.get_state()
 
 
+def _check_fits(rt, snapshot: Snapshot) -> None:
+  """DocumentError when the checkpoint does not hold what this runtime restores: a version per
+  fragment, every tensor of the plan, a slot index that exists."""
+  file = os.path.join(snapshot.source, "meta")
+  if len(snapshot.meta["versions"]) != len(rt.plan.fragments):
+    raise DocumentError(file, "versions", f"lists {len(snapshot.meta['versions'])} fragments, "
+                        f"the run has {len(rt.plan.fragments)}")
+  for paths in rt.plan.fragments:
+    for k in paths:
+      for what, tensors in (("params", snapshot.params), ("momentum", snapshot.momentum)):
+        if k not in tensors:
+          raise DocumentError(os.path.join(snapshot.source, what), k, "is missing")
+  for i, saved in enumerate(snapshot.meta["slots"]):
+    if saved["index"] >= len(rt.slots):
+      raise DocumentError(file, f"slots.{i}.index", f"is {saved['index']}; the run has "
+                          f"{len(rt.slots)} learner slots")
+
+
 def restore(rt, snapshot: Snapshot) -> list[int]:
   """Puts `snapshot` into a fresh runtime; returns the slots to restart (were up or down).
 
@@ -280,6 +343,7 @@ def restore(rt, snapshot: Snapshot) -> list[int]:
   meta = snapshot.meta
   syncer = rt.syncer
   versions = meta["versions"]
+  _check_fits(rt, snapshot)
   fragments, history = {}, {}
   for p, paths in enumerate(rt.plan.fragments):
     fragments[p] = (versions[p], {k: snapshot.params[k] for k in paths},
@@ -288,8 +352,8 @@ def restore(rt, snapshot: Snapshot) -> list[int]:
     history[p] = {versions[p]: {k: snapshot.params[k].copy() for k in paths}}
   syncer.restore_states(meta.get("syncer_shards") or [meta["syncer"]], fragments, history)
   if syncer.rounds != meta["rounds"]:
-    raise RuntimeError(f"checkpoint: its syncer shards hold {syncer.rounds} rounds, its "
-                       f"record {meta['rounds']}; it was changed outside the run")
+    raise DocumentError(snapshot.source, "rounds", f"its syncer shards hold {syncer.rounds} "
+                        f"rounds, its record {meta['rounds']}; it was changed outside the run")
   restart = []
   for saved in meta["slots"]:
     slot = rt.slots[saved["index"]]

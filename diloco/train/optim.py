@@ -6,14 +6,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diloco.settings import FRACTION, NON_NEGATIVE, POSITIVE, Range, frozen, setting
+from diloco.settings import FRACTION, NON_NEGATIVE, Range, frozen, setting
 
 
 @frozen
 class OptimConfig:
   """Inner AdamW with linear warmup then cosine decay."""
   # Peak learning rate, reached after `warmup_steps`.
-  learning_rate: float = setting(3e-3, POSITIVE)
+  learning_rate: float = setting(3e-3, Range(low=0, low_open=True, finite=True))
   warmup_steps: int = setting(20, NON_NEGATIVE)
   # 0 means decay over all training steps.
   decay_steps: int = setting(0, NON_NEGATIVE, "0 = all training steps")

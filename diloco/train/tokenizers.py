@@ -14,11 +14,11 @@ pipeline packs documents into windows and never pads, so `pad_id` is information
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import numpy as np
 
+from diloco import documents
 from diloco.errors import ConfigError
 
 # Special tokens looked up by name in a `tokenizer.json` without a `tokenizer_config.json`.
@@ -128,8 +128,7 @@ class HuggingFaceTokenizer:
   def _configured_tokens(config_path: str) -> dict[str, str]:
     if not os.path.isfile(config_path):
       return {}
-    with open(config_path, encoding="utf-8") as f:
-      config = json.load(f)
+    config = documents.obj(documents.read(config_path), config_path)
     tokens = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
     return {k: v for k, v in tokens.items() if v is not None}
 
