@@ -173,8 +173,9 @@ def _table_casts(text):
 @pytest.mark.parametrize("head_grad_dtype", ["compute", "float32"])
 def test_the_chunked_loss_casts_the_table_once(head_grad_dtype):
   """The loss of 4 chunks and its gradient (the chunks recomputed) read one bf16 copy of the
-  table, cast before the chunks' loops; casting inside the head (the table not passed in)
-  converts it in the body of the forward loop and again in the body of the backward one."""
+  table, cast before the chunks' loops, and its gradient adds up in float32; casting inside
+  the head (the table not passed in) converts it in the body of the forward loop and again
+  in the body of the backward one."""
   cfg = _cfg(dtype="bfloat16", loss_chunk=32, head_grad_dtype=head_grad_dtype)
   graphdef, params = _split(cfg)
   x_BLD = jax.random.normal(jax.random.key(0), (4, 32, 64), jnp.float32).astype(jnp.bfloat16)
@@ -192,6 +193,10 @@ def test_the_chunked_loss_casts_the_table_once(head_grad_dtype):
   assert len(casts) == 1, casts
   main = text[text.index("func.func public @main"):]
   assert main.index(casts[0]) < main.index("stablehlo.while")  # before the loops
+  # The loops read that bf16 copy, and the table's gradient adds up in float32 across chunks.
+  loops = [sorted(re.findall(rf"tensor<{V}x64x(\w+)>", line)) for line in text.splitlines()
+           if "stablehlo.while" in line]
+  assert sorted(loops) == [["bf16"], ["bf16", "f32"]], loops
   per_chunk = _table_casts(lowered(
       lambda m: train_step.chunked_token_losses(m.logits, x_BLD, targets_BL, 32)))
   assert len(per_chunk) == 2, per_chunk  # so the checks above can fail

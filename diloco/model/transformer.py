@@ -313,16 +313,21 @@ class Transformer(nnx.Module):
     return self.logits(self.final_norm(x_BLD)), updated
 
   def head_table(self) -> jax.Array:
-    """The tied table in the compute dtype, as `logits` reads it: a caller that applies the
-    head many times (the chunked loss) casts it once and passes it in."""
-    return self.embedder.embedding[...].astype(jnp.dtype(self.cfg.dtype))
+    """The tied table in the compute dtype, for `logits(x, table_VD)`: a caller that applies
+    the head many times (the chunked loss) casts it once. No gradient flows through this copy:
+    `logits` sends the table's gradient to the parameter, in the parameter's dtype, so that
+    the chunks' contributions add up in float32 as they did with a cast per chunk."""
+    return jax.lax.stop_gradient(self.embedder.embedding[...].astype(jnp.dtype(self.cfg.dtype)))
 
   def logits(self, x_BLD: jax.Array, table_VD: jax.Array | None = None) -> jax.Array:
     """The tied output head on hidden states: float32 logits, soft-capped. `table_VD`: the
     table from `head_table` (cast here when None)."""
     cfg = self.cfg
+    param_VD = self.embedder.embedding[...]
     if table_VD is None:
-      table_VD = self.head_table()
+      table_VD = param_VD.astype(jnp.dtype(cfg.dtype))
+    else:
+      table_VD = _grad_to_param(param_VD, table_VD)
     x_BLD = x_BLD.astype(table_VD.dtype)
     if cfg.head_grad_dtype == "compute":
       logits_BLV = head_matmul(x_BLD, table_VD)
@@ -428,6 +433,25 @@ def _head_matmul_bwd(residuals, g_BLV):
 
 
 head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+
+
+@jax.custom_vjp
+def _grad_to_param(param, cast):
+  """`cast` (a copy of `param` in another dtype, computed once), whose cotangent goes to
+  `param` in `param`'s dtype, as if each use had cast `param` itself."""
+  del param
+  return cast
+
+
+def _grad_to_param_fwd(param, cast):
+  return cast, jnp.zeros((), param.dtype)
+
+
+def _grad_to_param_bwd(dtype_of_param, g):
+  return g.astype(dtype_of_param.dtype), None
+
+
+_grad_to_param.defvjp(_grad_to_param_fwd, _grad_to_param_bwd)
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
