@@ -444,11 +444,11 @@ def _grad_to_param(param, cast):
 
 
 def _grad_to_param_fwd(param, cast):
-  return cast, jnp.zeros((), param.dtype)
+  return cast, jnp.zeros((), param.dtype)  # the residual carries only param's dtype
 
 
-def _grad_to_param_bwd(dtype_of_param, g):
-  return g.astype(dtype_of_param.dtype), None
+def _grad_to_param_bwd(zero_of_param_dtype, g):
+  return g.astype(zero_of_param_dtype.dtype), None  # None: no cotangent for the copy
 
 
 _grad_to_param.defvjp(_grad_to_param_fwd, _grad_to_param_bwd)
