@@ -109,3 +109,15 @@ def test_the_chunk_count_follows_tokens(batch, chunk, want):
   lengths = [int(n) for n in re.findall(r"\blength=(\d+)", jaxpr)]
   assert lengths == ([want] if want else []), lengths
   assert train_step.chunk_positions(chunk, batch) == max(1, chunk // batch)
+
+
+def test_evaluate_scores_the_same_with_chunks():
+  """`diloco.cli.evaluate` applies the head in chunks of tokens too, to the same sums."""
+  from diloco.cli import evaluate
+  tokens = jax.random.randint(jax.random.key(4), (4, 21), 0, 259)
+  sums = []
+  for chunk in (0, 8):  # 8 tokens over a batch of 4: chunks of 2 positions
+    graphdef, params = _graphdef_and_params(
+        dataclasses.replace(model_presets.get("tiny"), loss_chunk=chunk))
+    sums.append(float(evaluate._loss_sum(graphdef, params, tokens)))
+  assert sums[1] == pytest.approx(sums[0], rel=1e-6)
