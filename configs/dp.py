@@ -47,6 +47,10 @@ def get_config(preset: str = "small"):
     cfg.data.source = "array_record"
     cfg.data.seq_len = 4096
     cfg.train.batch_size = 256
+    # The output head and the loss over 1024 positions of every sequence at a time, as the
+    # presets' chunk of 1024 meant when it counted positions (`model.loss_chunk` counts
+    # tokens, batch x positions); a number instead bounds a chunk's logits whatever the batch.
+    cfg.model.loss_chunk = cfg.train.get_ref("batch_size") * 1024
     cfg.train.steps = 100_000
     cfg.train.eval_every = 1000
     cfg.checkpoint.every_steps = 1000

@@ -1,4 +1,4 @@
-"""Memory and time of the output head + loss, whole vs in chunks of positions (`model.loss_chunk`).
+"""Memory and time of the output head + loss, whole vs in chunks of tokens (`model.loss_chunk`).
 
   python scripts/bench_loss_chunk.py                       # gemma_2b's head, compiled only
   python scripts/bench_loss_chunk.py --preset=gemma_9b --batch_size=2 --seq_len=8192
@@ -26,7 +26,8 @@ from diloco.train import step as train_step
 _PRESET = flags.DEFINE_string("preset", "gemma_2b", "Model preset whose head is measured.")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Sequences per device.")
 _SEQ = flags.DEFINE_integer("seq_len", 4096, "Positions per sequence.")
-_CHUNKS = flags.DEFINE_list("chunks", ["0", "256", "1024"], "Chunk sizes (0 = whole).")
+_CHUNKS = flags.DEFINE_list("chunks", ["0", "256", "1024"],
+                            "Chunk sizes in tokens, batch x positions (0 = whole).")
 _TIME_VOCAB = flags.DEFINE_integer("time_vocab", 16384, "Vocabulary of the timed runs.")
 _TIME_WIDTH = flags.DEFINE_integer("time_width", 256, "Width of the timed runs.")
 _TIME_SEQ = flags.DEFINE_integer("time_seq_len", 1024, "Positions of the timed runs.")

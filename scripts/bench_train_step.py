@@ -69,8 +69,8 @@ _DTYPE = flags.DEFINE_string("dtype", "", "Compute dtype, float32 or bfloat16 ('
 _SCAN = flags.DEFINE_enum("scan_layers", "", ["", "true", "false"], "'' = the preset's.")
 _REMAT = flags.DEFINE_string("remat", "", "Remat policy ('' = the preset's).")
 _ATTN = flags.DEFINE_string("attention_impl", "", "reference|xla|cudnn|auto ('' = preset's).")
-_CHUNK = flags.DEFINE_integer("loss_chunk", -1, "Positions per output-head chunk (-1 = the "
-                              "preset's, 0 = the whole sequence).")
+_CHUNK = flags.DEFINE_integer("loss_chunk", -1, "Tokens per output-head chunk (-1 = the "
+                              "config's, 0 = the whole batch).")
 _LAYERS = flags.DEFINE_integer("num_layers", 0, "Override the depth (0 = the preset's).")
 _MESH = flags.DEFINE_string("mesh", "", "data,fsdp,tensor sizes ('' = the preset's mesh if it "
                             "fits the devices, else FSDP over all of them).")

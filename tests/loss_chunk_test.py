@@ -1,7 +1,9 @@
-"""`model.loss_chunk`: the output head and the loss applied a chunk of positions at a time give
-the full computation's losses and gradients, and the full logits never appear."""
+"""`model.loss_chunk`: the output head and the loss applied a chunk of tokens (the whole batch,
+loss_chunk // batch positions) at a time give the full computation's losses and gradients, and
+the full logits never appear."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,8 @@ def _oracle(x, w, targets):
   return log_z - target, log_z ** 2
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 7, 19, 32])
+# Tokens per chunk at batch B = 2: 1 and 3 tokens are one position, then 4, 7, 19, 32 positions.
+@pytest.mark.parametrize("chunk", [1, 3, 8, 14, 38, 64])
 def test_chunked_losses_match_numpy_and_the_unchunked_gradients(chunk):
   rng = np.random.default_rng(chunk)
   x = rng.normal(size=(B, L, D)).astype(np.float32)
@@ -68,7 +71,7 @@ def test_the_model_loss_is_the_same_with_chunks(preset):
   tokens = jax.random.randint(jax.random.key(3), (2, 21), 0, 259)  # 20 targets: chunks of 6
   base = model_presets.get(preset)
   want_loss, want_grads = _loss_and_grads(base, tokens)
-  got_loss, got_grads = _loss_and_grads(dataclasses.replace(base, loss_chunk=6), tokens)
+  got_loss, got_grads = _loss_and_grads(dataclasses.replace(base, loss_chunk=12), tokens)
   assert got_loss == pytest.approx(want_loss, rel=1e-6)
   assert got_grads.keys() == want_grads.keys()
   for k in want_grads:
@@ -81,7 +84,7 @@ def _graphdef_and_params(cfg):
 
 
 def test_the_full_logits_never_appear_in_the_compiled_step():
-  tokens = jnp.zeros((2, 65), jnp.int32)  # 64 targets, chunks of 16
+  tokens = jnp.zeros((2, 65), jnp.int32)  # 64 targets, chunks of 32 tokens: 16 positions
 
   def compiled(chunk):
     cfg = dataclasses.replace(model_presets.get("tiny"), vocab_size=4096, loss_chunk=chunk)
@@ -90,5 +93,31 @@ def test_the_full_logits_never_appear_in_the_compiled_step():
     return jax.jit(jax.grad(loss)).lower(params).compile().as_text()
 
   assert "f32[2,64,4096]" in compiled(0)  # so the check below can fail
-  chunked = compiled(16)
+  chunked = compiled(32)
   assert "f32[2,64,4096]" not in chunked and "f32[2,16,4096]" in chunked
+
+
+@pytest.mark.parametrize("batch, chunk, want", [
+    (1, 16, 4), (2, 16, 8), (4, 16, 16), (4, 64, 4), (8, 4, 64), (2, 0, 0), (2, 128, 0)])
+def test_the_chunk_count_follows_tokens(batch, chunk, want):
+  """A chunk holds the whole batch and chunk // batch positions (at least one): the number of
+  chunks over 64 positions (0: no chunks, the whole logits at once) grows with the batch."""
+  cfg = dataclasses.replace(model_presets.get("tiny"), loss_chunk=chunk)
+  graphdef, params = _graphdef_and_params(cfg)
+  tokens = jnp.zeros((batch, 65), jnp.int32)
+  jaxpr = str(jax.make_jaxpr(lambda p: train_step._forward(graphdef, p, tokens))(params))
+  lengths = [int(n) for n in re.findall(r"\blength=(\d+)", jaxpr)]
+  assert lengths == ([want] if want else []), lengths
+  assert train_step.chunk_positions(chunk, batch) == max(1, chunk // batch)
+
+
+def test_evaluate_scores_the_same_with_chunks():
+  """`diloco.cli.evaluate` applies the head in chunks of tokens too, to the same sums."""
+  from diloco.cli import evaluate
+  tokens = jax.random.randint(jax.random.key(4), (4, 21), 0, 259)
+  sums = []
+  for chunk in (0, 8):  # 8 tokens over a batch of 4: chunks of 2 positions
+    graphdef, params = _graphdef_and_params(
+        dataclasses.replace(model_presets.get("tiny"), loss_chunk=chunk))
+    sums.append(float(evaluate._loss_sum(graphdef, params, tokens)))
+  assert sums[1] == pytest.approx(sums[0], rel=1e-6)

@@ -32,7 +32,7 @@ from diloco.errors import ConfigError
 from diloco.train import data as data_lib
 from diloco.train import storage
 from diloco.train.data import DATA_SOURCES, DataConfig
-from diloco.train.step import chunked_token_losses, token_losses
+from diloco.train.step import chunk_positions, head_losses, token_losses
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_string("workdir", None, "The run's workdir, or an export folder.", flag_values=FLAGS)
@@ -119,9 +119,10 @@ def _loss_sum(graphdef, state, tokens_BL1):
   model = nnx.merge(graphdef, state)
   inputs_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
   chunk = getattr(getattr(model, "cfg", None), "loss_chunk", 0)
-  if chunk and chunk < targets_BL.shape[1] and hasattr(model, "hidden"):
+  batch, length = targets_BL.shape
+  if chunk and chunk_positions(chunk, batch) < length and hasattr(model, "hidden"):
     x_BLD, _ = model.hidden(inputs_BL)
-    ce_BL, _ = chunked_token_losses(model.logits, x_BLD, targets_BL, chunk)
+    ce_BL, _ = head_losses(model, x_BLD, targets_BL, chunk)
   else:
     out = model(inputs_BL)
     logits_BLV = out[0] if isinstance(out, tuple) else out

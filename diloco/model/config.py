@@ -21,7 +21,12 @@ DTYPES = ("float32", "bfloat16")
 # The fields that change how the model computes, not what its parameters are: a run may
 # resume with other values of these (e.g. remat or smaller loss chunks after running out of
 # memory, bf16 compute on an accelerator after a CPU start).
-SPEED_SWITCHES = ("dtype", "remat", "scan_layers", "attention_impl", "loss_chunk")
+SPEED_SWITCHES = ("dtype", "remat", "scan_layers", "attention_impl", "loss_chunk",
+                  "head_grad_dtype")
+# The dtype of the output head's two backward matmuls: "compute" casts the float32 cotangent
+# of the logits to `dtype` (float32 accumulation), "float32" runs them in float32 (TF32 on
+# Hopper, half the bf16 rate). The forward is the same: compute-dtype operands, float32 logits.
+HEAD_GRAD_DTYPES = ("compute", "float32")
 
 
 def layout(model_fields: dict) -> dict:
@@ -66,9 +71,11 @@ class ModelConfig:
   # compile time does not grow with depth. The stored parameters keep their per-layer layout.
   scan_layers: bool = False
   attention_impl: str = setting("reference", OneOf(ATTENTION_IMPLS))
-  # Apply the output head and the loss to this many positions at a time (0: the whole
-  # sequence), so that the float32 (batch, length, vocab) logits are never held whole.
+  # Apply the output head and the loss to this many tokens (batch x positions) at a time (0: all
+  # at once), so that the float32 (batch, length, vocab) logits are never held whole. A
+  # chunk keeps the whole batch and max(1, loss_chunk // batch) positions of it.
   loss_chunk: int = setting(0, NON_NEGATIVE, "0 = the whole sequence at once")
+  head_grad_dtype: str = setting("compute", OneOf(HEAD_GRAD_DTYPES))
   # The model class, by registered name (`diloco.model.registry`); "transformer" is this one.
   arch: str = "transformer"
   # A module to import first, so that it registers `arch`: a dotted module name or a .py file.

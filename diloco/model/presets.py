@@ -17,8 +17,9 @@ _BYTE_VOCAB = 384
 _GEMMA_VOCAB = 262_144
 # How the accelerator-sized presets run: bf16 compute over fp32 master weights, layers scanned
 # and rematerialised, fused attention where the backend has it, and the 262k-vocabulary head
-# and loss 1024 positions at a time (the whole-sequence float32 logits would be the largest
-# activation: scripts/bench_loss_chunk.py).
+# and loss 1024 tokens at a time, 1024 positions of one sequence (the whole-sequence float32
+# logits would be the largest activation: scripts/bench_loss_chunk.py; configs/dp.py and
+# configs/decoupled.py keep 1024 positions of every sequence of their batch).
 _ACCELERATOR = {"dtype": "bfloat16", "remat": "full", "scan_layers": True,
                 "attention_impl": "auto", "loss_chunk": 1024}
 

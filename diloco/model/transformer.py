@@ -9,7 +9,8 @@ them to mesh axes, so the model knows nothing about meshes.
 
 Speed switches (`ModelConfig`), each computing the same function (tests/model_speed_test.py):
 `dtype` (bf16 compute over fp32 parameters), `attention_impl` (the einsum reference or
-`jax.nn.dot_product_attention`), `scan_layers` (a `jax.lax.scan` over the layers) and `remat`.
+`jax.nn.dot_product_attention`), `scan_layers` (a `jax.lax.scan` over the layers), `remat` and
+`head_grad_dtype` (the output head's backward in the compute dtype, `head_matmul`).
 """
 
 from __future__ import annotations
@@ -311,12 +312,27 @@ class Transformer(nnx.Module):
       updated.append(layer_cache)
     return self.logits(self.final_norm(x_BLD)), updated
 
-  def logits(self, x_BLD: jax.Array) -> jax.Array:
-    """The tied output head on hidden states: float32 logits, soft-capped."""
+  def head_table(self) -> jax.Array:
+    """The tied table in the compute dtype, for `logits(x, table_VD)`: a caller that applies
+    the head many times (the chunked loss) casts it once. No gradient flows through this copy:
+    `logits` sends the table's gradient to the parameter, in the parameter's dtype, so that
+    the chunks' contributions add up in float32 as they did with a cast per chunk."""
+    return jax.lax.stop_gradient(self.embedder.embedding[...].astype(jnp.dtype(self.cfg.dtype)))
+
+  def logits(self, x_BLD: jax.Array, table_VD: jax.Array | None = None) -> jax.Array:
+    """The tied output head on hidden states: float32 logits, soft-capped. `table_VD`: the
+    table from `head_table` (cast here when None)."""
     cfg = self.cfg
-    table_VD = self.embedder.embedding[...].astype(jnp.dtype(cfg.dtype))
-    logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD.astype(table_VD.dtype), table_VD,
-                            preferred_element_type=jnp.float32)
+    param_VD = self.embedder.embedding[...]
+    if table_VD is None:
+      table_VD = param_VD.astype(jnp.dtype(cfg.dtype))
+    else:
+      table_VD = _grad_to_param(param_VD, table_VD)
+    x_BLD = x_BLD.astype(table_VD.dtype)
+    if cfg.head_grad_dtype == "compute":
+      logits_BLV = head_matmul(x_BLD, table_VD)
+    else:  # the transpose of this dot multiplies float32 operands
+      logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, table_VD, preferred_element_type=jnp.float32)
     if cfg.final_logit_softcap:
       cap = cfg.final_logit_softcap
       logits_BLV = jnp.tanh(logits_BLV / cap) * cap
@@ -390,6 +406,52 @@ def _stack_states(states, compute_dtype):
       stacked = constrain(stacked, "layers", *names)
     out.append(stacked)
   return jax.tree.unflatten(treedef, out)
+
+
+@jax.custom_vjp
+def head_matmul(x_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
+  """`einsum("BLD,VD->BLV")` with float32 logits whose backward stays in the operands' dtype.
+
+  Autodiff of the float32-accumulating dot would hand its float32 cotangent to both backward
+  dots, and so upcast the bf16 operands: two float32 matmuls of the head's size (TF32 on
+  Hopper). Here the cotangent is cast to the operands' dtype and the backward dots accumulate
+  in float32, as the forward does; with float32 operands this is autodiff's program.
+  """
+  return jnp.einsum("BLD,VD->BLV", x_BLD, table_VD, preferred_element_type=jnp.float32)
+
+
+def _head_matmul_fwd(x_BLD, table_VD):
+  return head_matmul(x_BLD, table_VD), (x_BLD, table_VD)
+
+
+def _head_matmul_bwd(residuals, g_BLV):
+  x_BLD, table_VD = residuals
+  g_BLV = g_BLV.astype(table_VD.dtype)
+  dx_BLD = jnp.einsum("BLV,VD->BLD", g_BLV, table_VD, preferred_element_type=jnp.float32)
+  dtable_VD = jnp.einsum("BLV,BLD->VD", g_BLV, x_BLD, preferred_element_type=jnp.float32)
+  return dx_BLD.astype(x_BLD.dtype), dtable_VD.astype(table_VD.dtype)
+
+
+head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+
+
+@jax.custom_vjp
+def _grad_to_param(param, cast):
+  """`cast` (a copy of `param` in another dtype, computed once), whose cotangent goes to
+  `param` in `param`'s dtype, as if each use had cast `param` itself."""
+  del param
+  return cast
+
+
+def _grad_to_param_fwd(param, cast):
+  return cast, jnp.zeros((), param.dtype)  # the residual carries only param's dtype
+
+
+def _grad_to_param_bwd(zero_of_param_dtype, g):
+  return g.astype(zero_of_param_dtype.dtype), None  # None: no cotangent for the copy
+
+
+_grad_to_param.defvjp(_grad_to_param_fwd, _grad_to_param_bwd)
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:

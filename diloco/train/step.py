@@ -26,20 +26,24 @@ def token_losses(logits_BLV: jax.Array, targets_BL: jax.Array):
 
 def chunked_token_losses(head: Callable[[jax.Array], jax.Array], x_BLD: jax.Array,
                          targets_BL: jax.Array, chunk: int):
-  """`token_losses(head(x_BLD), targets_BL)` computed `chunk` positions at a time.
+  """`token_losses(head(x_BLD), targets_BL)` computed about `chunk` tokens at a time.
 
   The (B, L, V) float32 logits are never whole: each chunk's are made, reduced to two numbers
   per token and dropped, and rematerialised for the backward pass. At a 262k vocabulary the
   full logits of a 4096-token sequence are 4 GiB, more than the rest of the activations.
-  The length is padded up to a multiple of `chunk`; the padded positions are dropped."""
+  A chunk is the whole batch (its sharding untouched) at max(1, chunk // B) positions, so its
+  logits do not grow with the batch; B is the global batch of `x_BLD`. The length is padded up
+  to a multiple of the chunk's positions; the padded positions are dropped. `head` closes over
+  whatever it reads (the tied table, cast once): the chunks and their recomputation read it."""
   batch, length = targets_BL.shape
-  n = -(-length // chunk)
-  pad = n * chunk - length
+  positions = chunk_positions(chunk, batch)
+  n = -(-length // positions)
+  pad = n * positions - length
   x_BLD = jnp.pad(x_BLD, ((0, 0), (0, pad), (0, 0)))
   targets_BL = jnp.pad(targets_BL, ((0, 0), (0, pad)))
   # Chunks lead (the axis lax.map walks); the batch axis keeps its sharding.
-  x_nBcD = x_BLD.reshape(batch, n, chunk, -1).swapaxes(0, 1)
-  t_nBc = targets_BL.reshape(batch, n, chunk).swapaxes(0, 1)
+  x_nBcD = x_BLD.reshape(batch, n, positions, -1).swapaxes(0, 1)
+  t_nBc = targets_BL.reshape(batch, n, positions).swapaxes(0, 1)
 
   @jax.checkpoint
   def one(args):
@@ -47,17 +51,37 @@ def chunked_token_losses(head: Callable[[jax.Array], jax.Array], x_BLD: jax.Arra
     return token_losses(head(x_BcD), t_Bc)
 
   ce_nBc, z_nBc = jax.lax.map(one, (x_nBcD, t_nBc))
-  unchunk = lambda v: v.swapaxes(0, 1).reshape(batch, n * chunk)[:, :length]  # noqa: E731
+  unchunk = lambda v: v.swapaxes(0, 1).reshape(batch, n * positions)[:, :length]  # noqa: E731
   return unchunk(ce_nBc), unchunk(z_nBc)
+
+
+def chunk_positions(chunk: int, batch: int) -> int:
+  """Positions per chunk of `chunk` tokens over a batch of `batch` sequences."""
+  return max(1, chunk // batch)
+
+
+def head_losses(model, x_BLD: jax.Array, targets_BL: jax.Array, chunk: int):
+  """Per-token (cross-entropy, z-loss) of `model`'s output head on its final hidden states,
+  `chunk` tokens at a time (0: all at once; `chunked_token_losses`)."""
+  if hasattr(model, "head_table"):  # the built-in transformer: the tied table is cast once
+    table_VD = model.head_table()
+    head = lambda x: model.logits(x, table_VD)  # noqa: E731
+  else:
+    head = model.logits
+  batch, length = targets_BL.shape
+  if chunk and chunk_positions(chunk, batch) < length:
+    return chunked_token_losses(head, x_BLD, targets_BL, chunk)
+  return token_losses(head(x_BLD), targets_BL)
 
 
 def _forward(graphdef, params, tokens_BL1):
   inputs_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
   model = nnx.merge(graphdef, params)
   chunk = getattr(getattr(model, "cfg", None), "loss_chunk", 0)
-  if chunk and chunk < targets_BL.shape[1] and hasattr(model, "hidden"):
+  batch, length = targets_BL.shape
+  if chunk and chunk_positions(chunk, batch) < length and hasattr(model, "hidden"):
     x_BLD, aux = model.hidden(inputs_BL)
-    ce_BL, z_BL = chunked_token_losses(model.logits, x_BLD, targets_BL, chunk)
+    ce_BL, z_BL = head_losses(model, x_BLD, targets_BL, chunk)
   else:
     out = model(inputs_BL)
     # A registered model returns logits, or (logits, aux loss) like the built-in transformer.
