@@ -37,9 +37,10 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config
+from diloco.distributed import store_layout
 from diloco.distributed.global_view import read_global, read_store, stopped
 from diloco.distributed.store import Store, global_index, shard_stores
-from diloco.learner.island import initial_global
+from diloco.learner.island import fragment_plan, initial_global
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.train import data as data_lib
@@ -152,6 +153,8 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   stores = shard_stores(store_root, cfg.sync.shards)
   store = stores[0].shared
   spec, init_fn, eval_fn = model_on_first_device(cfg)
+  store_layout.claim(store, store_layout.layout_record(
+      cfg.sync.shards, fragment_plan(cfg, spec), spec.abstract["params"]))
   writer = metrics_lib.open_writer(cfg.log, workdir, role="syncer", process="evaluator")
   evaluator = Evaluator(cfg, spec, eval_fn, writer, os.path.join(workdir, VERSIONS_FILE))
   restarted = evaluator.recall(workdir)

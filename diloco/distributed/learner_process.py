@@ -34,7 +34,7 @@ import numpy as np
 from absl import logging
 
 from diloco.config.run_config import Config, ConfigError
-from diloco.distributed import chaos, wan
+from diloco.distributed import chaos, store_layout, wan
 from diloco.distributed import hosts as hosts_lib
 from diloco.distributed.learner_registry import DONE, RETIRED
 from diloco.distributed.store import Store, global_index, shard_stores, shared_store
@@ -96,6 +96,8 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   devices = jax.devices()
   spec, init_fn, step_fn = island.build_learner(cfg, devices, learner_id)
   plan = island.fragment_plan(cfg, spec)
+  store_layout.claim(store, store_layout.layout_record(cfg.sync.shards, plan,
+                                                       spec.abstract["params"]))
   up, down = wan.learner_links(cfg.store, learner_id)
   # Each fragment's deliveries and versions live in the folder of the shard that owns it.
   folders = shard_stores(store_root, cfg.sync.shards)
