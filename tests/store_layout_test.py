@@ -35,8 +35,8 @@ def _publish(root, shards):
   return stores
 
 
-def _g_intact(root, shards):
-  flat, index = global_view.read_global(store_lib.shard_stores(root, shards))
+def _g_intact(root, shards, layout=None):
+  flat, index = global_view.read_global(store_lib.shard_stores(root, shards), layout=layout)
   assert index == {p: 3 for p in range(PLAN.num_fragments)}
   assert all(np.array_equal(flat[k], PARAMS[k]) for k in SHAPES)
 
@@ -89,7 +89,7 @@ def test_a_store_without_a_record_is_checked_by_its_folders(tmp_path, before, af
     store_layout.claim(store_lib.shared_store(root, after),
                        store_layout.layout_record(after, PLAN, TREE))
   assert not (tmp_path / "store" / "layout.json").exists()
-  _g_intact(root, before)
+  _g_intact(root, before, store_layout.layout_record(before, PLAN, TREE))
 
 
 @pytest.mark.parametrize("content", [b"{", b"[1]", b'{"shards": "2"}'])
@@ -100,7 +100,9 @@ def test_a_damaged_record_is_refused_in_one_line(tmp_path, content):
   with pytest.raises(ConfigError) as e:
     store_layout.claim(store_lib.shared_store(root, 2), store_layout.layout_record(2, PLAN, TREE))
   assert "\n" not in str(e.value) and "layout.json" in str(e.value)
-  _g_intact(root, 2)
+  with pytest.raises(ConfigError, match="layout.json"):  # nor is G read by its other readers
+    global_view.read_store(root, 2)
+  _g_intact(root, 2, store_layout.layout_record(2, PLAN, TREE))
 
 
 @pytest.mark.parametrize("link", ["shards", "shards/s1"])

@@ -46,6 +46,37 @@ def _read(shared) -> Any:
                       "store's layout is unknown, so it is not resumed") from None
 
 
+def recorded(shared) -> dict:
+  """The store's layout record, typed ({"shards": S, "fragments": [[[path, shape, dtype],
+  ...], ...]}); ConfigError if it has none or one of wrong types."""
+  record = _read(shared)
+  if record is None:
+    raise ConfigError(f"store {shared.base}: no {LAYOUT_FILE}; its layout (sync.shards, the "
+                      "fragment plan) is unknown, so its G is not read")
+  if not _typed(record):
+    raise ConfigError(f"store {shared.base}/{LAYOUT_FILE}: not a layout record (fields of "
+                      "wrong type); its G is not read")
+  return record
+
+
+def _typed(record: Any) -> bool:
+  """Whether `record` has the fields and types `layout_record` writes."""
+  def count(x, low=0):
+    return type(x) is int and x >= low  # noqa: E721  (bool is not a count)
+
+  fragments = record.get("fragments") if isinstance(record, dict) else None
+  if not (count(record.get("shards") if isinstance(record, dict) else None, 1)
+          and isinstance(fragments, list) and len(fragments) >= record["shards"]):
+    return False
+  paths = [t[0] if isinstance(t, list) and t else None for f in fragments
+           for t in (f if isinstance(f, list) and f else [None])]
+  return len(set(paths)) == len(paths) and all(
+      isinstance(f, list) and f and all(
+          isinstance(t, list) and len(t) == 3 and isinstance(t[0], str)
+          and isinstance(t[1], list) and all(count(d) for d in t[1]) and isinstance(t[2], str)
+          for t in f) for f in fragments)
+
+
 def _where(shared) -> str:
   return f"store {shared.base} (its {LAYOUT_FILE})"
 
