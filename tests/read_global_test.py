@@ -102,3 +102,26 @@ def test_another_models_parameters_are_refused(tmp_path):
     global_view.read_global(stores, paths=["other/w"])
   with pytest.raises(Exception, match="sync.shards=1"):
     global_view.read_global(stores[:1])
+
+
+@pytest.mark.parametrize("kind", ["reshaped", "extra_path", "missing_path", "float16"])
+def test_a_learners_link_never_takes_a_version_off_the_plan(tmp_path, kind):
+  """The learner's store link reads with the plan's shapes: a planted version of other shapes
+  or paths is skipped, and the next good one is taken."""
+  from diloco.distributed.store_transport import LearnerStoreLink  # noqa: PLC0415
+  stores = store_lib.shard_stores(str(tmp_path), SHARDS)
+  for p in range(PLAN.num_fragments):
+    _plant(stores, p, 0, "good")
+  p = 0
+  _plant(stores, p, 1, kind)
+  shapes = [{k: SHAPES[k] for k in paths} for paths in PLAN.fragments]
+  link = LearnerStoreLink(stores[0].shared, 0, 0, poll_s=0.01, shards=stores, owner=OWNER,
+                          shapes=shapes)
+  try:
+    link.wait_initial(PLAN.num_fragments, timeout=30)
+    assert link.latest_version(p) == 0
+    _plant(stores, p, 2, "good")
+    got = link.wait_for(p, 2, timeout=30)
+    assert got.version == 2 and all(got.tensors[k].shape == SHAPES[k] for k in PLAN.fragments[p])
+  finally:
+    link.close()
