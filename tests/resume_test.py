@@ -166,6 +166,31 @@ def _saved_run(tmp_path, cfg, versions):
                                       run_checkpoint.MergedSteps(), 1.0, initial_loss=6.0)
 
 
+@pytest.mark.parametrize("what,bad", [("params", np.nan), ("momentum", np.inf),
+                                      ("params", -np.inf)])
+def test_a_checkpoint_whose_g_is_not_finite_is_refused(tmp_path, what, bad):
+  """As the multi-process `recover` refuses a non-finite version: one line naming the
+  checkpoint and the tensor, and the fresh syncer keeps its values."""
+  cfg = _config()
+  plan = fragments.plan_fragments(SHAPES, 2, "balanced")
+  syncer = _syncer(plan, SHAPES)
+  getattr(syncer, what)["b/w"][2] = bad
+  snap = run_checkpoint.take_snapshot(_fake_runtime(tmp_path, cfg, syncer, plan, []),
+                                      run_checkpoint.ResumePoints(),
+                                      run_checkpoint.MergedSteps(), 1.0, initial_loss=6.0)
+  ckpt = run_checkpoint.RunCheckpointer(str(tmp_path), cfg)
+  ckpt.save(snap)
+  ckpt.close()
+  loaded = run_checkpoint.RunCheckpointer(str(tmp_path), cfg).load()
+  fresh = _syncer(plan, SHAPES)
+  with pytest.raises(ConfigError) as e:
+    run_checkpoint.restore(_fake_runtime(tmp_path, cfg, fresh, plan, []), loaded)
+  message = str(e.value)
+  assert "\n" not in message and "not finite" in message and "b/w" in message
+  assert message.startswith(os.path.join(str(tmp_path), run_checkpoint.DIRECTORY, "1", what))
+  assert all(np.all(fresh.params[k] == 0) for k in SHAPES) and fresh.versions == [0, 0]
+
+
 def test_torn_checkpoint_is_ignored(tmp_path):
   cfg = _config()
   ckpt = run_checkpoint.RunCheckpointer(str(tmp_path), cfg)

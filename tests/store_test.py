@@ -15,7 +15,7 @@ from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 from diloco import fragments, outer
 from diloco.config.run_config import StoreConfig
 from diloco.delivery import Delivery
-from diloco.distributed import chaos, global_view, syncer_process, wan
+from diloco.distributed import chaos, global_view, store_layout, syncer_process, wan
 from diloco.distributed import store as store_lib
 from diloco.distributed.store import Store
 from diloco.distributed.store_names import parse_payload_name, payload_name
@@ -608,6 +608,9 @@ def test_init_from_a_store_assembles_g_from_every_shards_newest_version(tmp_path
   root = str(tmp_path / "store")
   owner = ownership.assign(PLAN.num_elements, num_shards)
   stores = store_lib.shard_stores(root, num_shards)
+  store_layout.claim(stores[0].shared, store_layout.layout_record(
+      num_shards, PLAN, fragments.unflatten_tree({k: np.zeros(s, np.float32)
+                                                  for k, s in SHAPES.items()})))
   momentum = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
   for p in range(PLAN.num_fragments):
     stores[owner[p]].merged.put(_merged(p, 0, seed=0), momentum, {"round": None})

@@ -18,15 +18,16 @@ import pytest
 
 from diloco import fragments
 from diloco.delivery import Delivery
-from diloco.distributed import syncer_process
+from diloco.distributed import blob_io, syncer_process
 from diloco.distributed.entry_check import StoreError
 from diloco.distributed.lease import Lease, LeaseHeld
 from diloco.distributed.store import Store
 from diloco.distributed.store_names import NON_FINITE
 from diloco.distributed.store_transport import LearnerStoreLink
 from diloco.distributed.syncer_link import SyncerStoreLink
+from diloco.observe import fidelity
 from diloco.outer.merge import OuterConfig
-from diloco.sync import intake, policy
+from diloco.sync import intake, policy, rejections
 from diloco.sync import syncer as syncer_lib
 from diloco.sync.policy import SyncConfig
 from diloco.transport import Heartbeat, Merged
@@ -391,12 +392,38 @@ def test_a_learner_skips_a_non_finite_version_and_takes_the_next(tmp_path):
   _plant_non_finite(store, s, 1)
   learner = LearnerStoreLink(store, 0, 0, poll_s=0.01)
   time.sleep(0.5)  # dozens of polls of the index naming the planted version
-  assert learner.latest(0) is None  # never applied
+  assert learner.latest(0).version == 0  # never applied: the newest usable one instead
   good = Merged(0, 2, _params(5), 2.0)
   store.merged.put(good, s.momentum, {"round": None, "state": {}})
   learner.wait_initial(1, timeout=20, min_versions={0: 2})
   assert learner.latest(0).version == 2
   learner.close()
+
+
+def test_a_flood_of_rejections_in_one_round_keeps_its_marker_under_the_record_limit(tmp_path):
+  """40,000 rejected deliveries before one round closes (listed in full, the marker would be
+  about 6 MiB): the tape record lists the first few and counts all of them by reason, the
+  commit marker stays under the store's record limit, and a restarted syncer resumes from it."""
+  store, s, records, link = _store_syncer(tmp_path)
+  for i in range(40_000):
+    s.reject(0, i % 4, 0, "stale" if i % 2 else "replayed", 10**6, 0.5, local_step=4, steps=4)
+  _beat_record(store, 1)
+  store.payloads.put(_delivery(step=4))
+  tape = io.StringIO()
+  syncer_process.sync_once(store, s, link, records, tape, keep=5, now=1.0)
+  link.close()
+  assert s.versions == [1]
+  record = json.loads(tape.getvalue())
+  assert len(record["rejected"]) == rejections.EXAMPLES
+  assert record["rejected_by_reason"] == {"replayed": 20_000, "stale": 20_000}
+  assert record["rejected_bytes"] == 40_000 * 10**6
+  assert os.path.getsize(tmp_path / "merged" / "f0_v1.json") < blob_io._MAX_JSON_BYTES // 16
+  good = s.global_params()
+  again, _ = _syncer()
+  ok, _, committed = syncer_process.recover(store, again, 1, 8)
+  assert ok and again.versions == [1] and _unchanged(again, good)
+  assert committed[0]["rejected_by_reason"] == record["rejected_by_reason"]
+  assert fidelity.round_stats(committed)["rejected"] == 40_000
 
 
 def test_when_quarantine_cannot_be_written_the_bad_entry_is_never_read_again(tmp_path):

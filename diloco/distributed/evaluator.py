@@ -37,9 +37,10 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config
-from diloco.distributed.global_view import read_global, read_store, stopped
+from diloco.distributed import store_layout
+from diloco.distributed.global_view import published, read_global, read_store, stopped
 from diloco.distributed.store import Store, global_index, shard_stores
-from diloco.learner.island import initial_global
+from diloco.learner.island import fragment_plan, initial_global
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.train import data as data_lib
@@ -152,6 +153,9 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
   stores = shard_stores(store_root, cfg.sync.shards)
   store = stores[0].shared
   spec, init_fn, eval_fn = model_on_first_device(cfg)
+  layout = store_layout.layout_record(cfg.sync.shards, fragment_plan(cfg, spec),
+                                     spec.abstract["params"])
+  store_layout.claim(store, layout)
   writer = metrics_lib.open_writer(cfg.log, workdir, role="syncer", process="evaluator")
   evaluator = Evaluator(cfg, spec, eval_fn, writer, os.path.join(workdir, VERSIONS_FILE))
   restarted = evaluator.recall(workdir)
@@ -164,7 +168,7 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
         start = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"],
                                read_store)
       evaluator.evaluate(start, 0, clock(), 0)
-    while not all(s.merged.index() for s in stores):  # each shard publishes its version 0s
+    while not published(stores, layout):  # each shard publishes its version 0s
       time.sleep(_POLL_S)
     index = global_index(stores)
     progress = _progress(store)
@@ -173,12 +177,12 @@ def run(cfg: Config, workdir: str, store_root: str) -> dict:
     print(f"evaluator: on {jax.devices()[0].device_kind}, from step {progress}", flush=True)
     while True:
       if all(stopped(s) for s in stores):
-        flat, index, rounds = read_global(stores, with_rounds=True, paths=paths)
+        flat, index, rounds = read_global(stores, with_rounds=True, paths=paths, layout=layout)
         final = evaluator.final(flat, _progress(store), clock(), rounds, index)
         break
       progress = _progress(store)
       if evaluator.due(progress, next_eval, cfg.train.steps):
-        flat, index, rounds = read_global(stores, with_rounds=True, paths=paths)
+        flat, index, rounds = read_global(stores, with_rounds=True, paths=paths, layout=layout)
         evaluator.evaluate(flat, progress, clock(), rounds, index)
         next_eval = (progress // every + 1) * every
       time.sleep(_POLL_S)

@@ -39,7 +39,7 @@ from absl import logging
 
 from diloco.config.run_config import Config, ConfigError
 from diloco.deploy import accelerators
-from diloco.distributed import chaos, launch_report, supervision
+from diloco.distributed import chaos, launch_report, store_layout, supervision
 from diloco.distributed.store import Store, shard_stores, shared_store
 from diloco.distributed.supervision import EVALUATOR, Proc, syncer_key
 from diloco.observe import metrics as metrics_lib
@@ -58,6 +58,11 @@ class Launcher:
     self.cfg, self.workdir, self.config_json = cfg, os.path.abspath(workdir), config_json
     self.store_root = cfg.store.root or os.path.join(self.workdir, "store")
     self.store = shared_store(self.store_root, cfg.sync.shards)
+    # A store laid out for another sync.shards, or with a symlinked shard folder: refused
+    # before any process starts (each process also checks the whole layout).
+    store_layout.check_shards(self.store, cfg.sync.shards)
+    if cfg.sync.shards > 1:
+      self._stores = shard_stores(self.store_root, cfg.sync.shards)
     self.max_learners = chaos.max_learners(cfg)
     self.events = chaos.schedule(
         cfg.launch.chaos, cfg.launch.chaos_faults, seed=cfg.seed,

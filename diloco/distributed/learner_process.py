@@ -33,8 +33,9 @@ import jax
 import numpy as np
 from absl import logging
 
+from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config, ConfigError
-from diloco.distributed import chaos, wan
+from diloco.distributed import chaos, store_layout, wan
 from diloco.distributed import hosts as hosts_lib
 from diloco.distributed.learner_registry import DONE, RETIRED
 from diloco.distributed.store import Store, global_index, shard_stores, shared_store
@@ -78,6 +79,12 @@ class _ActivityFile:
     self._file.close()
 
 
+def _plan_shapes(plan, spec) -> list[dict[str, tuple]]:
+  """Per fragment, {path: shape} of the plan: what the store link takes from a version."""
+  flat = fragments_lib.flatten_tree(spec.abstract["params"])
+  return [{k: tuple(flat[k].shape) for k in paths} for paths in plan.fragments]
+
+
 def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   """Trains learner `learner_id` until `train.steps` local steps or SIGTERM."""
   shards = chaos.max_learners(cfg)
@@ -96,13 +103,16 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   devices = jax.devices()
   spec, init_fn, step_fn = island.build_learner(cfg, devices, learner_id)
   plan = island.fragment_plan(cfg, spec)
+  store_layout.claim(store, store_layout.layout_record(cfg.sync.shards, plan,
+                                                       spec.abstract["params"]))
   up, down = wan.learner_links(cfg.store, learner_id)
   # Each fragment's deliveries and versions live in the folder of the shard that owns it.
   folders = shard_stores(store_root, cfg.sync.shards)
   owner = ownership.assign(plan.num_elements, cfg.sync.shards)
   link = hosts_lib.AgreedLink(store, learner_id, incarnation, hosts, poll_s=cfg.store.poll_s,
                               up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s,
-                              send_queue=cfg.sync.send_queue, shards=folders, owner=owner)
+                              send_queue=cfg.sync.send_queue, shards=folders, owner=owner,
+                              shapes=_plan_shapes(plan, spec))
   link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s)
   origin = store.run.start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)

@@ -37,6 +37,7 @@ import os
 from etils import epath
 
 from diloco.distributed.blob_io import Blobs
+from diloco.errors import ConfigError
 from diloco.distributed.learner_registry import LearnerRegistry
 from diloco.distributed.merged_versions import MergedVersions
 from diloco.distributed.payload_box import Payloads
@@ -64,6 +65,8 @@ class Store:
     self.shard = shard
     self.root = self.base if shard is None else self.base / shard_folder(shard)
     self.local = "://" not in str(root)
+    if shard is not None and self.local:
+      _refuse_symlinks(self.base, shard)
     self.blobs = Blobs(self.root, self.local)
     if shard is not None:
       self.shared = Store(root, _folders=_SHARED_FOLDERS)
@@ -80,6 +83,16 @@ class Store:
     self.learners = (LearnerRegistry(self.blobs) if self.shared is self
                      else self.shared.learners)
     self.run = RunLifecycle(self.blobs) if self.shared is self else self.shared.run
+
+
+def _refuse_symlinks(base: epath.Path, shard: int) -> None:
+  """A shard's folder (or `shards/`) that is a symlink would put its lease, versions and
+  payloads outside the store (and collect them there): refused, like a symlinked `merged/`."""
+  folder = shard_folder(shard)
+  for rel in ("shards", folder):
+    if os.path.islink(base / rel):
+      raise ConfigError(f"store.root={str(base)!r}: {rel} is a symlink; a shard's folder must "
+                        "be a folder of the store, not a link to elsewhere")
 
 
 def shared_store(root: str | os.PathLike, shards: int) -> Store:

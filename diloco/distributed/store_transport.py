@@ -19,7 +19,7 @@ from typing import Callable
 from absl import logging
 
 from diloco.delivery import Delivery
-from diloco.distributed import wan
+from diloco.distributed import global_view, wan
 from diloco.distributed.entry_check import StoreError
 from diloco.distributed.learner_registry import UP
 from diloco.distributed.store import Store
@@ -40,16 +40,19 @@ class LearnerStoreLink:
                up: wan.Link | None = None, down: wan.Link | None = None,
                heartbeat_every_s: float = 0.2, send_queue: int = 8,
                on_fetch: Callable[[Merged], None] | None = None,
-               shards: list[Store] | None = None, owner: tuple[int, ...] | None = None):
+               shards: list[Store] | None = None, owner: tuple[int, ...] | None = None,
+               shapes: list[dict[str, tuple]] | None = None):
     """`on_fetch` sees every merged version the poller downloads (on its thread). At most
     `send_queue` deliveries wait for upload; `deliver` blocks while it is full. `shards`: the
     syncer shards' stores (`store.shard_stores`; None: `store` alone), `owner[p]` the shard
-    of fragment p (`syncer_shards.assign`)."""
+    of fragment p (`syncer_shards.assign`). `shapes[p]`: fragment p's {path: shape} under the
+    plan; a version of other paths or shapes is never taken (None: the marker's own)."""
     self.store, self.learner, self.incarnation = store, learner, incarnation
     self._shards = list(shards) if shards else [store]
     if len(self._shards) > 1 and owner is None:
       raise ValueError("LearnerStoreLink: several syncer shards need the fragments' owner")
     self._owner = owner
+    self._shapes = shapes
     self._on_fetch = on_fetch
     self._up, self._down = up or wan.Link(), down or wan.Link()
     self._poll_s, self._beat_every = poll_s, heartbeat_every_s
@@ -261,19 +264,26 @@ class LearnerStoreLink:
         continue
       if failures.get((p, version), 0) >= _MAX_READ_FAILURES:
         continue  # broken (logged once): never applied, a newer version is
+      shapes = None if self._shapes is None or p >= len(self._shapes) else self._shapes[p]
       try:
-        merged, _ = store.merged.read(p, version)
+        merged, _ = store.merged.read(p, version, shapes=shapes)
       except Exception as e:  # collected under us (the syncer moved on): next poll's index
         n = failures[(p, version)] = failures.get((p, version), 0) + 1
         if n >= _MAX_READ_FAILURES or getattr(e, "reason", None) == NON_FINITE:
           failures[(p, version)] = _MAX_READ_FAILURES
           logging.error("learner %d: merged f%d_v%d cannot be used, skipped: %r",
                         self.learner, p, version, e)
+          # The newest version that is usable, by the markers (a joining learner must not
+          # wait for a version nobody can use): taken if newer than the one held.
+          merged = global_view.newest_usable(store, p, shapes)
+          if merged is None or (have is not None and merged.version <= have.version):
+            continue
+        else:
+          logging.info("learner %d: merged f%d_v%d not read (%r); retrying", self.learner, p,
+                       version, e)
           continue
-        logging.info("learner %d: merged f%d_v%d not read (%r); retrying", self.learner, p,
-                     version, e)
-        continue
-      failures.pop((p, version), None)
+      if merged.version == version:  # a fallback leaves the broken version marked
+        failures.pop((p, version), None)
       self.wan_wait_s += self._down.transfer(merged.nbytes)
       self.bytes_down += merged.nbytes
       if self._on_fetch is not None:

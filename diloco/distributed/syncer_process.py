@@ -41,7 +41,7 @@ from diloco.sync import intake, ownership as syncer_shards
 from diloco.config.run_config import Config
 from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.lease import Lease
-from diloco.distributed import chaos, global_view, store_markers
+from diloco.distributed import chaos, global_view, store_layout, store_markers
 from diloco.distributed.entry_check import StoreError
 from diloco.distributed.learner_registry import DONE, RETIRED
 from diloco.distributed.store import Store, shard_stores
@@ -204,6 +204,9 @@ def _boot(cfg: Config, store: Store, lease: Lease, clock) -> _Boot:
   (`recover`), or publishes version 0 of every owned fragment on a fresh store."""
   spec, init_fn, eval_fn = evaluator_lib.model_on_first_device(cfg)
   plan = fragment_plan(cfg, spec)
+  # Before anything is read: a store of another layout is refused, never restarted.
+  store_layout.claim(store.shared, store_layout.layout_record(cfg.sync.shards, plan,
+                                                              spec.abstract["params"]))
   with jax.set_mesh(spec.mesh):
     # train.init_from seeds G; a recovered store replaces it (`recover`).
     global_params = initial_global(init_fn, cfg.seed, cfg, spec.abstract["params"],

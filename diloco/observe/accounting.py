@@ -309,7 +309,7 @@ def bandwidth_ledger(tape: Sequence[Mapping], *, num_params: int, steps: float,
       learners.add(d["learner"])
       if fragment_sizes is not None:
         fp32 += 4 * fragment_sizes[p]
-    rejected += sum(d["payload_bytes"] for d in r["rejected"])
+    rejected += r.get("rejected_bytes", sum(d["payload_bytes"] for d in r["rejected"]))
     down = r["published_bytes"] * len(r["receivers"])
     for m in r["receivers"]:
       down_l[m] += r["published_bytes"]

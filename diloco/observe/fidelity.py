@@ -57,7 +57,9 @@ def round_stats(tape: Sequence[Mapping]) -> dict:
   def mean(values: list[float]) -> float:
     return sum(values) / n if n else 0.0
 
-  rejected = collections.Counter(x["reason"] for r in tape for x in r["rejected"])
+  rejected = collections.Counter()
+  for r in tape:  # all of a round's rejections are counted; only the first few are listed
+    rejected.update(r.get("rejected_by_reason") or [x["reason"] for x in r["rejected"]])
   return {
       "rounds": n,
       "mean_quorum": mean([r["quorum"] for r in tape]),

@@ -327,6 +327,11 @@ def _check_fits(rt, snapshot: Snapshot) -> None:
       for what, tensors in (("params", snapshot.params), ("momentum", snapshot.momentum)):
         if k not in tensors:
           raise DocumentError(os.path.join(snapshot.source, what), k, "is missing")
+        # As the multi-process `recover` refuses a non-finite version: G never resumes NaN.
+        if not np.all(np.isfinite(tensors[k])):
+          raise DocumentError(os.path.join(snapshot.source, what), k, "values are not finite "
+                              "(NaN or inf); the checkpoint is refused (it was changed outside "
+                              "the run); use a fresh --workdir")
   for i, saved in enumerate(snapshot.meta["slots"]):
     if saved["index"] >= len(rt.slots):
       raise DocumentError(file, f"slots.{i}.index", f"is {saved['index']}; the run has "

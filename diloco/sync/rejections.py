@@ -1,7 +1,10 @@
 """What the syncer refused, for its counters, its tape and the store's quarantine.
 
-Every delivery or heartbeat the syncer turns down is counted by reason and listed with its
-fragment's next round record (the tape, `accounting.where_steps_went` reads it); malformed
+Every delivery or heartbeat the syncer turns down is counted by reason and summarised in its
+fragment's next round record (the tape, `accounting.where_steps_went` reads it): counts and
+bytes by reason, and the first `EXAMPLES` rejections in full, so that a flood of bad
+deliveries in one round cannot make the record (which the multi-process syncer writes into
+the merged version's commit marker) outgrow the store's record limit; malformed
 deliveries and those whose handling raised are also kept until the runtime takes them to
 quarantine them, so that no syncer reads them again.
 """
@@ -15,6 +18,9 @@ from absl import logging
 
 from diloco.delivery import Delivery
 from diloco.sync import intake
+
+# Rejections listed in full per round record; the rest are only counted (by reason).
+EXAMPLES = 8
 
 
 def _nbytes(payload: Delivery) -> int:
@@ -31,6 +37,8 @@ class RejectionLog:
     """`owned`: the fragments whose rounds this syncer (shard) closes."""
     self.counts: collections.Counter = collections.Counter()
     self._listed: dict[int, list[dict]] = collections.defaultdict(list)
+    self._counted: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    self._bytes: dict[int, int] = collections.defaultdict(int)
     self._owned = frozenset(owned)
     self._first = min(owned)
     # Malformed deliveries and those whose ingestion or merge raised: (fragment, learner,
@@ -56,7 +64,10 @@ class RejectionLog:
               "payload_bytes": int(nbytes), "arrived_at": now}
     if intake.is_count(local_step, 0) and intake.is_count(steps, 1):
       record.update(local_step=int(local_step), steps=int(steps))
-    self._listed[p].append(record)
+    self._counted[p][reason] += 1
+    self._bytes[p] += int(nbytes)
+    if len(self._listed[p]) < EXAMPLES:
+      self._listed[p].append(record)
     logging.info("syncer: rejected fragment %d from learner %d: %s", fragment, learner, reason)
 
   def delivery(self, payload: Delivery, reason: str, now: float) -> None:
@@ -82,6 +93,11 @@ class RejectionLog:
     self._faults.clear()
     return faults
 
-  def listed(self, p: int) -> list[dict]:
-    """The rejections listed for fragment `p` since its last round (taken: listed once)."""
-    return self._listed.pop(p, [])
+  def listed(self, p: int) -> dict:
+    """The tape fields of fragment `p`'s rejections since its last round (taken: listed
+    once): `rejected` (the first `EXAMPLES` in full), `rejected_by_reason` (all, counted) and
+    `rejected_bytes` (all, their payload bytes)."""
+    counted = self._counted.pop(p, collections.Counter())
+    return {"rejected": self._listed.pop(p, []),
+            "rejected_by_reason": dict(sorted(counted.items())),
+            "rejected_bytes": self._bytes.pop(p, 0)}

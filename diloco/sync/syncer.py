@@ -347,7 +347,7 @@ class Syncer:
         "pull_s": pull_s, "lead_s": lead_s, "reason": decision.reason,
         "admitted": [_admitted_record(m, e, old_version, float(w), d)
                      for (m, e), w, d in zip(entries, weights, delta_norms)],
-        "rejected": self.rejected.listed(p),
+        **self.rejected.listed(p),  # the first few in full, all counted by reason
         "update_norm": update_norm, "sync_s": sync_s, "merge_wall_s": measured,
         "published_bytes": merged.nbytes, "receivers": alive,
     }
