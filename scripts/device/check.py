@@ -61,7 +61,7 @@ def _bench(*flags: str) -> tuple[str, ...]:
   return (PY, BENCH, *flags)
 
 
-# The speed switches of issue 32 against today's path, in the order they are worth measuring.
+# The learner speed switches against the path before them, in the order they are worth measuring.
 # Each entry: (global batch, switches). The first of each list is the reference path.
 M35_VARIANTS = (
     (64, "embed_impl=gather,head_grad_dtype=float32"),  # before the switches
