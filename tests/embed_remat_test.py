@@ -243,3 +243,34 @@ def test_save_attention_under_scan_saves_the_stacked_attention_output():
   assert _count(lines, "f32[2,20,4,16]", "named 'attention_out'") == 1
   assert not any(line.startswith("f32[2,2,20,4,16]") for line in _saved_residuals(
       "full", scan_layers=True))
+
+
+@pytest.mark.slow
+def test_offload_and_named_policies_run_the_sharded_train_step(tiny_config, replace):
+  """The real train step on an FSDP x tensor mesh of 8 CPU devices: host offload lowers and
+  runs on the CPU backend (so the config need not refuse it there), and the first step's
+  metrics are those of no remat, scanned or not."""
+  from diloco.model.sharding import batch_sharding
+  from diloco.train import mesh as mesh_lib
+  from diloco.train import optim
+  from diloco.train import state as train_state
+  from diloco.train import step as train_step
+
+  def first_step(**model_fields):
+    cfg = replace(replace(tiny_config, "model", num_layers=4, **model_fields),
+                  "mesh", data=2, fsdp=2, tensor=2)
+    mesh = mesh_lib.learner_mesh(jax.devices(), cfg.mesh)
+    spec = train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, 10), mesh)
+    state = train_state.create(cfg.model, spec, jax.random.key(0))
+    step_fn = train_step.make_train_step(spec, cfg.optim, optim.lr_schedule(cfg.optim, 10))
+    batch = jax.device_put(np.asarray(_tokens(8, cfg.data.seq_len + 1)), batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+      _, metrics = step_fn(state, batch)
+    return jax.device_get(metrics)
+
+  want = first_step()
+  for remat, scan in [("offload_dots", False), ("offload_dots", True),
+                      ("save_attention", True)]:
+    got = first_step(remat=remat, scan_layers=scan)
+    for key in ("train/loss", "train/grad_norm"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{remat} {key}")
