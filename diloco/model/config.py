@@ -9,9 +9,11 @@ from diloco.settings import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, OneOf, frozen,
 # "none" keeps everything (no remat), "full" keeps only the layer's inputs and recomputes the
 # rest; the next three name `jax.checkpoint_policies` (dots_saveable keeps matmul outputs). The
 # last three use the layer's named values (`checkpoint_name`): "save_attention" keeps only the
-# attention output before its projection (a fused attention is a custom call, not a dot, so the
-# dots policies recompute it), "save_dots_and_attention" keeps that and the matmul outputs
-# without batch dimensions, "offload_dots" moves those matmul outputs to pinned host memory.
+# attention output before its projection (not a dot: the dots policies recompute it),
+# "save_dots_and_attention" keeps that and the matmul outputs without batch dimensions,
+# "offload_dots" moves those matmul outputs to pinned host memory. With cuDNN attention the
+# backward still reruns its forward kernel for the softmax statistics under every policy but
+# "none" (measured; docs/decisions.md, "Learner speed: the embedding gradient, named remat").
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "nothing_saveable", "save_attention", "save_dots_and_attention",
                   "offload_dots")
