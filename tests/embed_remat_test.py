@@ -19,6 +19,7 @@ from diloco.errors import ConfigError
 from diloco.model import config as model_config
 from diloco.model import presets as model_presets
 from diloco.model import transformer as model
+from diloco.train import program_digest
 
 _IMPLS = ("gather", "gather_f32", "one_hot", "auto")
 _SPACE = 32  # the byte that takes ~28% of the byte corpus's tokens
@@ -123,11 +124,15 @@ def test_bf16_embed_gradients_and_the_contended_row():
   assert errors["auto"] == errors["one_hot"]
 
 
-def _scatter_dtypes(impl, dtype):
-  """The element types of the scatters in the embedding gradient's lowered StableHLO."""
+def _lowered_embed_grad(impl, dtype):
   tokens = _tokens(2, 16)
   state, f = _embed_fn(impl, dtype, tokens, _upstream(tokens))
-  text = jax.jit(jax.grad(lambda s: f(s)[0])).lower(state).as_text()
+  return jax.jit(jax.grad(lambda s: f(s)[0])).lower(state).as_text()
+
+
+def _scatter_dtypes(impl, dtype):
+  """The element types of the scatters in the embedding gradient's lowered StableHLO."""
+  text = _lowered_embed_grad(impl, dtype)
   # The op's signature ends its region: `}) : (...) -> tensor<384x64xbf16>`.
   return {re.search(r"-> tensor<384x64x(\w+)>", text[m.end():]).group(1)
           for m in re.finditer(r"stablehlo\.scatter", text)}
@@ -140,6 +145,19 @@ def test_the_lowered_embedding_gradient_scatters_as_each_impl_says():
   assert _scatter_dtypes("auto", "bfloat16") == set()
   assert _scatter_dtypes("one_hot", "float32") == set()
   assert _scatter_dtypes("gather", "float32") == {"f32"}
+
+
+def test_the_one_hot_gradient_is_a_bf16_matmul_with_float32_accumulation():
+  """Under bf16 compute the table's gradient (one-hot by cotangent) takes bf16 operands and
+  returns float32: no float32 x float32 dot of the vocabulary's size (TF32 on GPUs). The rows'
+  own dot is dead code in the gradient of this linear function."""
+  dots = program_digest.stablehlo_dots(_lowered_embed_grad("one_hot", "bfloat16"))
+  assert [d.result.shape for d in dots] == [(384, 64)], dots
+  assert {(d.lhs.dtype, d.rhs.dtype, d.result.dtype) for d in dots} == {("bf16", "bf16", "f32")}
+  dots = program_digest.stablehlo_dots(_lowered_embed_grad("one_hot", "float32"))
+  assert {(d.lhs.dtype, d.rhs.dtype, d.result.dtype) for d in dots} == {("f32", "f32", "f32")}
+  assert all('HIGHEST' in t for t in re.findall(
+      r"stablehlo\.dot_general.*", _lowered_embed_grad("one_hot", "float32"))), "precision"
 
 
 def test_bad_embed_impl_names_the_field_and_is_a_speed_switch():

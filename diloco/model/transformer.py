@@ -317,12 +317,7 @@ class Transformer(nnx.Module):
     elif impl == "gather_f32":  # backward: the scatter-add accumulates in the parameter dtype
       x_BLD = table_VD[tokens_BL].astype(dt)
     else:  # one_hot: the backward is a matmul, so no contended scatter into frequent rows
-      one_hot_BLV = constrain(jax.nn.one_hot(tokens_BL, cfg.vocab_size, dtype=dt),
-                              "batch", "length", "vocab")
-      # A float32 product must not round the rows (TF32 on GPUs): HIGHEST keeps them exact.
-      precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
-      x_BLD = jnp.einsum("BLV,VD->BLD", one_hot_BLV, table_VD.astype(dt), precision=precision,
-                         preferred_element_type=jnp.float32).astype(dt)
+      x_BLD = one_hot_embed(tokens_BL, table_VD.astype(dt))
     x_BLD = x_BLD * jnp.asarray(math.sqrt(cfg.embed_dim), dt)
     return constrain(x_BLD, "batch", "length", "embed")
 
@@ -485,6 +480,43 @@ def _head_matmul_bwd(residuals, g_BLV):
 
 
 head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+
+
+@jax.custom_vjp
+def one_hot_embed(tokens_BL: jax.Array, table_VD: jax.Array) -> jax.Array:
+  """Rows `table_VD[tokens_BL]` as a one-hot matmul accumulated in float32 (exact rows).
+
+  The backward is the transposed matmul, one-hot by cotangent, both in the table's dtype with
+  float32 accumulation: no scatter, and no float32 x float32 dot under bf16 compute (autodiff
+  would upcast both operands to the float32 cotangent of the accumulator, as in the head).
+  """
+  return _one_hot_matmul("BLV,VD->BLD", tokens_BL, table_VD, table_VD.shape[0])
+
+
+def _one_hot_matmul(spec, tokens_BL, other, vocab):
+  dtype = other.dtype
+  one_hot_BLV = constrain(jax.nn.one_hot(tokens_BL, vocab, dtype=dtype), "batch", "length",
+                          "vocab")
+  # A float32 product must not round (TF32 on GPUs): HIGHEST keeps the rows and sums exact.
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  out = jnp.einsum(spec, one_hot_BLV, other, precision=precision,
+                   preferred_element_type=jnp.float32)
+  return out.astype(dtype)
+
+
+def _one_hot_embed_fwd(tokens_BL, table_VD):
+  # The residual carries only the table's vocabulary size and dtype, not the table.
+  return one_hot_embed(tokens_BL, table_VD), (tokens_BL, jnp.zeros((table_VD.shape[0], 0),
+                                                                     table_VD.dtype))
+
+
+def _one_hot_embed_bwd(residuals, g_BLD):
+  tokens_BL, like_V0 = residuals
+  g_BLD = g_BLD.astype(like_V0.dtype)
+  return None, _one_hot_matmul("BLV,BLD->VD", tokens_BL, g_BLD, like_V0.shape[0])
+
+
+one_hot_embed.defvjp(_one_hot_embed_fwd, _one_hot_embed_bwd)
 
 
 @jax.custom_vjp
