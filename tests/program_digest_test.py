@@ -186,13 +186,13 @@ def test_the_tiny_train_step_has_its_model_flops_and_no_host_transfer(tiny_confi
   assert abs(d.dot_flops() * d.num_partitions - expected) <= 0.1 * expected
   assert abs(sum(x.flops for x in d.lowered_dots) - expected) <= 0.1 * expected
   assert m.dtype == "float32" and d.f32_dots()  # the tiny preset computes in f32
-  # The embedding's gradient is a scatter-add into the table, one update per token (the
-  # other scatter is the gradient of the target-logit gather, also one per token).
+  # The embedding's gradient is no scatter-add into the table: at this byte vocabulary the
+  # default `embed_impl="auto"` is the one-hot matmul (the gather paths' scatters are checked
+  # in tests/embed_remat_test.py).
+  assert m.embed_impl == "auto" and m.vocab_size <= model_lib.EMBED_ONE_HOT_MAX_VOCAB
   table = (m.vocab_size, m.embed_dim)
-  assert [s.count for s in d.scatters() if s.operand.shape == table] == [
-      tokens_per_step // d.num_partitions]
-  assert [s.count for s in d.lowered_scatters if s.operand.shape == table] == [
-      tokens_per_step]
+  assert not [s for s in d.scatters() if s.operand.shape == table]
+  assert not [s for s in d.lowered_scatters if s.operand.shape == table]
   assert d.memory.temp_bytes is not None and d.memory.argument_bytes > 0
 
 

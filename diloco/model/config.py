@@ -7,9 +7,23 @@ from diloco.settings import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, OneOf, frozen,
 
 # How much of each layer's forward pass is kept for the backward pass (`jax.checkpoint`):
 # "none" keeps everything (no remat), "full" keeps only the layer's inputs and recomputes the
-# rest; the others name `jax.checkpoint_policies` (dots_saveable keeps matmul outputs).
+# rest; the next three name `jax.checkpoint_policies` (dots_saveable keeps matmul outputs). The
+# last three use the layer's named values (`checkpoint_name`): "save_attention" keeps only the
+# attention output before its projection (not a dot: the dots policies recompute it),
+# "save_dots_and_attention" keeps that and the matmul outputs without batch dimensions,
+# "offload_dots" moves those matmul outputs to pinned host memory. With cuDNN attention the
+# backward still reruns its forward kernel for the softmax statistics under every policy but
+# "none" (measured; docs/decisions.md, "Learner speed: the embedding gradient, named remat").
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
-                  "nothing_saveable")
+                  "nothing_saveable", "save_attention", "save_dots_and_attention",
+                  "offload_dots")
+# How the input embedding reads the table: "gather" rows of the compute-dtype table (its
+# gradient is a scatter-add in the compute dtype), "gather_f32" rows of the parameter-dtype
+# table cast afterwards (the scatter-add accumulates in the parameter dtype), "one_hot" a
+# one-hot matmul (its gradient is a matmul: no scatter, float32 accumulation); "auto" is
+# "one_hot" up to 8192 entries (byte vocabularies), "gather_f32" above
+# (`transformer.resolve_embed_impl`).
+EMBED_IMPLS = ("auto", "gather", "gather_f32", "one_hot")
 # "reference": the explicit einsum/softmax path (the numerics of record); the others go through
 # `jax.nn.dot_product_attention`: "xla" on any backend, "cudnn" (fused flash attention, GPU,
 # bf16/fp16), "auto" (cuDNN on a GPU backend where it supports the shapes, XLA elsewhere).
@@ -22,7 +36,7 @@ DTYPES = ("float32", "bfloat16")
 # resume with other values of these (e.g. remat or smaller loss chunks after running out of
 # memory, bf16 compute on an accelerator after a CPU start).
 SPEED_SWITCHES = ("dtype", "remat", "scan_layers", "attention_impl", "loss_chunk",
-                  "head_grad_dtype")
+                  "head_grad_dtype", "embed_impl")
 # The dtype of the output head's two backward matmuls: "compute" casts the float32 cotangent
 # of the logits to `dtype` (float32 accumulation), "float32" runs them in float32 (TF32 on
 # Hopper, half the bf16 rate). The forward is the same: compute-dtype operands, float32 logits.
@@ -76,6 +90,8 @@ class ModelConfig:
   # chunk keeps the whole batch and max(1, loss_chunk // batch) positions of it.
   loss_chunk: int = setting(0, NON_NEGATIVE, "0 = the whole sequence at once")
   head_grad_dtype: str = setting("compute", OneOf(HEAD_GRAD_DTYPES))
+  # How the input embedding reads the table (EMBED_IMPLS); the same values either way.
+  embed_impl: str = setting("auto", OneOf(EMBED_IMPLS))
   # The model class, by registered name (`diloco.model.registry`); "transformer" is this one.
   arch: str = "transformer"
   # A module to import first, so that it registers `arch`: a dotted module name or a .py file.

@@ -7,10 +7,12 @@ C expert capacity, T = B * L tokens.
 Every parameter carries logical axis names (`out_sharding`); `diloco.model.sharding` maps
 them to mesh axes, so the model knows nothing about meshes.
 
-Speed switches (`ModelConfig`), each computing the same function (tests/model_speed_test.py):
-`dtype` (bf16 compute over fp32 parameters), `attention_impl` (the einsum reference or
-`jax.nn.dot_product_attention`), `scan_layers` (a `jax.lax.scan` over the layers), `remat` and
-`head_grad_dtype` (the output head's backward in the compute dtype, `head_matmul`).
+Speed switches (`ModelConfig`), each computing the same function (tests/model_speed_test.py,
+tests/embed_remat_test.py): `dtype` (bf16 compute over fp32 parameters), `attention_impl` (the
+einsum reference or `jax.nn.dot_product_attention`), `scan_layers` (a `jax.lax.scan` over the
+layers), `remat` (a policy over the layer's matmuls and its named values, `checkpoint_name`),
+`head_grad_dtype` (the output head's backward in the compute dtype, `head_matmul`) and
+`embed_impl` (how the input embedding reads the table, hence what its gradient is).
 """
 
 from __future__ import annotations
@@ -20,12 +22,21 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from diloco.model import moe
 from diloco.model.config import ModelConfig
 from diloco.model.sharding import constrain
 
 _NEG_INF = -2.3819763e38  # large negative, finite in fp32 and bf16
+
+# The values a layer names for the remat policies (`checkpoint_name`): q, k and v after their
+# projections, norms and RoPE; the attention output before its output projection; the MLP's
+# hidden activation (the input of its down projection).
+ATTENTION_QKV, ATTENTION_OUT, MLP_HIDDEN = "attention_qkv", "attention_out", "mlp_hidden"
+# `embed_impl="auto"` takes the one-hot matmul up to this many vocabulary entries: its
+# [B, L, V] one-hot input and its 2 * B * L * V * D FLOPs stay small next to a layer's.
+EMBED_ONE_HOT_MAX_VOCAB = 8192
 
 # Parameters that the layers only ever read cast to the compute dtype: the scanned path casts
 # them once, before stacking, so that the stacked copy is in the compute dtype (half the bytes
@@ -93,6 +104,7 @@ class Attention(nnx.Module):
       out_BLNH = self._reference(q_BLNH * self.scale, k_BSKH, v_BSKH, positions_BL)
     else:
       out_BLNH = self._fused(q_BLNH, k_BSKH, v_BSKH, positions_BL, positions_are_arange)
+    out_BLNH = checkpoint_name(out_BLNH, ATTENTION_OUT)
     return jnp.einsum("BLNH,NHD->BLD", out_BLNH, self.o_NHD[...].astype(self.dtype))
 
   def _project(self, x_BLD, positions_BL):
@@ -105,7 +117,7 @@ class Attention(nnx.Module):
       q_BLNH, k_BSKH = self.q_norm(q_BLNH), self.k_norm(k_BSKH)
     q_BLNH = apply_rope(q_BLNH, positions_BL, self.rope_base)
     k_BSKH = apply_rope(k_BSKH, positions_BL, self.rope_base)
-    return q_BLNH, k_BSKH, v_BSKH
+    return tuple(checkpoint_name(a, ATTENTION_QKV) for a in (q_BLNH, k_BSKH, v_BSKH))
 
   def decode(self, x_BLD, positions_BL, cache):
     """Attention of L new positions over the keys and values cached so far (decoding).
@@ -171,6 +183,15 @@ class Attention(nnx.Module):
     return jax.nn.dot_product_attention(q_BLNH, k_BSKH, v_BSKH, implementation=impl, **kwargs)
 
 
+def resolve_embed_impl(impl: str, vocab_size: int) -> str:
+  """The input embedding path that `embed_impl` means: "auto" is the one-hot matmul for small
+  (byte) vocabularies, where a few rows take most of the tokens, and the float32 gather above
+  `EMBED_ONE_HOT_MAX_VOCAB`, where the one-hot input and its matmul would cost too much."""
+  if impl != "auto":
+    return impl
+  return "one_hot" if vocab_size <= EMBED_ONE_HOT_MAX_VOCAB else "gather_f32"
+
+
 def resolve_attention_impl(impl: str, dtype) -> str:
   """The `jax.nn.dot_product_attention` implementation that `attention_impl` means here.
 
@@ -198,6 +219,7 @@ class GeGLU(nnx.Module):
     dt = self.dtype
     gate_BLF = jax.nn.gelu(x_BLD @ self.gate_DF[...].astype(dt))
     h_BLF = constrain(gate_BLF * (x_BLD @ self.up_DF[...].astype(dt)), "batch", "length", "mlp")
+    h_BLF = checkpoint_name(h_BLF, MLP_HIDDEN)
     return h_BLF @ self.down_FD[...].astype(dt)
 
 
@@ -284,9 +306,19 @@ class Transformer(nnx.Module):
     return self.final_norm(x_BLD), aux * cfg.moe_aux_loss_weight
 
   def _embed(self, tokens_BL: jax.Array) -> jax.Array:
-    dt = jnp.dtype(self.cfg.dtype)
-    table_VD = self.embedder.embedding[...].astype(dt)
-    x_BLD = table_VD[tokens_BL] * jnp.asarray(math.sqrt(self.cfg.embed_dim), dt)
+    """The scaled input embedding, computed as `embed_impl` says: the rows are the same
+    (bit for bit) on every path; the gradient differs in how it accumulates."""
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    table_VD = self.embedder.embedding[...]
+    impl = resolve_embed_impl(cfg.embed_impl, cfg.vocab_size)
+    if impl == "gather":  # backward: a scatter-add of B x L rows in the compute dtype
+      x_BLD = table_VD.astype(dt)[tokens_BL]
+    elif impl == "gather_f32":  # backward: the scatter-add accumulates in the parameter dtype
+      x_BLD = table_VD[tokens_BL].astype(dt)
+    else:  # one_hot: the backward is a matmul, so no contended scatter into frequent rows
+      x_BLD = one_hot_embed(tokens_BL, table_VD.astype(dt))
+    x_BLD = x_BLD * jnp.asarray(math.sqrt(cfg.embed_dim), dt)
     return constrain(x_BLD, "batch", "length", "embed")
 
   def init_cache(self, batch: int, length: int) -> list[dict[str, jax.Array]]:
@@ -378,9 +410,24 @@ def _layer_fn(graphdef, remat: str, arange: bool, prevent_cse: bool):
 
   if remat == "none":
     return apply
-  policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
   # Inside a scan the loop already keeps XLA from merging the recomputation away.
-  return jax.checkpoint(apply, policy=policy, prevent_cse=prevent_cse)
+  return jax.checkpoint(apply, policy=remat_policy(remat), prevent_cse=prevent_cse)
+
+
+def remat_policy(remat: str):
+  """The `jax.checkpoint` policy of a `model.remat` value other than "none" (None: "full",
+  save nothing but the inputs)."""
+  policies = jax.checkpoint_policies
+  if remat == "full":
+    return None
+  if remat == "save_attention":
+    return policies.save_only_these_names(ATTENTION_OUT)
+  if remat == "save_dots_and_attention":
+    return policies.save_from_both_policies(policies.dots_with_no_batch_dims_saveable,
+                                            policies.save_only_these_names(ATTENTION_OUT))
+  if remat == "offload_dots":
+    return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+  return getattr(policies, remat)
 
 
 def _stack_states(states, compute_dtype):
@@ -433,6 +480,43 @@ def _head_matmul_bwd(residuals, g_BLV):
 
 
 head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
+
+
+@jax.custom_vjp
+def one_hot_embed(tokens_BL: jax.Array, table_VD: jax.Array) -> jax.Array:
+  """Rows `table_VD[tokens_BL]` as a one-hot matmul accumulated in float32 (exact rows).
+
+  The backward is the transposed matmul, one-hot by cotangent, both in the table's dtype with
+  float32 accumulation: no scatter, and no float32 x float32 dot under bf16 compute (autodiff
+  would upcast both operands to the float32 cotangent of the accumulator, as in the head).
+  """
+  return _one_hot_matmul("BLV,VD->BLD", tokens_BL, table_VD, table_VD.shape[0])
+
+
+def _one_hot_matmul(spec, tokens_BL, other, vocab):
+  dtype = other.dtype
+  one_hot_BLV = constrain(jax.nn.one_hot(tokens_BL, vocab, dtype=dtype), "batch", "length",
+                          "vocab")
+  # A float32 product must not round (TF32 on GPUs): HIGHEST keeps the rows and sums exact.
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  out = jnp.einsum(spec, one_hot_BLV, other, precision=precision,
+                   preferred_element_type=jnp.float32)
+  return out.astype(dtype)
+
+
+def _one_hot_embed_fwd(tokens_BL, table_VD):
+  # The residual carries only the table's vocabulary size and dtype, not the table.
+  return one_hot_embed(tokens_BL, table_VD), (tokens_BL, jnp.zeros((table_VD.shape[0], 0),
+                                                                     table_VD.dtype))
+
+
+def _one_hot_embed_bwd(residuals, g_BLD):
+  tokens_BL, like_V0 = residuals
+  g_BLD = g_BLD.astype(like_V0.dtype)
+  return None, _one_hot_matmul("BLV,BLD->VD", tokens_BL, g_BLD, like_V0.shape[0])
+
+
+one_hot_embed.defvjp(_one_hot_embed_fwd, _one_hot_embed_bwd)
 
 
 @jax.custom_vjp
