@@ -390,7 +390,8 @@ class Sweep:
     attention = compiled_attention(compiled)
     full = flops_lib.flops_per_token(m, seq_len)
     causal = flops_lib.causal_flops_per_token(m, seq_len)
-    extra, estimate = flops_lib.recompute_flops_per_token(m, seq_len, attention or "xla")
+    extra, estimate = flops_lib.recompute_flops_per_token(m, seq_len, attention or "xla",
+                                                         batch_size)
     hardware = None if extra is None else causal + extra
     peak = peak_flops_per_device(devices[0].device_kind)
     peak_total = None if peak is None else peak * len(devices)

@@ -55,15 +55,18 @@ def test_recompute_estimates_follow_the_policy():
   layers = 2 * (flops.matmul_params(cfg) - head) + attention
   expect = {"none": (0.0, "none"), "full": (layers, "layer_forward"),
             "nothing_saveable": (layers, "layer_forward"),
-            "dots_with_no_batch_dims_saveable": (attention, "attention_forward")}
+            "dots_with_no_batch_dims_saveable": (attention, "attention_forward"),
+            "offload_dots": (attention, "attention_forward"),
+            "save_dots_and_attention": (attention, "attention_forward"),
+            "save_attention": (layers, "layer_forward (the attention output kept)")}
   for remat, (extra, label) in expect.items():
     got = flops.recompute_flops_per_token(_tiny_model(num_layers=2, remat=remat), 32, "xla")
     assert got == (pytest.approx(extra), label), remat
   dots = _tiny_model(num_layers=2, remat="dots_saveable")
   assert flops.recompute_flops_per_token(dots, 32, "xla") == (0.0, "elementwise_only")
   assert flops.recompute_flops_per_token(dots, 32, "cudnn")[0] == pytest.approx(attention)
-  chunked = _tiny_model(num_layers=2, loss_chunk=12)  # 32 positions: 3 chunks, 36 padded
-  extra, label = flops.recompute_flops_per_token(chunked, 32, "xla")
+  chunked = _tiny_model(num_layers=2, loss_chunk=48)  # 48 tokens over 4 rows: 12 positions,
+  extra, label = flops.recompute_flops_per_token(chunked, 32, "xla", 4)  # 3 chunks, 36 padded
   assert label == "none+head_forward" and extra == pytest.approx(8 * head * 36 / 32 - 6 * head)
 
 

@@ -54,15 +54,21 @@ def causal_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len, causal=True)
 
 
-def recompute_flops_per_token(cfg: ModelConfig, seq_len: int,
-                              attention_resolved: str) -> tuple[float | None, str]:
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, attention_resolved: str,
+                              batch_size: int = 1) -> tuple[float | None, str]:
   """FLOPs per token that the step runs again for its backward pass, and which estimate it is.
 
   Layers: "none" recomputes nothing; "full" and "nothing_saveable" the layer's whole forward;
   "dots_with_no_batch_dims_saveable" keeps the projections and recomputes the attention
   matmuls (they have batch dimensions); "dots_saveable" keeps every matmul, but a cuDNN
-  attention is a custom call, not a dot, so it runs again. Other policies: (None, "unknown").
-  The chunked loss (`loss_chunk` below the length) recomputes the head on every padded chunk.
+  attention is a custom call, not a dot, so it runs again. "offload_dots" moves the same values
+  as "dots_with_no_batch_dims_saveable" to the host instead of keeping them. "save_attention"
+  keeps the attention output and recomputes the rest of the layer; the attention itself runs
+  again for its backward either way (cuDNN's keeps its statistics unnamed, XLA's needs the
+  probabilities), so it counts as the whole forward; "save_dots_and_attention" as the dots
+  policy. Other policies: (None, "unknown"). The chunked loss (`loss_chunk` tokens, so
+  `loss_chunk // batch_size` positions, below the length) recomputes the head on every padded
+  chunk.
   Elementwise work (norms, softmax, activations) is not counted in either direction.
   """
   head = cfg.vocab_size * cfg.embed_dim
@@ -73,8 +79,11 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int,
     extra, label = 0.0, "none"
   elif remat in _RECOMPUTE_ALL:
     extra, label = layer_forward, "layer_forward"
-  elif remat == "dots_with_no_batch_dims_saveable":
+  elif remat in ("dots_with_no_batch_dims_saveable", "offload_dots",
+                 "save_dots_and_attention"):
     extra, label = attention_forward, "attention_forward"
+  elif remat == "save_attention":
+    extra, label = layer_forward, "layer_forward (the attention output kept)"
   elif remat == "dots_saveable":
     if attention_resolved == "cudnn":
       extra, label = attention_forward, "attention_forward (cudnn is not a dot)"
@@ -82,7 +91,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int,
       extra, label = 0.0, "elementwise_only"
   else:
     return None, f"unknown ({remat})"
-  chunk = cfg.loss_chunk
+  chunk = cfg.loss_chunk and max(1, cfg.loss_chunk // batch_size)
   if chunk and chunk < seq_len:
     padded = -(-seq_len // chunk) * chunk
     # The head's forward once more, plus forward and backward over the padding.
