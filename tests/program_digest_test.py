@@ -1,6 +1,9 @@
 """The program digest against references computed independently: hand-counted FLOPs, known
 dtypes and counts, and the train step's FLOPs from its configuration (as the bench counts them)."""
 
+import gzip
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,3 +213,31 @@ def test_full_remat_saves_fewer_residuals_than_none(tiny_config):
   assert 0 < saved["full"].total_bytes < saved["none"].total_bytes
   assert len(saved["full"].entries) < len(saved["none"].entries)
   assert all(r.nbytes > 0 or r.shape == () for r in saved["none"].entries)
+
+
+_H200 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                     "device", "h200-2026-11-27")
+
+
+def _h200_program(name):
+  with gzip.open(os.path.join(_H200, f"gemma_2b_{name}.hlo.txt.gz"), "rt") as f:
+    return program_digest.digest_hlo_text(f.read())
+
+
+def test_the_gemma_2b_step_an_h200_compiled_before_and_after_the_speed_switches():
+  """The programs an H200 compiled for gemma_2b at batch 4 x 2048 (the device bundle's run,
+  kept with its results): before the switches the head's backward ran two f32 x f32 matmuls
+  (TF32 at best) and the embedding's gradient was a bf16 scatter-add; after, neither, with
+  the same matmul work, the cuDNN attention kernels and no host transfer."""
+  before, after = _h200_program("before"), _h200_program("after")
+  head = 2 * 4 * 1024 * 262_144 * 2304  # one chunk of 1024 positions x 4 rows through the head
+  assert {d.flops for d in before.f32_dots(min_flops=10**12)} == {head}
+  assert after.f32_dots(min_flops=10**9) == ()
+  assert [s.count for s in before.scatters("bf16")] == [4 * 2048]
+  assert after.scatters("bf16") == () and [s.count for s in after.scatters("f32")
+                                           if "take_along_axis" not in s.op_name] == [4 * 2048]
+  assert before.dot_flops() == after.dot_flops()
+  for program in (before, after):
+    assert program.host_transfers() == ()
+    assert {c.kind for c in program.attention_kernels()} == {
+        "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
