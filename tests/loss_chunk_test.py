@@ -121,3 +121,21 @@ def test_evaluate_scores_the_same_with_chunks():
         dataclasses.replace(model_presets.get("tiny"), loss_chunk=chunk))
     sums.append(float(evaluate._loss_sum(graphdef, params, tokens)))
   assert sums[1] == pytest.approx(sums[0], rel=1e-6)
+
+
+def test_token_losses_match_a_numpy_log_softmax_and_scatter_nothing():
+  """The target logit comes from an index comparison: the same values as a gather (exactly:
+  one non-zero term per sum) and an elementwise gradient, no scatter in the program."""
+  rng = np.random.default_rng(3)
+  logits = rng.standard_normal((3, 5, 37)).astype(np.float32) * 4
+  targets = rng.integers(0, 37, (3, 5)).astype(np.int32)
+  ce, z = train_step.token_losses(jnp.asarray(logits), jnp.asarray(targets))
+  picked = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  log_z = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+  np.testing.assert_allclose(np.asarray(ce), log_z - picked, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(z), log_z ** 2, rtol=1e-5)
+  grad = jax.grad(lambda x: train_step.token_losses(x, jnp.asarray(targets))[0].sum())
+  expected = np.exp(logits - log_z[..., None]) - np.eye(37, dtype=np.float32)[targets]
+  np.testing.assert_allclose(np.asarray(grad(jnp.asarray(logits))), expected, atol=1e-5)
+  text = jax.jit(grad).lower(jnp.asarray(logits)).as_text()
+  assert "scatter" not in text and "gather" not in text
