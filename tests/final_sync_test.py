@@ -3,9 +3,12 @@ every fragment before it leaves (`learner_loop.leave`), and the run ends only on
 has merged those deliveries, so every learner's last local step reaches G."""
 
 import os
+import random
 
 import pytest
 
+from diloco import fragments as fragments_lib
+from diloco import transport
 from diloco.observe import accounting
 from diloco.runtime import decoupled
 
@@ -15,6 +18,7 @@ STEPS = 24  # tiny: H = 8 over P = 8 fragments, so at step 24 only fragment 0 is
 
 
 def _run(tmp_path, **dotted):
+  """A run of 2 learners (unless overridden); returns its runtime, summary and tape."""
   cfg = run_config.load(**{"learners__count": 2, "learners__devices": "2,2",
                            "train__steps": STEPS, **dotted})
   rt, summary = decoupled.run_with_runtime(cfg, str(tmp_path))
@@ -47,15 +51,70 @@ def test_every_learners_last_step_is_in_the_last_round_of_every_fragment(tmp_pat
   assert summary["accounting/goodput"] > 0.9, summary["accounting/goodput"]
 
 
-def test_with_overwrite_only_a_fragment_overwritten_at_the_last_step_keeps_its_delivery(tmp_path):
-  """Overwrite drops the tau steps between a delivery and its receipt. Fragment p is due at
-  steps = p (mod H = 8), tau = 2: fragment 6, delivered at 22, is overwritten by its merge at
-  step 24 and has nothing left to deliver; every other fragment's last round holds step 24."""
-  rt, _, tape = _run(tmp_path, learners__virtual_clock=True, sync__receipt="overwrite")
+def _schedules(count: int, seed: int = 0) -> list[tuple[int, int, int, int]]:
+  """`count` schedules (steps, H, tau, P), drawn at random, where a regular receipt lands exactly
+  on the last step: some fragment is due at `steps - tau`, and its round is received at `steps`."""
+  rng, drawn = random.Random(seed), []
+  while len(drawn) < count:
+    period = rng.choice([4, 6, 8])
+    num = rng.choice([p for p in (2, 4, 8) if p <= period])
+    tau = rng.randint(2, period - 1)
+    steps = rng.randint(max(period + tau, 10), 3 * period)
+    schedule = (steps, period, tau, num)
+    if fragments_lib.due_fragments(steps - tau, period, num) and schedule not in drawn:
+      drawn.append(schedule)
+  return drawn
+
+
+def _check_last_rounds(rt, tape, steps, tau, learners):
+  """Every fragment's last round holds every learner's last step. A fragment whose round is
+  received at the last step has its last tau steps delivered once more, as final deliveries
+  that merge no step twice (an admitted delivery covers local steps local_step-steps+1 ..
+  local_step)."""
+  num = rt.plan.num_fragments
+  received_last = fragments_lib.due_fragments(steps - tau, rt.cfg.sync.period, num)
+  assert received_last, "the schedule must receive a regular round at the last step"
+  last = _last_rounds(tape, num)
+  for p, r in last.items():
+    assert {(m, steps) for m in learners} <= _admitted(r), (p, r["admitted"])
+  for p in received_last:
+    finals = [a for a in last[p]["admitted"] if a["final"]]
+    assert sorted(a["learner"] for a in finals) == list(learners), (p, finals)
+    assert all(a["steps"] == tau for a in finals), (p, finals)
+    for m in learners:
+      spans = sorted((a["local_step"] - a["steps"] + 1, a["local_step"]) for r in tape
+                     if r["fragment"] == p for a in r["admitted"] if a["learner"] == m)
+      assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), (p, m, spans)
+
+
+@pytest.mark.parametrize("receipt", transport.RECEIPT_MODES)
+def test_a_round_received_at_the_last_step_keeps_the_steps_the_final_sync_delivers(tmp_path,
+                                                                                   receipt):
+  """The fragment whose regular round (delivered at steps - tau) is received exactly at the
+  last step: the receipt keeps the last tau steps (`Learner.keep_progress`), whatever the
+  receipt mode, and the final sync delivers them; without that, overwrite and mix lost them
+  and that fragment's last round held steps - tau. A property over drawn (steps, H, tau, P),
+  on the virtual clock."""
+  for i, (steps, period, tau, num) in enumerate(_schedules(3)):
+    rt, _, tape = _run(tmp_path / str(i), learners__virtual_clock=True, sync__receipt=receipt,
+                       train__steps=steps, sync__period=period, sync__tau=tau,
+                       sync__num_fragments=num)
+    assert [s.status for s in rt.slots] == ["done", "done"], (steps, period, tau, num)
+    _check_last_rounds(rt, tape, steps, tau, learners=(0, 1))
+    assert rt.syncer.settled()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("receipt", transport.RECEIPT_MODES)
+def test_threaded_run_keeps_the_steps_of_a_round_received_at_the_last_step(tmp_path, receipt):
+  """The same on the wall clock (paced steps; a late round is waited for at the last step,
+  where the receipt keeps the progress too): tau = 3, H = 8, P = 8, 21 steps, so fragment 2's
+  round of step 18 is received at step 21."""
+  steps, tau = 21, 3
+  rt, _, tape = _run(tmp_path, train__steps=steps, sync__tau=tau, sync__receipt=receipt,
+                     learners__min_step_s=0.1)
   assert [s.status for s in rt.slots] == ["done", "done"]
-  for p, r in _last_rounds(tape, rt.plan.num_fragments).items():
-    step = STEPS - 2 if p == 6 else STEPS
-    assert _admitted(r) == {(0, step), (1, step)}, (p, r["admitted"])
+  _check_last_rounds(rt, tape, steps, tau, learners=(0, 1))
   assert rt.syncer.settled()
 
 

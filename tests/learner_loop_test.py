@@ -29,6 +29,9 @@ class _Learner:
   def give_up_waiting(self, fragments):
     self.calls.append(("give_up_waiting", list(fragments)))
 
+  def keep_progress(self):
+    self.calls.append(("keep_progress", self.local_step))
+
 
 class _Hooks:
   def __init__(self, stop_after=None):
@@ -54,9 +57,10 @@ class _Hooks:
     pass
 
 
-def _cfg(steps=3, timeout=30.0):
+def _cfg(steps=3, timeout=30.0, final_sync=True):
   return types.SimpleNamespace(train=types.SimpleNamespace(steps=steps),
-                               sync=types.SimpleNamespace(heartbeat_timeout_s=timeout))
+                               sync=types.SimpleNamespace(heartbeat_timeout_s=timeout,
+                                                          final_sync=final_sync))
 
 
 def _drive(life, learner, hooks, blocked, wait_s=1.0, events=False):
@@ -95,7 +99,7 @@ def test_a_late_round_is_waited_for_with_heartbeats_then_the_learner_steps_on():
   assert hooks.spans == [("step", 0.0, 1.0), ("step", 1.0, 2.0), ("wait", 2.0, 4.0),
                          ("step", 4.0, 5.0)]
   assert hooks.after == [False, False, False, True]
-  assert learner.calls == ["read_metrics"]
+  assert learner.calls == [("keep_progress", 3), "read_metrics"]
 
 
 def test_a_round_late_past_the_heartbeat_timeout_is_given_up():
@@ -106,8 +110,8 @@ def test_a_round_late_past_the_heartbeat_timeout_is_given_up():
   wait = ["WaitForRound", "SyncPoint"] * 3 + ["WaitForRound"]
   assert names == ["Step", "SyncPoint", *wait, "Step", "SyncPoint", *wait,
                    "Leave(finished=True)"]
-  assert learner.calls == [("give_up_waiting", [0, 1]), ("give_up_waiting", [0, 1]),
-                           "read_metrics"]
+  assert learner.calls == [("give_up_waiting", [0, 1]), ("keep_progress", 2),
+                           ("give_up_waiting", [0, 1]), "read_metrics"]
   assert hooks.spans[1] == ("wait", 1.0, 5.0)
 
 
@@ -130,6 +134,27 @@ def test_an_agreed_stop_leaves_before_the_last_step():
   assert learner.local_step == 2
 
 
+def test_the_last_sync_point_keeps_the_steps_the_final_sync_delivers():
+  """Before the sync point after its last step (and the waits that follow it), the learner is
+  told to keep its progress: a round received there must not overwrite the last tau steps,
+  which the final sync delivers. Not before, not on a stop, not without the final sync."""
+  for final_sync, stop_after, expected in ((True, None, [("keep_progress", 3)]),
+                                           (False, None, []), (True, 2.0, [])):
+    learner, hooks = _Learner(), _Hooks(stop_after=stop_after)
+    names = _drive(learner_loop.life(learner, _cfg(final_sync=final_sync), hooks), learner,
+                   hooks, blocked=[[], [], [1], []])
+    assert [c for c in learner.calls if c != "read_metrics"] == expected, (final_sync, names)
+  # It comes before the last sync point, so the late round waited for there is kept too.
+  learner, hooks = _Learner(), _Hooks()
+  order = []
+  learner.keep_progress = lambda: order.append("keep_progress")
+  life = learner_loop.life(learner, _cfg(steps=1), hooks)
+  life.send(None)  # its step
+  learner.local_step = 1
+  order.append(type(life.send(None)).__name__)
+  assert order == ["keep_progress", "SyncPoint"]
+
+
 def test_the_wall_clock_executor_paces_steps():
   """`run` executes the same requests at once: a step, then its pacing."""
 
@@ -145,6 +170,9 @@ def test_the_wall_clock_executor_paces_steps():
 
     def sync_point(self):
       return []
+
+    def keep_progress(self):
+      self.calls.append("keep_progress")
 
     def deliver_final(self):
       return [0]

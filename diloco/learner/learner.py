@@ -102,8 +102,10 @@ class Learner:
     self.base = [-1] * num  # -1: no published version loaded yet (unknown lineage)
     self._awaiting: dict[int, _Awaiting] = {}
     self._base_values: dict[int, dict[str, np.ndarray]] = {}
-    # keep_local receipt: fragment p's values and counters as delivered, until its receipt.
-    self._delivered: dict[int, tuple[list[jax.Array], int, int]] = {}
+    # Fragment p's counters as delivered, until its receipt, and its values where a receipt may
+    # keep the local progress made since (`keep_local`, or a receipt at the last sync point).
+    self._delivered: dict[int, tuple[list[jax.Array] | None, int, int]] = {}
+    self._keeping = False  # `keep_progress`: every receipt keeps the steps since the delivery
     self._last_delivery = [-1] * num  # local step of each fragment's latest delivery
     self._residual: dict[str, np.ndarray] = {}
     self._sharding = batch_sharding(spec.mesh)
@@ -144,11 +146,14 @@ class Learner:
   def _apply(self, merged: Merged, mode: str | None = None) -> None:
     """Takes merged fragment p by the receipt `mode` (default `sync.receipt`; the modes are
     defined beside `Merged` in `diloco/transport.py`)."""
-    mode = mode or self.cfg.sync.receipt
     p = merged.fragment
+    delivered = self._delivered.pop(p, None)
+    if mode is None:
+      mode = self.cfg.sync.receipt
+      if self._keeping and (delivered is None or delivered[0] is not None):
+        mode = "keep_local"
     flat = fragments_lib.flatten_tree(self.state["params"])
     paths = self.plan.fragments[p]
-    delivered = self._delivered.pop(p, None)
     if mode == "keep_local" and delivered is None and p in self._base_values:
       # No delivery since the last receipt: all local progress is measured from that G_p.
       delivered = ([jax.device_put(self._base_values[p][k], self._flat_shardings[k])
@@ -174,6 +179,14 @@ class Learner:
       self.steps[p] = self.tokens[p] = 0
     self._base_values[p] = merged.tensors
     self.transport.count_download(merged.nbytes)
+
+  def keep_progress(self) -> None:
+    """From now on a receipt keeps the local steps made since the fragment's delivery, as
+    `keep_local` does, whatever `sync.receipt` says. Called at the last sync point of a learner
+    that finishes: a round received there would otherwise overwrite (or mix away) its last
+    `tau` steps, and the final sync (`deliver_final`) would have nothing to deliver for that
+    fragment."""
+    self._keeping = True
 
   def sync_point(self) -> list[int]:
     """Applies what is due; returns the fragments whose awaited round is not published yet."""
@@ -255,10 +268,15 @@ class Learner:
     leaves = [flat[k] for k in paths]
     copies = self._copy(leaves)  # survives the next step's donation
     self._last_delivery[p] = self.local_step
-    if self.cfg.sync.receipt == "keep_local":
-      # The reference the receipt subtracts, in the parameters' own sharding.
+    sync = self.cfg.sync
+    # The reference a keeping receipt subtracts, in the parameters' own sharding: always under
+    # `keep_local`; otherwise only where the receipt is due at or after the last step, where
+    # `keep_progress` may keep what it would overwrite (a copy held tau steps costs memory).
+    reference = None
+    if sync.receipt == "keep_local" or (
+        sync.final_sync and self.local_step + sync.tau >= self.cfg.train.steps):
       reference = copies if self._copy is _copy_leaves else _copy_leaves(leaves)
-      self._delivered[p] = (reference, int(self.steps[p]), int(self.tokens[p]))
+    self._delivered[p] = (reference, int(self.steps[p]), int(self.tokens[p]))
     self._awaiting[p] = _Awaiting(self.local_step + self.cfg.sync.tau,
                                   self.transport.latest_version(p))
     if not self._sends:

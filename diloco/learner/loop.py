@@ -134,6 +134,9 @@ def life(learner: Learner, cfg: Config, hooks: LoopHooks) -> Life:
   while learner.local_step < cfg.train.steps and not stop and not hooks.stopped():
     end, step_time = yield from _step(learner, hooks, previous, step_time)
     stop = hooks.agree().stop
+    if cfg.sync.final_sync and finished(learner, cfg):
+      # The rounds received from here on keep its last steps, which the final sync delivers.
+      learner.keep_progress()
     blocked = yield SyncPoint()  # applies what is due (not a wait: the next step's time)
     waited_from = hooks.now()
     if blocked and not stop:
