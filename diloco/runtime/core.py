@@ -219,10 +219,11 @@ class Runtime:
     return self.slots[:self.cfg.learners.count]
 
   def start_learner(self, slot: Slot, background_io: bool, now: float, clock,
-                    joins_running: bool = True) -> Learner:
+                    joins_running: bool = True, sender=None) -> Learner:
     """A new incarnation on `slot`: loads the published fragments and announces itself.
 
     `clock` is the run's clock (wall or virtual): deliveries time their transit on it.
+    `sender`: a `diloco.learner.sender.Sender` the driver shares (`Learner`'s argument).
     `joins_running`: the learner joins peers already training (a rejoin, or one added mid-run);
     its schedule is aligned with theirs at its first step (`align_schedule`). False for the
     initial learners, which all start at once.
@@ -232,7 +233,7 @@ class Runtime:
         learner_id=slot.index, incarnation=slot.incarnation, num_groups=len(self.slots),
         cfg=self.cfg, spec=slot.spec, init_fn=slot.init_fn, step_fn=slot.step_fn,
         plan=self.plan, transport=self.transport, resume=slot.resume,
-        background_io=background_io, clock=clock)
+        background_io=background_io, clock=clock, sender=sender)
     slot.learner.load_global()
     slot.align_pending = joins_running
     with self._poison_lock:

@@ -1,0 +1,100 @@
+"""The learner's hot path: sends off the stepping thread in every driver, bounded in bytes."""
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from diloco.config import run_config as config_lib
+from diloco.learner import sender as sender_lib
+from diloco.runtime import decoupled
+from diloco.runtime import virtual_driver
+
+import run_config
+
+
+def test_sender_blocks_only_when_the_byte_bound_is_hit_and_counts_the_wait():
+  sender = sender_lib.Sender(limit_bytes=100, limit_count=8)
+  release, sent = threading.Event(), []
+  try:
+    assert sender.submit("a", 60, lambda: (release.wait(), sent.append(1))) == 0.0
+    assert sender.submit("b", 60, sent.append, 2) == 0.0  # another owner has its own bound
+    threading.Timer(0.3, release.set).start()
+    started = time.monotonic()
+    waited = sender.submit("a", 60, sent.append, 3)  # 120 > 100 bytes: waits for the first
+    assert release.is_set() and waited >= 0.2 and time.monotonic() - started >= 0.2
+    assert sender.wait_s == pytest.approx(waited)
+    assert sender.submit("a", 30, sent.append, 4) == 0.0  # 90 <= 100: goes at once
+    sender.drain()
+  finally:
+    release.set()
+    sender.close()
+  assert sent == [1, 2, 3, 4]  # one worker: handed over in the order queued
+  assert sender.pending_bytes() == 0 and sender.peak_bytes >= 120
+
+
+def test_sender_lets_one_oversized_send_through_and_raises_a_failed_one():
+  sender = sender_lib.Sender(limit_bytes=10, limit_count=8)
+  sent = []
+  sender.submit("a", 1000, sent.append, 1)  # nothing on its way: goes however large
+  sender.drain("a")
+
+  def fail():
+    raise OSError("link down")
+
+  sender.submit("a", 1, fail)
+  with pytest.raises(OSError, match="link down"):
+    sender.drain("a")
+  sender.close()
+  assert sent == [1]
+
+
+def test_send_queue_bytes_is_validated():
+  with pytest.raises(config_lib.ConfigError, match="sync.send_queue_bytes"):
+    run_config.load(sync__send_queue_bytes=0)
+
+
+class _InlineSender(sender_lib.Sender):
+  """The synchronous send the virtual clock made before: each send runs at its delivery."""
+
+  def submit(self, owner, nbytes, fn, *args):
+    fn(*args)
+    return 0.0
+
+
+def _tape(workdir):
+  """The rounds, without the syncer's wall-clock timings (`merge_wall_s`)."""
+  with open(os.path.join(workdir, "tape.jsonl")) as f:
+    rounds = [json.loads(line) for line in f]
+  return [{k: v for k, v in r.items() if not k.endswith("_wall_s")} for r in rounds]
+
+
+@pytest.mark.slow
+def test_virtual_clock_sends_in_the_background_and_stays_bit_identical(tmp_path, monkeypatch):
+  # Two learners, a fragment due every other step, quantised deltas with error feedback (state
+  # the sender carries between sends), and a small byte bound so that final deliveries wait.
+  cfg = run_config.load(learners__count=2, learners__virtual_clock=True, train__steps=12,
+                        sync__num_fragments=2, sync__period=4, outer__quantize_bits=8,
+                        outer__error_feedback=True, sync__send_queue_bytes=1)
+  background, _ = decoupled.run_with_runtime(cfg, str(tmp_path / "background"))
+  sender = None
+
+  class Recording(sender_lib.Sender):
+    def __init__(self, *args):
+      nonlocal sender
+      super().__init__(*args)
+      sender = self
+
+  monkeypatch.setattr(virtual_driver, "Sender", _InlineSender)
+  inline, _ = decoupled.run_with_runtime(cfg, str(tmp_path / "inline"))
+  monkeypatch.setattr(virtual_driver, "Sender", Recording)
+  again, _ = decoupled.run_with_runtime(cfg, str(tmp_path / "again"))
+  assert background.syncer.rounds == inline.syncer.rounds > 0
+  for k, v in inline.syncer.global_params().items():
+    np.testing.assert_array_equal(background.syncer.global_params()[k], v, err_msg=k)
+    np.testing.assert_array_equal(again.syncer.global_params()[k], v, err_msg=k)
+  assert _tape(tmp_path / "background") == _tape(tmp_path / "inline") == _tape(tmp_path / "again")
+  assert sender is not None and sender.pending_bytes() == 0 and sender.peak_bytes > 0
