@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,6 +16,8 @@ from diloco.runtime import decoupled
 from diloco.runtime import virtual_driver
 
 import run_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_sender_blocks_only_when_the_byte_bound_is_hit_and_counts_the_wait():
@@ -98,3 +102,21 @@ def test_virtual_clock_sends_in_the_background_and_stays_bit_identical(tmp_path,
     np.testing.assert_array_equal(again.syncer.global_params()[k], v, err_msg=k)
   assert _tape(tmp_path / "background") == _tape(tmp_path / "inline") == _tape(tmp_path / "again")
   assert sender is not None and sender.pending_bytes() == 0 and sender.peak_bytes > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,clock", [("tiny", "--virtual_clock"), ("dp:tiny", "")])
+def test_bench_learner_overhead_reports_its_waits_apart(model, clock):
+  env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  args = [sys.executable, os.path.join(REPO, "scripts", "bench_learner_overhead.py"),
+          f"--model={model}", "--steps=4", "--fragments=4", "--repeats=1"] + ([clock] if clock
+                                                                                else [])
+  done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600,
+                        check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  assert result["clock"] == ("virtual" if clock else "wall") and result["ratio"] > 0
+  assert result["merged_rounds"] > 0
+  for key in ("first_period_compile_s", "late_round_wait_s", "send_wait_s", "send_handover_s"):
+    assert result[key] >= 0.0, key
