@@ -120,3 +120,26 @@ def test_bench_learner_overhead_reports_its_waits_apart(model, clock):
   assert result["merged_rounds"] > 0
   for key in ("first_period_compile_s", "late_round_wait_s", "send_wait_s", "send_handover_s"):
     assert result[key] >= 0.0, key
+
+
+@pytest.mark.slow
+def test_wall_clock_eval_runs_off_the_learners_devices(tmp_path):
+  import jax  # pylint: disable=import-outside-toplevel
+  from diloco.runtime import core  # pylint: disable=import-outside-toplevel
+  from diloco.model.sharding import batch_sharding  # pylint: disable=import-outside-toplevel
+  from diloco.train import data as data_lib  # pylint: disable=import-outside-toplevel
+
+  cfg = run_config.load(learners__count=2, learners__devices="2,2")
+  rt = core.Runtime(cfg, str(tmp_path), devices=jax.devices()[:6])
+  learners = {d for slot in rt.slots for d in slot.spec.mesh.devices.flat}
+  assert rt.eval_device is not None and rt.eval_device not in learners
+  batches = data_lib.eval_batches(cfg.data, batch_size=cfg.train.batch_size, num_batches=2)
+  off = rt.evaluate(batches)
+  rt.eval_device = None  # learner 0's mesh, as the virtual clock evaluates
+  on = rt.evaluate([jax.device_put(b, batch_sharding(rt.slots[0].spec.mesh)) for b in batches])
+  assert off == pytest.approx(on, rel=1e-5)
+  virtual = run_config.load(learners__count=2, learners__devices="2,2",
+                            learners__virtual_clock=True)
+  groups = [list(slot.spec.mesh.devices.flat) for slot in rt.slots]
+  assert core._eval_device(virtual, jax.devices()[:6], groups) is None  # stays bit-identical
+  assert core._eval_device(cfg, jax.devices()[:4], groups) is None  # a CPU host, all in use
