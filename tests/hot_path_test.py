@@ -7,15 +7,16 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
+import run_config
 
 from diloco.config import run_config as config_lib
 from diloco.learner import sender as sender_lib
-from diloco.runtime import decoupled
-from diloco.runtime import virtual_driver
-
-import run_config
+from diloco.model.sharding import batch_sharding
+from diloco.runtime import core, decoupled, virtual_driver
+from diloco.train import data as data_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,10 +125,6 @@ def test_bench_learner_overhead_reports_its_waits_apart(model, clock):
 
 @pytest.mark.slow
 def test_wall_clock_eval_runs_off_the_learners_devices(tmp_path):
-  import jax  # pylint: disable=import-outside-toplevel
-  from diloco.runtime import core  # pylint: disable=import-outside-toplevel
-  from diloco.model.sharding import batch_sharding  # pylint: disable=import-outside-toplevel
-  from diloco.train import data as data_lib  # pylint: disable=import-outside-toplevel
 
   cfg = run_config.load(learners__count=2, learners__devices="2,2")
   rt = core.Runtime(cfg, str(tmp_path), devices=jax.devices()[:6])
