@@ -5,13 +5,13 @@ it updates per-fragment counters; when fragment p is due (every H local steps at
 offset p*H//P) it delivers its current values with `steps`, `tokens` and `base`; it
 applies the merged result `tau` steps later (`sync_point`), and any other newer
 version of a fragment as soon as it sees one. Device-to-host copies of a delivery
-are started asynchronously and finished on a background thread; overwrites are
-asynchronous `device_put`s swapped into the state between steps.
+are started asynchronously and finished on a background sender (`diloco.learner.sender`,
+bounded in bytes); overwrites are asynchronous `device_put`s swapped into the state between
+steps.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from diloco import fragments as fragments_lib
 from diloco import outer
 from diloco.delivery import Delivery
+from diloco.learner.sender import Sender
 from diloco.model.config import ModelConfig
 from diloco.model.sharding import batch_sharding
 from diloco.outer.merge import OuterConfig
@@ -80,8 +81,14 @@ class Learner:
                spec: train_state.StateSpec, init_fn, step_fn,
                plan: fragments_lib.FragmentPlan,
                transport: LearnerTransport, resume: Resume, background_io: bool,
-               clock: Callable[[], float] = time.monotonic):
-    """`clock` times a delivery's transit (the run's virtual clock makes it 0 there)."""
+               clock: Callable[[], float] = time.monotonic, sender: Sender | None = None):
+    """`clock` times a delivery's transit (the run's virtual clock makes it 0 there).
+
+    Deliveries are sent by `sender` when one is given (the caller's, shared, e.g. by every
+    learner of the virtual clock, which hands them over before its syncer takes messages and
+    counts its waits itself), else by a sender of its own with `background_io` (bounded by
+    `sync.send_queue_bytes` and `sync.send_queue`), else at once on the calling thread.
+    """
     self.id, self.incarnation, self.cfg = learner_id, incarnation, cfg
     self.spec, self._step_fn, self.plan, self.transport = spec, step_fn, plan, transport
     self._clock = clock
@@ -115,9 +122,12 @@ class Learner:
     self._copy = (_copy_leaves if jax.process_count() == 1 else
                   jax.jit(_copies, out_shardings=NamedSharding(spec.mesh, PartitionSpec())))
     self._sends = jax.process_index() == 0
-    self._io = concurrent.futures.ThreadPoolExecutor(1) if background_io else None
-    self._inflight: list[concurrent.futures.Future] = []
-    self.send_wait_s = 0.0  # wall seconds its steps waited for room to send (backpressure)
+    self._own_sender = sender is None and background_io
+    self._sender = (Sender(cfg.sync.send_queue_bytes, cfg.sync.send_queue)
+                    if self._own_sender else sender)
+    # Wall seconds its steps waited for room to send (backpressure) on its own sender; a shared
+    # sender's waits are its owner's to count (they take no time on the virtual clock).
+    self.send_wait_s = 0.0
     self._last_metrics: Any = None
     self._poisoned = False
     self.phase = 0  # schedule shift of a rejoining learner (`fragments.aligned_phase`)
@@ -287,24 +297,14 @@ class Learner:
     # I/O thread quantises must not relabel this delta with the newer base.
     args = (p, paths, copies, self.local_step, int(self.steps[p]), int(self.tokens[p]),
             self.base[p], self._base_values.get(p), self._clock(), final)
-    if self._io is None:
+    if self._sender is None:
       self._send(*args)
-    else:
-      self._wait_for_room()
-      self._inflight.append(self._io.submit(self._send, *args))
-
-  def _wait_for_room(self) -> None:
-    """Backpressure: at `sync.send_queue` deliveries on their way, waits for the oldest (a
-    slow link must not pin unbounded host and device memory). A failed send raises here."""
-    limit = self.cfg.sync.send_queue
-    if len(self._inflight) >= limit:
-      started = time.monotonic()
-      concurrent.futures.wait(self._inflight[:len(self._inflight) - limit + 1])
-      self.send_wait_s += time.monotonic() - started
-    for f in self._inflight:
-      if f.done():
-        f.result()
-    self._inflight = [f for f in self._inflight if not f.done()]
+      return
+    # Backpressure: the copies are held (device, then host) until sent, so a slow link waits
+    # here rather than pinning unbounded memory. A failed send raises here.
+    waited = self._sender.submit(self, sum(c.nbytes for c in copies), self._send, *args)
+    if self._own_sender:
+      self.send_wait_s += waited
 
   def _send(self, p, paths, copies, local_step, steps, tokens, base, base_values,
             delivered_at, final) -> None:
@@ -329,14 +329,14 @@ class Learner:
 
   def flush(self) -> None:
     """Waits for in-flight deliveries (end of run or before a planned stop)."""
-    for f in self._inflight:
-      f.result()
-    self._inflight = []
+    if self._sender is not None:
+      self._sender.drain(self)
 
   def close(self) -> None:
-    self.flush()
-    if self._io is not None:
-      self._io.shutdown(wait=True)
+    if self._own_sender:
+      self._sender.close()
+    else:
+      self.flush()
 
   def params_flat(self) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in

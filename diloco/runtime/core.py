@@ -206,6 +206,7 @@ class Runtime:
         raise ConfigError(f"learners.faults: learner {f.learner} does not exist "
                           f"(groups 0..{len(self.slots) - 1})")
     self.eval_fn = train_step.make_eval_step(self.slots[0].spec)
+    self.eval_device = _eval_device(cfg, devices, groups)
     self.num_params = sum(v.size for v in global_params.values())
     # Where the drivers' clock starts and which slots they start (a resumed run changes both).
     self.clock_start = 0.0
@@ -219,10 +220,11 @@ class Runtime:
     return self.slots[:self.cfg.learners.count]
 
   def start_learner(self, slot: Slot, background_io: bool, now: float, clock,
-                    joins_running: bool = True) -> Learner:
+                    joins_running: bool = True, sender=None) -> Learner:
     """A new incarnation on `slot`: loads the published fragments and announces itself.
 
     `clock` is the run's clock (wall or virtual): deliveries time their transit on it.
+    `sender`: a `diloco.learner.sender.Sender` the driver shares (`Learner`'s argument).
     `joins_running`: the learner joins peers already training (a rejoin, or one added mid-run);
     its schedule is aligned with theirs at its first step (`align_schedule`). False for the
     initial learners, which all start at once.
@@ -232,7 +234,7 @@ class Runtime:
         learner_id=slot.index, incarnation=slot.incarnation, num_groups=len(self.slots),
         cfg=self.cfg, spec=slot.spec, init_fn=slot.init_fn, step_fn=slot.step_fn,
         plan=self.plan, transport=self.transport, resume=slot.resume,
-        background_io=background_io, clock=clock)
+        background_io=background_io, clock=clock, sender=sender)
     slot.learner.load_global()
     slot.align_pending = joins_running
     with self._poison_lock:
@@ -305,7 +307,31 @@ class Runtime:
       return fragments_lib.unflatten_tree(self.syncer.global_params())
 
   def evaluate(self, batches) -> float:
+    """The mean eval loss of G over `batches`: on `eval_device` when there is one (the wall
+    clock: learners keep their memory and their devices' time), else on learner 0's mesh."""
+    if self.eval_device is not None:
+      params = jax.device_put(self.global_params(), self.eval_device)
+      losses = [self.eval_fn(params, jax.device_put(b, self.eval_device)) for b in batches]
+      return float(np.mean(jax.device_get(losses)))
     spec = self.slots[0].spec
     params = jax.device_put(self.global_params(), spec.shardings["params"])
     with jax.set_mesh(spec.mesh):
       return float(np.mean(jax.device_get([self.eval_fn(params, b) for b in batches])))
+
+
+def _eval_device(cfg: Config, devices, groups):
+  """Where the wall clock's global eval runs, off the learners' devices: a visible device no
+  learner group holds, else the host's CPU device on an accelerator host; None (learner 0's
+  mesh) on the virtual clock, whose eval stays bit-identical, or when neither exists."""
+  if cfg.learners.virtual_clock:
+    return None
+  used = {d for group in groups for d in group}
+  spare = [d for d in devices if d not in used]
+  if spare:
+    return spare[0]
+  if devices and devices[0].platform != "cpu":
+    try:
+      return jax.devices("cpu")[0]
+    except RuntimeError:  # no CPU backend in this process
+      return None
+  return None

@@ -8,6 +8,7 @@ from typing import Any
 
 from diloco.learner import loop as learner_loop
 from diloco.learner.learner import NonFiniteMetrics
+from diloco.learner.sender import Sender
 from diloco.runtime.core import Runtime, Slot
 from diloco.runtime.drivers import Driver, SlotHooks
 from diloco.transport import Heartbeat
@@ -40,6 +41,14 @@ class VirtualDriver(Driver):
   `WaitForRound` parks the learner until a publish or tick (it is heard at every tick
   meanwhile) or its give-up time, a `SyncPoint` first lets the syncer take the steps' messages.
   A fault ends a learner at once: a step in flight is lost.
+
+  Deliveries go through one background `Sender` shared by all learners (the threaded driver's
+  send path: host copies and quantisation off this thread, bounded in bytes). It sends in the
+  order they were made and is drained before the syncer takes messages and before the clock
+  moves, so the syncer sees exactly what a synchronous send would have given it: the run stays
+  bit-identical. The wait for a delivery's values is thus deferred from the delivery to the
+  syncer's next take (its device-to-host copy starts at the delivery); its wall seconds are
+  `sender.drain_s` and `sender.wait_s`, which take no time on the virtual clock.
   """
 
   def __init__(self, runtime: Runtime, on_eval, on_step):
@@ -52,6 +61,7 @@ class VirtualDriver(Driver):
     self._stepped = False  # a learner stepped since the syncer last ran
     self._tick_at: float | None = None
     self._down_since: dict[int, float] = {}
+    self.sender = Sender(self.cfg.sync.send_queue_bytes, self.cfg.sync.send_queue)
 
   def _push(self, at: float, kind: str, data: Any = None) -> None:
     heapq.heappush(self._heap, (at, next(self._seq), kind, data))
@@ -62,6 +72,7 @@ class VirtualDriver(Driver):
       self.rt.transport.heartbeat(Heartbeat(g, slot.incarnation, slot.learner.local_step, 0.0,
                                             self.now))
     self._stepped = False
+    self.sender.drain()  # every delivery made so far is in the transport, in order
     merged, deadline = self.rt.syncer.tick(self.now, *self.rt.transport.take())
     for m in merged:
       self._push(m.published_at, "publish", m)
@@ -120,7 +131,7 @@ class VirtualDriver(Driver):
 
   def _join(self, slot: Slot, joins_running: bool = True) -> None:
     self.rt.start_learner(slot, background_io=False, now=self.now, clock=lambda: self.now,
-                          joins_running=joins_running)
+                          joins_running=joins_running, sender=self.sender)
     loaded = self.now + self.cfg.learners.virtual_step_s
     self.rt.recorder.span(slot, "load", self.now, loaded)
     self._lives[slot.index] = learner_loop.life(slot.learner, self.cfg,
@@ -142,6 +153,12 @@ class VirtualDriver(Driver):
     self._push(self.now + duration, "down_end", slot.index)
 
   def run(self) -> None:
+    try:
+      self._run()
+    finally:
+      self.sender.close()
+
+  def _run(self) -> None:
     cfg = self.cfg
     for m in self.rt.syncer.initial(0.0):
       self.rt.transport.publish(m)
@@ -154,6 +171,7 @@ class VirtualDriver(Driver):
     while self._heap:
       if all(s.status in ("idle", "retired", "done") for s in self.rt.slots):
         break
+      self.sender.drain()  # a send reads the clock (its transit): none is left as it moves
       self.now, _, kind, data = heapq.heappop(self._heap)
       if kind == "step":
         g, incarnation, start = data
@@ -207,6 +225,7 @@ class VirtualDriver(Driver):
       at, _, kind, data = heapq.heappop(self._heap)
       if kind not in ("publish", "tick"):
         continue
+      self.sender.drain()
       self.now = at
       if kind == "publish":
         self.rt.transport.publish(data)

@@ -112,8 +112,13 @@ class SyncConfig:
   block_on_late_round: bool = True
   # Deliveries a learner may have on their way (copied off its devices, not yet uploaded)
   # before its next delivery waits for the oldest: bounds the host and device memory a slow
-  # link can pin. The wait is recorded as "wait" activity (not useful time).
+  # link can pin. The wait is recorded as "wait" activity (not useful time). Also the size of
+  # a learner process's upload outbox (`distributed.store_transport`).
   send_queue: int = setting(8, AT_LEAST_ONE)
+  # Bytes of fragment copies a learner may hold on their way (on its devices, then its host);
+  # the next delivery waits while its own would pass this, unless none is on its way (one
+  # delivery always goes, however large). With `send_queue`, the first bound hit applies.
+  send_queue_bytes: int = setting(1 << 30, AT_LEAST_ONE)
   # S: the syncer is split into this many shards, each owning a byte-balanced subset of the
   # fragments with its own G, momentum, rounds, lease, store folder and tape
   # (docs/design.md 3.1, `diloco/sync/ownership.py`). 1 = one syncer. The single-controller
