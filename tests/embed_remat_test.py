@@ -18,6 +18,7 @@ from diloco.config import run_config as config_lib
 from diloco.errors import ConfigError
 from diloco.model import config as model_config
 from diloco.model import presets as model_presets
+from diloco.model import tied_table
 from diloco.model import transformer as model
 from diloco.train import program_digest
 
@@ -73,13 +74,13 @@ def _upstream(tokens, seed=1):
 
 
 def test_auto_is_one_hot_for_byte_vocabularies_and_the_f32_gather_above():
-  assert model.resolve_embed_impl("auto", 384) == "one_hot"
-  assert model.resolve_embed_impl("auto", model.EMBED_ONE_HOT_MAX_VOCAB) == "one_hot"
-  assert model.resolve_embed_impl("auto", model.EMBED_ONE_HOT_MAX_VOCAB + 1) == "gather_f32"
-  assert model.resolve_embed_impl("auto", model_presets.get("gemma_2b").vocab_size) == (
+  assert tied_table.resolve_embed_impl("auto", 384) == "one_hot"
+  assert tied_table.resolve_embed_impl("auto", tied_table.EMBED_ONE_HOT_MAX_VOCAB) == "one_hot"
+  assert tied_table.resolve_embed_impl("auto", tied_table.EMBED_ONE_HOT_MAX_VOCAB + 1) == "gather_f32"
+  assert tied_table.resolve_embed_impl("auto", model_presets.get("gemma_2b").vocab_size) == (
       "gather_f32")
   for impl in _IMPLS[:3]:
-    assert model.resolve_embed_impl(impl, 262_144) == impl
+    assert tied_table.resolve_embed_impl(impl, 262_144) == impl
   assert model_config.ModelConfig().embed_impl == "auto"
 
 

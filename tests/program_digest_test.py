@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from diloco.model import tied_table
 from diloco.model import transformer as model_lib
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib
@@ -192,7 +193,7 @@ def test_the_tiny_train_step_has_its_model_flops_and_no_host_transfer(tiny_confi
   # The embedding's gradient is no scatter-add into the table: at this byte vocabulary the
   # default `embed_impl="auto"` is the one-hot matmul (the gather paths' scatters are checked
   # in tests/embed_remat_test.py).
-  assert m.embed_impl == "auto" and m.vocab_size <= model_lib.EMBED_ONE_HOT_MAX_VOCAB
+  assert m.embed_impl == "auto" and m.vocab_size <= tied_table.EMBED_ONE_HOT_MAX_VOCAB
   # Nor is the loss's: the target logit is picked by an index comparison, not a gather, so no
   # scatter-add into a (B, L, V) buffer is left anywhere in the step.
   assert d.scatters() == () and d.lowered_scatters == ()

@@ -22,7 +22,7 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
 # table cast afterwards (the scatter-add accumulates in the parameter dtype), "one_hot" a
 # one-hot matmul (its gradient is a matmul: no scatter, float32 accumulation); "auto" is
 # "one_hot" up to 8192 entries (byte vocabularies), "gather_f32" above
-# (`transformer.resolve_embed_impl`).
+# (`tied_table.resolve_embed_impl`).
 EMBED_IMPLS = ("auto", "gather", "gather_f32", "one_hot")
 # "reference": the explicit einsum/softmax path (the numerics of record); the others go through
 # `jax.nn.dot_product_attention`: "xla" on any backend, "cudnn" (fused flash attention, GPU,

@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from diloco.model import moe
 from diloco.model.config import ModelConfig
 from diloco.model.sharding import constrain
+from diloco.model.tied_table import grad_to_param, head_matmul, one_hot_embed, resolve_embed_impl
 
 _NEG_INF = -2.3819763e38  # large negative, finite in fp32 and bf16
 
@@ -34,9 +35,6 @@ _NEG_INF = -2.3819763e38  # large negative, finite in fp32 and bf16
 # projections, norms and RoPE; the attention output before its output projection; the MLP's
 # hidden activation (the input of its down projection).
 ATTENTION_QKV, ATTENTION_OUT, MLP_HIDDEN = "attention_qkv", "attention_out", "mlp_hidden"
-# `embed_impl="auto"` takes the one-hot matmul up to this many vocabulary entries: its
-# [B, L, V] one-hot input and its 2 * B * L * V * D FLOPs stay small next to a layer's.
-EMBED_ONE_HOT_MAX_VOCAB = 8192
 
 # Parameters that the layers only ever read cast to the compute dtype: the scanned path casts
 # them once, before stacking, so that the stacked copy is in the compute dtype (half the bytes
@@ -183,15 +181,6 @@ class Attention(nnx.Module):
     return jax.nn.dot_product_attention(q_BLNH, k_BSKH, v_BSKH, implementation=impl, **kwargs)
 
 
-def resolve_embed_impl(impl: str, vocab_size: int) -> str:
-  """The input embedding path that `embed_impl` means: "auto" is the one-hot matmul for small
-  (byte) vocabularies, where a few rows take most of the tokens, and the float32 gather above
-  `EMBED_ONE_HOT_MAX_VOCAB`, where the one-hot input and its matmul would cost too much."""
-  if impl != "auto":
-    return impl
-  return "one_hot" if vocab_size <= EMBED_ONE_HOT_MAX_VOCAB else "gather_f32"
-
-
 def resolve_attention_impl(impl: str, dtype) -> str:
   """The `jax.nn.dot_product_attention` implementation that `attention_impl` means here.
 
@@ -325,7 +314,7 @@ class Transformer(nnx.Module):
     """Zeroed key/value caches of every layer for `length` positions (`decode`)."""
     cfg = self.cfg
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    zeros = lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype))  # noqa: E731
+    zeros = lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype))
     return [{"k": zeros(), "v": zeros()} for _ in range(cfg.num_layers)]
 
   def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache):
@@ -359,7 +348,7 @@ class Transformer(nnx.Module):
     if table_VD is None:
       table_VD = param_VD.astype(jnp.dtype(cfg.dtype))
     else:
-      table_VD = _grad_to_param(param_VD, table_VD)
+      table_VD = grad_to_param(param_VD, table_VD)
     x_BLD = x_BLD.astype(table_VD.dtype)
     if cfg.head_grad_dtype == "compute":
       logits_BLV = head_matmul(x_BLD, table_VD)
@@ -453,89 +442,6 @@ def _stack_states(states, compute_dtype):
       stacked = constrain(stacked, "layers", *names)
     out.append(stacked)
   return jax.tree.unflatten(treedef, out)
-
-
-@jax.custom_vjp
-def head_matmul(x_BLD: jax.Array, table_VD: jax.Array) -> jax.Array:
-  """`einsum("BLD,VD->BLV")` with float32 logits whose backward stays in the operands' dtype.
-
-  Autodiff of the float32-accumulating dot would hand its float32 cotangent to both backward
-  dots, and so upcast the bf16 operands: two float32 matmuls of the head's size (TF32 on
-  Hopper). Here the cotangent is cast to the operands' dtype and the backward dots accumulate
-  in float32, as the forward does; with float32 operands this is autodiff's program.
-  """
-  return jnp.einsum("BLD,VD->BLV", x_BLD, table_VD, preferred_element_type=jnp.float32)
-
-
-def _head_matmul_fwd(x_BLD, table_VD):
-  return head_matmul(x_BLD, table_VD), (x_BLD, table_VD)
-
-
-def _head_matmul_bwd(residuals, g_BLV):
-  x_BLD, table_VD = residuals
-  g_BLV = g_BLV.astype(table_VD.dtype)
-  dx_BLD = jnp.einsum("BLV,VD->BLD", g_BLV, table_VD, preferred_element_type=jnp.float32)
-  dtable_VD = jnp.einsum("BLV,BLD->VD", g_BLV, x_BLD, preferred_element_type=jnp.float32)
-  return dx_BLD.astype(x_BLD.dtype), dtable_VD.astype(table_VD.dtype)
-
-
-head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
-
-
-@jax.custom_vjp
-def one_hot_embed(tokens_BL: jax.Array, table_VD: jax.Array) -> jax.Array:
-  """Rows `table_VD[tokens_BL]` as a one-hot matmul accumulated in float32 (exact rows).
-
-  The backward is the transposed matmul, one-hot by cotangent, both in the table's dtype with
-  float32 accumulation: no scatter, and no float32 x float32 dot under bf16 compute (autodiff
-  would upcast both operands to the float32 cotangent of the accumulator, as in the head).
-  """
-  return _one_hot_matmul("BLV,VD->BLD", tokens_BL, table_VD, table_VD.shape[0])
-
-
-def _one_hot_matmul(spec, tokens_BL, other, vocab):
-  dtype = other.dtype
-  one_hot_BLV = constrain(jax.nn.one_hot(tokens_BL, vocab, dtype=dtype), "batch", "length",
-                          "vocab")
-  # A float32 product must not round (TF32 on GPUs): HIGHEST keeps the rows and sums exact.
-  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-  out = jnp.einsum(spec, one_hot_BLV, other, precision=precision,
-                   preferred_element_type=jnp.float32)
-  return out.astype(dtype)
-
-
-def _one_hot_embed_fwd(tokens_BL, table_VD):
-  # The residual carries only the table's vocabulary size and dtype, not the table.
-  return one_hot_embed(tokens_BL, table_VD), (tokens_BL, jnp.zeros((table_VD.shape[0], 0),
-                                                                     table_VD.dtype))
-
-
-def _one_hot_embed_bwd(residuals, g_BLD):
-  tokens_BL, like_V0 = residuals
-  g_BLD = g_BLD.astype(like_V0.dtype)
-  return None, _one_hot_matmul("BLV,BLD->VD", tokens_BL, g_BLD, like_V0.shape[0])
-
-
-one_hot_embed.defvjp(_one_hot_embed_fwd, _one_hot_embed_bwd)
-
-
-@jax.custom_vjp
-def _grad_to_param(param, cast):
-  """`cast` (a copy of `param` in another dtype, computed once), whose cotangent goes to
-  `param` in `param`'s dtype, as if each use had cast `param` itself."""
-  del param
-  return cast
-
-
-def _grad_to_param_fwd(param, cast):
-  return cast, jnp.zeros((), param.dtype)  # the residual carries only param's dtype
-
-
-def _grad_to_param_bwd(zero_of_param_dtype, g):
-  return g.astype(zero_of_param_dtype.dtype), None  # None: no cotangent for the copy
-
-
-_grad_to_param.defvjp(_grad_to_param_fwd, _grad_to_param_bwd)
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
