@@ -262,9 +262,10 @@ def test_virtual_clock_resume_reaches_the_same_versions(tmp_path, monkeypatch, s
   assert 0 < saved["rounds"] < m * steps
   rt, summary = decoupled.run_with_runtime(cfg, workdir)
   # The final sync (`sync.final_sync`) adds one round per fragment with progress left at step
-  # 24, merging both learners' final deliveries: all but fragment 0 (due at 24) and fragment 6
-  # (due at 22, overwritten by its merge at 22 + tau = 24).
-  finals = [0 if p in (0, 6) else 1 for p in range(cfg.sync.num_fragments)]
+  # 24, merging both learners' final deliveries: all but fragment 0 (due at 24). Fragment 6
+  # (due at 22, its round received at 22 + tau = 24, the last step) keeps its last tau steps
+  # and delivers them too.
+  finals = [0 if p == 0 else 1 for p in range(cfg.sync.num_fragments)]
   assert rt.syncer.versions == [m * steps // h + f for f in finals]
   tape = _jsonl(os.path.join(workdir, "tape.jsonl"))
   assert [r["round"] for r in tape] == list(range(m * steps + sum(finals)))
