@@ -371,12 +371,13 @@ def checkpoint_steps(workdir: str) -> dict[str, list[int]]:
 
 def store_shards(path: str) -> int:
   """How many syncer shards the multi-process store at `path` has (1: the unsharded layout,
-  `merged/index.json` at its root; S: `shards/s0` ... `shards/s{S-1}`, docs/design.md 3.1);
-  0 if `path` is no store."""
-  if os.path.isfile(os.path.join(path, "merged", "index.json")):
+  `merged/` at its root; S: `shards/s0` ... `shards/s{S-1}`, docs/design.md 3.1); 0 if `path`
+  is no store. The `merged/` folder, not its `index.json`, marks a store: the commit markers
+  in it are the durable record, and the reader of G does without a damaged index."""
+  if os.path.isdir(os.path.join(path, "merged")):
     return 1
   count = 0
-  while os.path.isfile(os.path.join(path, "shards", f"s{count}", "merged", "index.json")):
+  while os.path.isdir(os.path.join(path, "shards", f"s{count}", "merged")):
     count += 1
   return count
 
