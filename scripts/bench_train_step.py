@@ -409,7 +409,7 @@ class Sweep:
         "remat": m.remat, "attention_impl": m.attention_impl,
         "attention_requested": m.attention_impl, "attention_resolved": attention,
         "loss_chunk": m.loss_chunk, "steps": len(times), "compile_s": round(compile_s, 3),
-        "step_s": round(median, 5), "step_s_p90": round(p90, 5),
+        "step_s": float(f"{median:.6g}"), "step_s_p90": float(f"{p90:.6g}"),  # 6 significant figures, also for ms steps
         "tokens_per_s": round(tokens / median, 1),
         "model_flops_per_token": causal, "model_flops_per_token_full_attention": full,
         "hardware_flops_per_token": hardware, "hfu_recompute": estimate,
