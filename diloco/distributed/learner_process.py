@@ -233,7 +233,7 @@ def _place(cfg: Config, store: Store, hosts: hosts_lib.HostGroup, learner: Learn
   latest = hosts.share("resume_step", lambda: mine)
   if latest is not None:
     learner.state, meta = ckpt.restore(latest, spec.abstract, learner.data_iter,
-                                       expect_meta=_identity(cfg))
+                                       expect_meta=_identity(cfg), counts=("local_step",))
     learner.local_step = int(meta["local_step"])
     logging.info("learner %d: resumed its checkpoint at local step %d", learner.id, latest)
   elif cfg.store.peer_optimizer:

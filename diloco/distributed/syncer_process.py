@@ -134,8 +134,11 @@ def repair_tape(path: str, rounds: int, committed: list[dict],
   the tape never lists a merge that G does not hold, and the version number the next round
   reuses is listed once."""
   versions = versions or {}
-  refused = lambda r: r.get("fragment") in versions and not (  # noqa: E731
-      isinstance(r.get("version"), int) and r["version"] <= versions[r["fragment"]])
+
+  def refused(r: dict) -> bool:
+    return r.get("fragment") in versions and not (
+        isinstance(r.get("version"), int) and r["version"] <= versions[r["fragment"]])
+
   records = {}
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
