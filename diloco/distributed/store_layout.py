@@ -13,15 +13,19 @@ have, or at the root of a sharded run (or under `shards/` of an unsharded one), 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import numpy as np
 
 from diloco import fragments as fragments_lib
+from diloco.distributed.blob_io import Blobs
 from diloco.distributed.entry_check import StoreError
-from diloco.distributed.store_names import MERGED_NAME, shard_folder
+from diloco.distributed.merged_versions import MergedVersions
+from diloco.distributed.store_names import MERGED_NAME, NON_FINITE, shard_folder
 from diloco.errors import ConfigError
+from diloco.sync import ownership
 
 LAYOUT_FILE = "layout.json"
 _PLAN_FIELDS = "the fragment plan (sync.num_fragments, sync.scheme, model.*)"
@@ -99,6 +103,7 @@ def claim(shared, record: dict) -> None:
   `record` (ConfigError naming `sync.shards` or the fragment plan otherwise)."""
   check_shards(shared, record["shards"])
   if _read(shared) is None:
+    _check_versions(shared, record)  # a store made before the record: its versions decide
     shared.blobs.create_json(LAYOUT_FILE, record)  # the first process's; others compare
   recorded = _read(shared)
   check_shards(shared, record["shards"])
@@ -146,3 +151,41 @@ def _check_folders(shared, shards: int) -> None:
       raise ConfigError(f"sync.shards={shards}: {_where(shared)} holds versions in "
                         f"{shard_folder(int(m[1]))}/, which this layout does not have; resume "
                         "with the store's sync.shards")
+
+
+def _check_versions(shared, record: dict) -> None:
+  """A store without a record is taken for `record`'s layout only if its versions are of it:
+  each fragment's versions in the folder of the shard that owns it under the plan, and one of
+  them (the newest that reads) holding exactly the plan's tensors; else ConfigError naming
+  the record. A store without versions has nothing to check."""
+  shapes = [{k: tuple(shape) for k, shape, _ in f} for f in record["fragments"]]
+  owner = ownership.assign([sum(math.prod(s) for s in f.values()) for f in shapes],
+                           record["shards"])
+  folders = ([("", shared.blobs)] if record["shards"] == 1 else
+             [(shard_folder(s) + "/", Blobs(shared.base / shard_folder(s), shared.local))
+              for s in range(record["shards"])])
+  for s, (name, blobs) in enumerate(folders):
+    merged = MergedVersions(blobs)
+    found = {int(m[1]) for p in blobs.listdir("merged") if p.name.endswith(".json")
+             and (m := MERGED_NAME.fullmatch(p.name[:-len(".json")]))}
+    for p in sorted(found):
+      if p >= len(shapes) or owner[p] != s:
+        why = (f"{name}merged/ holds fragment {p}, which this plan "
+               + ("does not have" if p >= len(shapes) else "gives another shard"))
+      elif not any(_of_plan(merged, p, v, shapes[p]) for v in reversed(merged.versions(p))):
+        why = f"fragment {p}: no version in {name}merged/ holds this plan's tensors"
+      else:
+        continue
+      raise ConfigError(f"{_PLAN_FIELDS}: store {shared.base} has no {LAYOUT_FILE} and its "
+                        f"versions are not of this run's layout ({why}); resume with the "
+                        "store's config, or start a new store")
+
+
+def _of_plan(merged: MergedVersions, p: int, version: int, shapes: dict[str, tuple]) -> bool:
+  """Whether version `version` of fragment p holds the plan's paths and shapes (its values
+  may be non-finite: that refuses the version, not the layout)."""
+  try:
+    merged.read(p, version, shapes=shapes)
+  except StoreError as e:
+    return e.reason == NON_FINITE
+  return True
