@@ -101,6 +101,11 @@ def test_a_store_made_before_the_record_resumes_when_its_versions_match_the_plan
   _publish(root, shards)
   os.remove(tmp_path / "store" / "layout.json")
   record = store_layout.layout_record(shards, PLAN, TREE)
+  # train.init_from reads it under the layout its versions give, and writes nothing.
+  flat, index = global_view.read_store(root, shards)
+  assert index == {p: 3 for p in range(PLAN.num_fragments)}
+  assert all(np.array_equal(flat[k], PARAMS[k]) for k in SHAPES)
+  assert not (tmp_path / "store" / "layout.json").exists()
   store_layout.claim(store_lib.shared_store(root, shards), record)
   assert json.loads((tmp_path / "store" / "layout.json").read_text()) == record
   _g_intact(root, shards)
@@ -129,6 +134,9 @@ def test_a_store_made_before_the_record_of_another_plan_is_refused_naming_the_re
   with pytest.raises(ConfigError, match=r"^the fragment plan .*no layout.json") as e:
     store_layout.claim(store_lib.shared_store(root, 2), store_layout.layout_record(2, plan, tree))
   assert "\n" not in str(e.value)
+  if change == "owner":  # versions that give no one layout: train.init_from refuses them too
+    with pytest.raises(ConfigError, match=r"^store .*: no layout.json, and its versions"):
+      global_view.read_store(root, 2)
   assert not (tmp_path / "store" / "layout.json").exists()
   _g_intact(root, 2, store_layout.layout_record(2, PLAN, TREE))
 

@@ -125,8 +125,14 @@ def read_global(stores: Store | list[Store], *, with_rounds: bool = False, paths
 
 def read_store(path: str, shards: int) -> tuple[dict[str, np.ndarray], dict[int, int]]:
   """G of the store at `path` with `shards` syncer shards, for `train.init_from` on a store
-  (`artifacts.export.StoreReader`); the store's recorded layout decides the shard count."""
-  layout = store_layout.recorded(store_lib.Store(path, _folders=()))
+  (`artifacts.export.StoreReader`); the store's recorded layout decides the shard count. A
+  store made before the record is read under the layout its versions give, if they give one
+  (`store_layout.inferred`; `shards` from its folders)."""
+  shared = store_lib.Store(path, _folders=())
+  if store_layout.has_record(shared):
+    layout = store_layout.recorded(shared)
+  else:
+    layout = store_layout.inferred(shared, shards)
   return read_global(store_lib.shard_stores(path, layout["shards"]), layout=layout)
 
 

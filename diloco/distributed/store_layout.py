@@ -7,8 +7,10 @@ expects and restart G from its initial parameters, with the trained fragments le
 So the first process that knows the layout creates the record (create-only, like the store's
 other records) and every process compares its own layout with it before it reads or writes
 anything else, refusing a difference with a ConfigError naming the field. A store made before
-the record existed is checked by its folders: versions in a shard folder the run does not
-have, or at the root of a sharded run (or under `shards/` of an unsharded one), are refused.
+the record existed is checked by its folders (versions in a shard folder the run does not
+have, or at the root of a sharded run, are refused) and by its versions (each fragment's in
+its owner's folder, holding the plan's tensors); then the record is written. A reader that
+knows no plan (`train.init_from`) takes the layout the versions give (`inferred`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ def _read(shared) -> Any:
   except StoreError as e:
     raise ConfigError(f"store {shared.base}/{LAYOUT_FILE}: not a layout record ({e}); the "
                       "store's layout is unknown, so it is not resumed") from None
+
+
+def has_record(shared) -> bool:
+  """Whether the store has a layout record (of whatever content: `recorded` checks it)."""
+  return shared.blobs.exists(LAYOUT_FILE)
 
 
 def recorded(shared) -> dict:
@@ -189,3 +196,47 @@ def _of_plan(merged: MergedVersions, p: int, version: int, shapes: dict[str, tup
   except StoreError as e:
     return e.reason == NON_FINITE
   return True
+
+
+def inferred(shared, shards: int) -> dict:
+  """The layout of a store made before the record, from its versions, for a reader that does
+  not know the writer's plan (`train.init_from` on a store): each fragment's newest version
+  that reads back whole gives its tensors, and the fragments must be 0..P-1, each in the one
+  folder that owns it under `ownership.assign` of their sizes; ConfigError naming the record
+  otherwise. Nothing is written (the store is another run's)."""
+  found: dict[int, tuple[int, list]] = {}
+  folders = ([("", shared.blobs)] if shards == 1 else
+             [(shard_folder(s) + "/", Blobs(shared.base / shard_folder(s), shared.local))
+              for s in range(shards)])
+
+  def refuse(why: str) -> ConfigError:
+    return ConfigError(f"store {shared.base}: no {LAYOUT_FILE}, and its versions do not give "
+                       f"one layout ({why}); its G is not read")
+
+  for s, (name, blobs) in enumerate(folders):
+    merged = MergedVersions(blobs)
+    for p in sorted({int(m[1]) for f in blobs.listdir("merged") if f.name.endswith(".json")
+                     and (m := MERGED_NAME.fullmatch(f.name[:-len(".json")]))}):
+      if p in found:
+        raise refuse(f"fragment {p} has versions in two folders")
+      for version in reversed(merged.versions(p)):
+        try:
+          tensors = merged.read(p, version)[0].tensors
+        except StoreError:
+          continue
+        found[p] = (s, [[k, list(tensors[k].shape), "float32"] for k in sorted(tensors)])
+        break
+      else:
+        raise refuse(f"fragment {p} in {name}merged/ has no version that reads back whole")
+  if not found or sorted(found) != list(range(len(found))):
+    raise refuse(f"fragments {sorted(found)[:8]}, not 0..P-1")
+  record = {"shards": shards, "scheme": None,
+            "fragments": [found[p][1] for p in range(len(found))]}
+  if not _typed(record):
+    raise refuse("fragments that share a tensor, or fewer fragments than shards")
+  sizes = [sum(math.prod(t[1]) for t in f) for f in record["fragments"]]
+  owner = ownership.assign(sizes, shards)
+  for p, (s, _) in found.items():
+    if owner[p] != s:
+      raise refuse(f"fragment {p} lies in shard {s}'s folder, its owner is shard {owner[p]}")
+  return record
