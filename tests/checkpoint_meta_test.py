@@ -6,10 +6,12 @@ import copy
 import dataclasses
 import os
 
+import documents_test
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import run_config
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,9 +21,6 @@ from diloco.artifacts import export
 from diloco.errors import ConfigError, DocumentError
 from diloco.model import registry
 from diloco.train import checkpoint as checkpoint_lib
-
-import documents_test
-import run_config
 
 PROPERTY = settings(max_examples=60, deadline=5000, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -88,7 +87,7 @@ def _run_checkpoint(root, params):
 def test_a_checkpoints_arrays_are_checked_before_use(tmp_path):
   params = _params()
   good = _run_checkpoint(str(tmp_path / "good"), params)
-  read, source = export.read_params(good)
+  _, source = export.read_params(good)
   assert "run checkpoint" in source
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   export.load_init(good, abstract)

@@ -461,7 +461,8 @@ def test_repair_tape_drops_the_rounds_of_versions_recover_refused(tmp_path):
   assert ok and fresh.versions == [3, 1] and fresh.rounds == 5
   syncer_process.repair_tape(tape_path, fresh.rounds, committed,
                              {p: fresh.versions[p] for p in fresh.owned})
-  listed = [json.loads(line) for line in open(tape_path)]
+  with open(tape_path, encoding="utf-8") as f:
+    listed = [json.loads(line) for line in f]
   assert [r["round"] for r in listed] == [0, 1, 2, 4]
   assert all(r["version"] <= fresh.versions[r["fragment"]] for r in listed)
 

@@ -434,7 +434,7 @@ def read_params(path: str, what: str = "train.init_from",
   try:
     tree = ocp.PyTreeCheckpointer().restore(
         item, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-  except Exception as e:  # pylint: disable=broad-except  (a torn or tampered checkpoint)
+  except Exception as e:  # noqa: BLE001  (a torn or tampered checkpoint)
     raise DocumentError(item, "", "cannot be read as the arrays its metadata lists "
                         f"({type(e).__name__}: {documents.show(str(e), 160)})") from None
   params = jax.tree.map(np.asarray, tree["params"] if kind == "train state" else tree)

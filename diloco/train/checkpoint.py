@@ -86,7 +86,7 @@ class Checkpointer:
     try:
       meta = self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore())).meta
-    except Exception as e:  # pylint: disable=broad-except  (Orbax's errors on a bad file)
+    except Exception as e:  # noqa: BLE001  (Orbax's errors on a bad file)
       raise DocumentError(file, "", f"is not JSON ({documents.show(str(e), 120)})") from None
     meta = check_meta(meta, file, expect_meta or {}, counts)
     compare_meta(meta, expect_meta or {}, f"{self.directory}/{step}")
@@ -147,7 +147,7 @@ def saved_tree(item: str) -> Any:
   """The Orbax metadata tree (shapes and dtypes) of a saved item: read before any array."""
   try:
     metadata = ocp.PyTreeCheckpointer().metadata(item)
-  except Exception as e:  # pylint: disable=broad-except  (whatever Orbax makes of a bad folder)
+  except Exception as e:  # noqa: BLE001  (whatever Orbax makes of a bad folder)
     raise DocumentError(item, "", "is not a readable Orbax checkpoint "
                         f"({type(e).__name__}: {documents.show(str(e), 160)})") from None
   return getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
