@@ -92,6 +92,55 @@ def test_a_store_without_a_record_is_checked_by_its_folders(tmp_path, before, af
   _g_intact(root, before, store_layout.layout_record(before, PLAN, TREE))
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_store_made_before_the_record_resumes_when_its_versions_match_the_plan(tmp_path,
+                                                                                shards):
+  """No layout.json, versions of this run's plan in the folders that own them: resumed (the
+  syncer, the learners and the evaluator `claim`), the record then written, G intact."""
+  root = str(tmp_path / "store")
+  _publish(root, shards)
+  os.remove(tmp_path / "store" / "layout.json")
+  record = store_layout.layout_record(shards, PLAN, TREE)
+  # train.init_from reads it under the layout its versions give, and writes nothing.
+  flat, index = global_view.read_store(root, shards)
+  assert index == {p: 3 for p in range(PLAN.num_fragments)}
+  assert all(np.array_equal(flat[k], PARAMS[k]) for k in SHAPES)
+  assert not (tmp_path / "store" / "layout.json").exists()
+  store_layout.claim(store_lib.shared_store(root, shards), record)
+  assert json.loads((tmp_path / "store" / "layout.json").read_text()) == record
+  _g_intact(root, shards)
+
+
+@pytest.mark.parametrize("change", ["num_fragments", "shape", "owner"])
+def test_a_store_made_before_the_record_of_another_plan_is_refused_naming_the_record(tmp_path,
+                                                                                    change):
+  """No layout.json, versions of another plan (fragment count, shapes, or a fragment in a
+  folder that does not own it under this plan): one line naming layout.json; nothing written,
+  the store's G still readable under its own layout."""
+  root = str(tmp_path / "store")
+  _publish(root, 2)
+  os.remove(tmp_path / "store" / "layout.json")
+  plan, tree = PLAN, TREE
+  if change == "num_fragments":
+    plan = fragments.plan_fragments(SHAPES, num_fragments=2)
+  elif change == "shape":
+    tree = fragments.unflatten_tree(dict(PARAMS, **{"layers/1/w": np.zeros((3, 4), np.float32)}))
+  else:  # fragment 0 planted in the folder of the shard that does not own it
+    stores = store_lib.shard_stores(root, 2)
+    tensors = {k: PARAMS[k] for k in PLAN.fragments[0]}
+    other = 1 - ownership.assign(PLAN.num_elements, 2)[0]
+    stores[other].merged.put(Merged(0, 4, tensors, 1.0),
+                             {k: np.zeros_like(v) for k, v in tensors.items()}, {"round": None})
+  with pytest.raises(ConfigError, match=r"^the fragment plan .*no layout.json") as e:
+    store_layout.claim(store_lib.shared_store(root, 2), store_layout.layout_record(2, plan, tree))
+  assert "\n" not in str(e.value)
+  if change == "owner":  # versions that give no one layout: train.init_from refuses them too
+    with pytest.raises(ConfigError, match=r"^store .*: no layout.json, and its versions"):
+      global_view.read_store(root, 2)
+  assert not (tmp_path / "store" / "layout.json").exists()
+  _g_intact(root, 2, store_layout.layout_record(2, PLAN, TREE))
+
+
 @pytest.mark.parametrize("content", [b"{", b"[1]", b'{"shards": "2"}'])
 def test_a_damaged_record_is_refused_in_one_line(tmp_path, content):
   root = str(tmp_path / "store")

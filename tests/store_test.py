@@ -436,6 +436,37 @@ def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
   del durable
 
 
+def test_repair_tape_drops_the_rounds_of_versions_recover_refused(tmp_path):
+  """Fragment 1's newest version (round 3) is non-finite on disk: `recover` resumes it from
+  version 1, so the tape must no longer list round 3 (G does not hold it; the next round of
+  fragment 1 reuses version 2), while round 4 of fragment 0 stays."""
+  store = Store(tmp_path / "store")
+  records: list = []
+  s = _syncer(on_round=records.append)
+  for m in s.initial(0.0):
+    store.merged.put(m, s.momentum, {"round": None, "state": s.export_state()})
+  tape_path = str(tmp_path / "tape.jsonl")
+  with open(tape_path, "a", encoding="utf-8") as tape:
+    beats = [Heartbeat(m, 0, 1, 0.1, 0.0) for m in (0, 1)]
+    for r in range(5):
+      p = r % 2
+      merged, _ = s.tick(float(r + 1), beats if r == 0 else (),
+                         [_payload(r % 2, p, _params(10 + r), base=s.versions[p], step=r + 1)])
+      syncer_process._commit(store, s, merged, records, tape)
+  data = store.merged.marker(1, 2)["data"]
+  for npy in (tmp_path / "store" / "merged" / data / "params").glob("*.npy"):
+    np.save(npy, np.full(np.load(npy).shape, np.nan, np.float32))
+  fresh = _syncer()
+  ok, _, committed = syncer_process.recover(store, fresh, 2, max_staleness=8)
+  assert ok and fresh.versions == [3, 1] and fresh.rounds == 5
+  syncer_process.repair_tape(tape_path, fresh.rounds, committed,
+                             {p: fresh.versions[p] for p in fresh.owned})
+  with open(tape_path, encoding="utf-8") as f:
+    listed = [json.loads(line) for line in f]
+  assert [r["round"] for r in listed] == [0, 1, 2, 4]
+  assert all(r["version"] <= fresh.versions[r["fragment"]] for r in listed)
+
+
 def test_wan_link_serialises_transfers_and_adds_latency():
   now = [0.0]
   link = wan.Link(8.0, 50.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))

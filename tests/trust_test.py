@@ -18,7 +18,8 @@ import pytest
 
 from diloco import fragments
 from diloco.delivery import Delivery
-from diloco.distributed import blob_io, syncer_process
+from diloco.distributed import blob_io, global_view, syncer_process
+from diloco.distributed import hosts as hosts_lib
 from diloco.distributed.entry_check import StoreError
 from diloco.distributed.lease import Lease, LeaseHeld
 from diloco.distributed.store import Store
@@ -398,6 +399,29 @@ def test_a_learner_skips_a_non_finite_version_and_takes_the_next(tmp_path):
   learner.wait_initial(1, timeout=20, min_versions={0: 2})
   assert learner.latest(0).version == 2
   learner.close()
+
+
+def test_a_joining_learner_does_not_wait_on_a_version_nobody_can_use(tmp_path):
+  """The index names version 9, which has no commit marker (a phantom), and version 2 is
+  non-finite: the learner joins at once on version 1, the newest usable one, with its values
+  (its floor used to be the index's 9, so the join waited until it timed out)."""
+  store, s, _, link = _store_syncer(tmp_path)
+  link.close()
+  store.merged.put(Merged(0, 1, _params(7), 1.0), s.momentum, {"round": None, "state": {}})
+  _plant_non_finite(store, s, 2)
+  store.blobs.write_json("merged/index.json", {"0": 9})
+  assert global_view.join_floor([store], (0,), [dict(SHAPES)], {0: 0}) == {0: 1}
+  started = time.monotonic()
+  agreed = hosts_lib.AgreedLink(store, 0, 0, hosts_lib.HostGroup(), poll_s=0.01,
+                                shapes=[dict(SHAPES)])
+  agreed.agree_initial(1, timeout=30)
+  floor = global_view.join_floor([store], (0,), [dict(SHAPES)], {0: agreed.latest_version(0)})
+  agreed.agree_initial(1, timeout=30, min_versions=floor)
+  assert time.monotonic() - started < 10 and floor == {0: 1}
+  held = agreed.latest(0)
+  assert held.version == 1
+  assert all(np.array_equal(held.tensors[k], v) for k, v in _params(7).items())
+  agreed.close()
 
 
 def test_a_flood_of_rejections_in_one_round_keeps_its_marker_under_the_record_limit(tmp_path):

@@ -44,6 +44,7 @@ from diloco import fragments as fragments_lib
 from diloco.documents import Field
 from diloco.errors import ConfigError, DocumentError
 from diloco.model.config import ModelConfig
+from diloco.train import checkpoint as checkpoint_lib
 from diloco.train import storage, tokenizers
 
 PyTree = Any
@@ -58,6 +59,9 @@ CONFIG_FILE = "config.json"
 SAFETENSORS_FORMAT = "diloco-safetensors/1"
 # Read by a `tokenizer.json` for its special tokens (`diloco.train.tokenizers`): copied along.
 _TOKENIZER_COMPANIONS = ("tokenizer_config.json",)
+# Elements the saved parameters may list in all (4x the largest preset, gemma_9b): Orbax
+# metadata claiming more is planted, and is refused before anything is allocated.
+MAX_ELEMENTS = 4 * 10**10
 # What `load` reads of export.json (other keys, e.g. "eval/loss", are the run's record).
 _META_FIELDS = {"format": str, "step": int, "model": dict, "data": dict,
                 "runtime": Field(str, required=False), "seed": Field(int, required=False),
@@ -271,7 +275,8 @@ def check_size(cfg: ModelConfig, saved: PyTree, file: str) -> None:
                         "changed after the parameters were saved")
 
 
-def load(path: str, abstract: PyTree | None = None) -> tuple[PyTree, dict]:
+def load(path: str, abstract: PyTree | None = None,
+         check: Callable[[PyTree], None] | None = None) -> tuple[PyTree, dict]:
   """(params, metadata) of the export at `path` (an export directory or a workdir).
 
   export.json is checked (`read_meta`) and the model fields against the saved tensors'
@@ -289,7 +294,10 @@ def load(path: str, abstract: PyTree | None = None) -> tuple[PyTree, dict]:
   params_path = _params_dir(found)
   saved = _saved_shapes(params_path)
   meta_file = os.path.join(found, META_FILE)
+  bound_size(saved, params_path)
   check_size(read_model(meta["model"], meta_file), saved, meta_file)
+  if check is not None:
+    check(saved)
   if abstract is not None:
     check_shapes(saved, abstract, f"export {found}")
   # NumPy targets: read on the host whatever devices wrote it (a data-parallel export holds
@@ -383,12 +391,14 @@ def store_shards(path: str) -> int:
 
 
 def read_params(path: str, what: str = "train.init_from",
-                read_store: StoreReader | None = None) -> tuple[PyTree, str]:
+                read_store: StoreReader | None = None,
+                check: Callable[[PyTree], None] | None = None) -> tuple[PyTree, str]:
   """(NumPy parameters, a description of their source) of an export, of a multi-process run's
   store (G from every syncer shard's newest committed versions, read by `read_store`: the
   store belongs to the multi-process runtime, above this layer), or of a train-state or
   durable-run checkpoint (a step directory, or the newest step under WORKDIR/[run_]checkpoints).
-  Errors name the flag or field `what`."""
+  Errors name the flag or field `what`. `check` sees a checkpoint's or an export's saved
+  shapes (Orbax metadata) before any array is read."""
   if not path or not os.path.exists(path):
     raise ConfigError(f"{what}: {path!r} does not exist")
   path = os.path.abspath(path)  # Orbax reads a relative checkpoint path's metadata wrongly
@@ -402,7 +412,7 @@ def read_params(path: str, what: str = "train.init_from",
     return (fragments_lib.unflatten_tree(flat),
             f"store {path} ({shards} syncer shard(s); fragment versions {versions})")
   if export_dir(path) is not None:
-    params, meta = load(path)
+    params, meta = load(path, check=check)
     return params, f"export {export_dir(path)} (step {meta.get('step')})"
   found = _resolve_checkpoint(path)
   if found is None:
@@ -411,20 +421,47 @@ def read_params(path: str, what: str = "train.init_from",
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   item, kind = found
   # As NumPy on the host: the checkpoint's own device layout may not exist here.
-  checkpointer = ocp.PyTreeCheckpointer()
-  metadata = checkpointer.metadata(item)
-  metadata = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+  metadata = checkpoint_lib.saved_tree(item)
+  saved = metadata.get("params") if kind == "train state" and isinstance(metadata, dict) else (
+      metadata)
+  where = f"{item}/params" if kind == "train state" else item
+  if not isinstance(saved, dict):
+    raise DocumentError(where, "", "holds no tree of parameters")
+  bound_size(saved, where)
+  if check is not None:
+    check(saved)  # the caller's shapes, before any array is read
   restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), metadata)
-  tree = checkpointer.restore(item, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-  params = tree["params"] if kind == "train state" else tree
-  return jax.tree.map(np.asarray, params), f"{kind} {item}"
+  try:
+    tree = ocp.PyTreeCheckpointer().restore(
+        item, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+  except Exception as e:  # noqa: BLE001  (a torn or tampered checkpoint)
+    raise DocumentError(item, "", "cannot be read as the arrays its metadata lists "
+                        f"({type(e).__name__}: {documents.show(str(e), 160)})") from None
+  params = jax.tree.map(np.asarray, tree["params"] if kind == "train state" else tree)
+  checkpoint_lib.check_finite(params, where)
+  return params, f"{kind} {item}"
+
+
+def bound_size(saved: PyTree, file: str) -> None:
+  """DocumentError when the Orbax metadata of saved parameters lists more than `MAX_ELEMENTS`
+  elements (a planted metadata claiming a huge array), before anything is allocated."""
+  total = 0
+  for k, v in fragments_lib.flatten_tree(saved).items():
+    shape = getattr(v, "shape", None)
+    if not (isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape)):
+      raise DocumentError(file, k, f"has no shape in its metadata ({documents.show(v)})")
+    total += math.prod(shape)
+    if total > MAX_ELEMENTS:
+      raise DocumentError(file, k, f"the saved parameters list more than {MAX_ELEMENTS} "
+                          "elements; not parameters of a model diloco builds")
 
 
 def load_init(path: str, abstract: PyTree, read_store: StoreReader | None = None) -> PyTree:
   """NumPy parameters for `train.init_from=path`, checked against `abstract` and cast to its
   dtypes: an export, a multi-process run's store (through `read_store`), or the parameters of a
   train-state or durable-run checkpoint."""
-  params, source = read_params(path, read_store=read_store)
+  params, source = read_params(
+      path, read_store=read_store, check=lambda saved: check_shapes(saved, abstract, path))
   check_shapes(params, abstract, source)
   dtypes = {k: v.dtype for k, v in fragments_lib.flatten_tree(abstract).items()}
   flat = {k: np.asarray(v, dtypes[k]) for k, v in fragments_lib.flatten_tree(params).items()}

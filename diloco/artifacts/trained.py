@@ -136,7 +136,9 @@ def load(workdir: str, step: int | None = None, *, trust_code: bool = False) -> 
     export.refuse_code(run.model, config_path, trust_code)
     meta = run.raw
     cfg = model_config(meta["model"], config_path)
-    params, source = export.read_params(_checkpoint_dir(workdir, step), "--step")
+    params, source = export.read_params(
+        _checkpoint_dir(workdir, step), "--step",
+        check=lambda saved: export.check_size(cfg, saved, config_path))
     export.check_size(cfg, params, config_path)
     spec = _tokenizer_from_run(workdir, run.data)
   return Trained(build(cfg, params, source), cfg, params, tokenizers.make(spec), spec, source,

@@ -50,6 +50,31 @@ def newest_usable(store: Store, p: int, shapes: dict[str, tuple]):
   return None
 
 
+def join_floor(stores: list[Store], owner: tuple[int, ...], shapes: list[dict[str, tuple]],
+               held: dict[int, int]) -> dict[int, int]:
+  """{fragment: the version a joining learner must start from at least}: the newest version
+  by the commit markers of the fragment's owner that reads back whole (`MergedVersions.read`
+  with the plan's shapes), or `held[p]` (what the learner already fetched) when no newer one
+  is usable. The index is not consulted: a version it names that is missing (phantom),
+  torn or non-finite would keep the join waiting for it until the join timed out."""
+  floor: dict[int, int] = {}
+  for p, fragment in enumerate(shapes):
+    have = held.get(p, -1)
+    floor[p] = have
+    store = stores[owner[p]]
+    for version in reversed(store.merged.versions(p)):
+      if version <= have:
+        break
+      try:
+        store.merged.read(p, version, shapes=fragment)
+      except StoreError as e:
+        logging.warning("join: merged f%d_v%d in %s is not used: %s", p, version, store.root, e)
+        continue
+      floor[p] = version
+      break
+  return floor
+
+
 def published(stores: list[Store], layout: dict) -> bool:
   """Whether every fragment has a committed version (a marker) in its owner's folder."""
   shapes, owner = plan_of(layout)
@@ -100,8 +125,14 @@ def read_global(stores: Store | list[Store], *, with_rounds: bool = False, paths
 
 def read_store(path: str, shards: int) -> tuple[dict[str, np.ndarray], dict[int, int]]:
   """G of the store at `path` with `shards` syncer shards, for `train.init_from` on a store
-  (`artifacts.export.StoreReader`); the store's recorded layout decides the shard count."""
-  layout = store_layout.recorded(store_lib.Store(path, _folders=()))
+  (`artifacts.export.StoreReader`); the store's recorded layout decides the shard count. A
+  store made before the record is read under the layout its versions give, if they give one
+  (`store_layout.inferred`; `shards` from its folders)."""
+  shared = store_lib.Store(path, _folders=())
+  if store_layout.has_record(shared):
+    layout = store_layout.recorded(shared)
+  else:
+    layout = store_layout.inferred(shared, shards)
   return read_global(store_lib.shard_stores(path, layout["shards"]), layout=layout)
 
 

@@ -35,10 +35,10 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config, ConfigError
-from diloco.distributed import chaos, store_layout, wan
+from diloco.distributed import chaos, global_view, store_layout, wan
 from diloco.distributed import hosts as hosts_lib
 from diloco.distributed.learner_registry import DONE, RETIRED
-from diloco.distributed.store import Store, global_index, shard_stores, shared_store
+from diloco.distributed.store import Store, shard_stores, shared_store
 from diloco.learner import island
 from diloco.learner import loop as learner_loop
 from diloco.learner.learner import Learner, Resume
@@ -109,18 +109,21 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   # Each fragment's deliveries and versions live in the folder of the shard that owns it.
   folders = shard_stores(store_root, cfg.sync.shards)
   owner = ownership.assign(plan.num_elements, cfg.sync.shards)
+  shapes = _plan_shapes(plan, spec)
   link = hosts_lib.AgreedLink(store, learner_id, incarnation, hosts, poll_s=cfg.store.poll_s,
                               up=up, down=down, heartbeat_every_s=cfg.store.heartbeat_every_s,
                               send_queue=cfg.sync.send_queue, shards=folders, owner=owner,
-                              shapes=_plan_shapes(plan, spec))
+                              shapes=shapes)
   link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s)
   origin = store.run.start() or time.time()
   clock = lambda: time.time() - origin  # noqa: E731  (the run's clock, shared by all processes)
   joined_at = clock()
-  # It starts from every version published before it joined, or a newer one: the index read
-  # now names them (its poller may not have fetched the newest yet).
-  published = hosts.share("published", lambda: {str(p): v for p, v in
-                                                global_index(folders, owner).items()})
+  # It starts from every version published before it joined, or a newer one: the newest
+  # usable by the commit markers (its poller may not have fetched it yet). Not the index: a
+  # version it names that nobody can use (phantom, non-finite) would time the join out.
+  published = hosts.share("published", lambda: {str(p): v for p, v in global_view.join_floor(
+      folders, owner, shapes, {q: link.latest_version(q) for q in range(plan.num_fragments)}
+  ).items()})
   link.agree_initial(plan.num_fragments, cfg.store.join_timeout_s,
                      {int(p): v for p, v in published.items()})
 
@@ -230,7 +233,7 @@ def _place(cfg: Config, store: Store, hosts: hosts_lib.HostGroup, learner: Learn
   latest = hosts.share("resume_step", lambda: mine)
   if latest is not None:
     learner.state, meta = ckpt.restore(latest, spec.abstract, learner.data_iter,
-                                       expect_meta=_identity(cfg))
+                                       expect_meta=_identity(cfg), counts=("local_step",))
     learner.local_step = int(meta["local_step"])
     logging.info("learner %d: resumed its checkpoint at local step %d", learner.id, latest)
   elif cfg.store.peer_optimizer:

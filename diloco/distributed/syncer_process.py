@@ -125,8 +125,20 @@ def _newest_usable(store: Store, syncer: Syncer, p: int, max_staleness: int):
   return None
 
 
-def repair_tape(path: str, rounds: int, committed: list[dict]) -> None:
-  """Leaves `path` with every committed round (< `rounds`) exactly once, in round order."""
+def repair_tape(path: str, rounds: int, committed: list[dict],
+                versions: dict[int, int] | None = None) -> None:
+  """Leaves `path` with every committed round (< `rounds`) exactly once, in round order.
+
+  `versions`: {fragment: the version `recover` resumed it from}; a record of that fragment
+  at a newer version (one `recover` refused: torn, non-finite, off the plan) is dropped, so
+  the tape never lists a merge that G does not hold, and the version number the next round
+  reuses is listed once."""
+  versions = versions or {}
+
+  def refused(r: dict) -> bool:
+    return r.get("fragment") in versions and not (
+        isinstance(r.get("version"), int) and r["version"] <= versions[r["fragment"]])
+
   records = {}
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
@@ -135,10 +147,12 @@ def repair_tape(path: str, rounds: int, committed: list[dict]) -> None:
           record = json.loads(line)
         except json.JSONDecodeError:
           continue  # torn by a crash mid-write
-        if isinstance(record, dict) and 0 <= record.get("round", -1) < rounds:
+        if (isinstance(record, dict) and isinstance(record.get("round"), int)
+            and 0 <= record["round"] < rounds and not refused(record)):
           records.setdefault(record["round"], record)
   for record in committed:
-    records.setdefault(record["round"], record)
+    if not refused(record):
+      records.setdefault(record["round"], record)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     for r in sorted(records):
@@ -252,7 +266,8 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
   keep = cfg.sync.max_staleness + 2
   os.makedirs(tape_dir(cfg, workdir), exist_ok=True)
   tape_path = os.path.join(tape_dir(cfg, workdir), TAPE_FILE)
-  repair_tape(tape_path, syncer.rounds, boot.committed)
+  repair_tape(tape_path, syncer.rounds, boot.committed,
+              {p: syncer.versions[p] for p in syncer.owned} if boot.recovered else None)
   who = (f"syncer shard {cfg.sync.shard}/{cfg.sync.shards}" if cfg.sync.shards > 1
          else "syncer")
   print(f"{who}: {'resumed at round ' + str(syncer.rounds) if boot.recovered else 'started'}, "
