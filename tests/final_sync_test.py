@@ -2,6 +2,7 @@
 every fragment before it leaves (`learner_loop.leave`), and the run ends only once the syncer
 has merged those deliveries, so every learner's last local step reaches G."""
 
+import itertools
 import os
 import random
 
@@ -92,7 +93,7 @@ def _check_claimed_once(rt, tape, steps, learners):
     for m in learners:
       spans = sorted((a["local_step"] - a["steps"] + 1, a["local_step"]) for r in tape
                      if r["fragment"] == p for a in r["admitted"] if a["learner"] == m)
-      assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), (p, m, spans)
+      assert all(a[1] < b[0] for a, b in itertools.pairwise(spans)), (p, m, spans)
       assert spans[-1][1] == steps, (p, m, spans)
       if rt.cfg.sync.receipt == "keep_local":
         assert sum(b - a + 1 for a, b in spans) == steps, (p, m, spans)
