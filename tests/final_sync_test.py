@@ -2,6 +2,7 @@
 every fragment before it leaves (`learner_loop.leave`), and the run ends only once the syncer
 has merged those deliveries, so every learner's last local step reaches G."""
 
+import itertools
 import os
 import random
 
@@ -66,6 +67,38 @@ def _schedules(count: int, seed: int = 0) -> list[tuple[int, int, int, int]]:
   return drawn
 
 
+def _ending_schedules(count: int, seed: int = 1) -> list[tuple[int, int, int, int]]:
+  """`count` schedules (steps, H, tau, P), drawn at random, where some fragment is delivered
+  within tau steps of the end (at `steps - tau < t < steps`), so that its round lands after the
+  learner's last step."""
+  rng, drawn = random.Random(seed), []
+  while len(drawn) < count:
+    period = rng.choice([4, 6, 8])
+    num = rng.choice([p for p in (2, 4, 8) if p <= period])
+    tau = rng.randint(2, period - 1)
+    steps = rng.randint(max(period + tau, 10), 3 * period)
+    schedule = (steps, period, tau, num)
+    if any(fragments_lib.due_fragments(t, period, num) for t in range(steps - tau + 1, steps)) \
+        and schedule not in drawn:
+      drawn.append(schedule)
+  return drawn
+
+
+def _check_claimed_once(rt, tape, steps, learners):
+  """Every learner's steps are claimed at most once per fragment across all its admitted
+  deliveries (a delivery claims local steps local_step-steps+1 .. local_step), the last claim
+  ends at its last step, and under `keep_local`, which discards no step, every step is claimed
+  exactly once: the claimed steps sum to `steps`."""
+  for p in range(rt.plan.num_fragments):
+    for m in learners:
+      spans = sorted((a["local_step"] - a["steps"] + 1, a["local_step"]) for r in tape
+                     if r["fragment"] == p for a in r["admitted"] if a["learner"] == m)
+      assert all(a[1] < b[0] for a, b in itertools.pairwise(spans)), (p, m, spans)
+      assert spans[-1][1] == steps, (p, m, spans)
+      if rt.cfg.sync.receipt == "keep_local":
+        assert sum(b - a + 1 for a, b in spans) == steps, (p, m, spans)
+
+
 def _check_last_rounds(rt, tape, steps, tau, learners):
   """Every fragment's last round holds every learner's last step. A fragment whose round is
   received at the last step has its last tau steps delivered once more, as final deliveries
@@ -85,6 +118,7 @@ def _check_last_rounds(rt, tape, steps, tau, learners):
       spans = sorted((a["local_step"] - a["steps"] + 1, a["local_step"]) for r in tape
                      if r["fragment"] == p for a in r["admitted"] if a["learner"] == m)
       assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), (p, m, spans)
+  _check_claimed_once(rt, tape, steps, learners)
 
 
 @pytest.mark.parametrize("receipt", transport.RECEIPT_MODES)
@@ -115,6 +149,42 @@ def test_threaded_run_keeps_the_steps_of_a_round_received_at_the_last_step(tmp_p
                      learners__min_step_s=0.1)
   assert [s.status for s in rt.slots] == ["done", "done"]
   _check_last_rounds(rt, tape, steps, tau, learners=(0, 1))
+  assert rt.syncer.settled()
+
+
+@pytest.mark.parametrize("receipt", transport.RECEIPT_MODES)
+def test_a_round_landing_after_the_last_step_claims_no_step_twice(tmp_path, receipt):
+  """A fragment delivered within tau steps of the end has its round land after the last step:
+  the finishing learner takes it in at its last sync point (waiting for it if need be),
+  keeping the steps since, and the final sync delivers only those; before, the final delivery
+  counted from the previous receipt and claimed the steps up to the outstanding delivery a
+  second time. A property over drawn (steps, H, tau, P), on the virtual clock, read from the
+  run's tape."""
+  for i, (steps, period, tau, num) in enumerate(_ending_schedules(3)):
+    rt, _, tape = _run(tmp_path / str(i), learners__virtual_clock=True, sync__receipt=receipt,
+                       train__steps=steps, sync__period=period, sync__tau=tau,
+                       sync__num_fragments=num)
+    assert [s.status for s in rt.slots] == ["done", "done"], (steps, period, tau, num)
+    last = _last_rounds(tape, rt.plan.num_fragments)
+    for p, r in last.items():
+      assert {(0, steps), (1, steps)} <= _admitted(r), (p, r["admitted"])
+    _check_claimed_once(rt, tape, steps, learners=(0, 1))
+    assert rt.syncer.settled()
+
+
+@pytest.mark.slow
+def test_threaded_run_claims_no_step_twice_when_a_round_lands_after_the_last_step(tmp_path):
+  """The same on the wall clock, for one drawn schedule, without blocking on late rounds: the
+  finishing learner waits for its outstanding rounds all the same (it has no steps left to
+  hold up)."""
+  steps, period, tau, num = _ending_schedules(1, seed=2)[0]
+  rt, _, tape = _run(tmp_path, train__steps=steps, sync__period=period, sync__tau=tau,
+                     sync__num_fragments=num, sync__receipt="overwrite",
+                     sync__block_on_late_round=False, learners__min_step_s=0.1)
+  assert [s.status for s in rt.slots] == ["done", "done"]
+  for p, r in _last_rounds(tape, rt.plan.num_fragments).items():
+    assert {(0, steps), (1, steps)} <= _admitted(r), (p, r["admitted"])
+  _check_claimed_once(rt, tape, steps, learners=(0, 1))
   assert rt.syncer.settled()
 
 

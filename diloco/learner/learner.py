@@ -191,11 +191,14 @@ class Learner:
     self.transport.count_download(merged.nbytes)
 
   def keep_progress(self) -> None:
-    """From now on a receipt keeps the local steps made since the fragment's delivery, as
-    `keep_local` does, whatever `sync.receipt` says. Called at the last sync point of a learner
-    that finishes: a round received there would otherwise overwrite (or mix away) its last
-    `tau` steps, and the final sync (`deliver_final`) would have nothing to deliver for that
-    fragment."""
+    """Ends the overlap before the final sync (docs/design.md 2.3): from now on a receipt keeps
+    the local steps made since the fragment's delivery, as `keep_local` does, whatever
+    `sync.receipt` says, and the round of every delivery the learner has stepped past is due at
+    once (`sync_point`; one not published yet is waited for, whatever
+    `sync.block_on_late_round`). Called at the last sync point of a learner that finishes, and
+    before a retiring learner's final sync: a round received there would otherwise overwrite
+    (or mix away) its last steps, and one received after it would see them delivered twice,
+    since the final sync (`deliver_final`) delivers the steps counted since the last receipt."""
     self._keeping = True
 
   def sync_point(self) -> list[int]:
@@ -203,11 +206,14 @@ class Learner:
     blocked = []
     for p in range(self.plan.num_fragments):
       awaiting = self._awaiting.get(p)
-      if awaiting is not None and self.local_step < awaiting.apply_at:
+      # Past its last step a learner has no steps left to overlap: the round of a delivery it
+      # has stepped past is due now, so that the final sync delivers only the steps since.
+      ending = self._keeping and self._last_delivery[p] < self.local_step
+      if awaiting is not None and self.local_step < awaiting.apply_at and not ending:
         continue  # bounded overlap: the result of this delivery lands at t + tau
       merged = self.transport.latest(p)
       if awaiting is not None and (merged is None or merged.version <= awaiting.seen_version):
-        if self.cfg.sync.block_on_late_round:
+        if self.cfg.sync.block_on_late_round or ending:
           blocked.append(p)
         continue
       if merged is not None and merged.version > self.base[p]:

@@ -135,7 +135,8 @@ def life(learner: Learner, cfg: Config, hooks: LoopHooks) -> Life:
     end, step_time = yield from _step(learner, hooks, previous, step_time)
     stop = hooks.agree().stop
     if cfg.sync.final_sync and finished(learner, cfg):
-      # The rounds received from here on keep its last steps, which the final sync delivers.
+      # The rounds received from here on keep its last steps, which the final sync delivers;
+      # those of the deliveries it stepped past are due now and waited for (below).
       learner.keep_progress()
     blocked = yield SyncPoint()  # applies what is due (not a wait: the next step's time)
     waited_from = hooks.now()
@@ -235,8 +236,17 @@ def leave(learner: Learner, cfg: Config, on_purpose: bool) -> list[int]:
   every fragment with progress not yet delivered (`sync.final_sync`), so its last local steps
   reach the global parameters, then every delivery is flushed to its transport. A failed
   learner only flushes (the syncer times it out, as it would a crashed island). Returns the
-  fragments of the final deliveries."""
-  final = learner.deliver_final() if on_purpose and cfg.sync.final_sync else []
+  fragments of the final deliveries.
+
+  Before it, the rounds already published for its outstanding deliveries are taken in, keeping
+  the steps since (`Learner.keep_progress`), so that no step is delivered twice: a finishing
+  learner has waited for them at its last sync point (`life`), a retiring one does not wait.
+  """
+  final = []
+  if on_purpose and cfg.sync.final_sync:
+    learner.keep_progress()
+    learner.sync_point()
+    final = learner.deliver_final()
   learner.flush()
   return final
 
