@@ -19,7 +19,11 @@ inner: synchronous DiLoCo and Decoupled (overwrite) at their picks with the inne
 learning rate at 2, 1/2 and 1/4 times the preset's (a learner's batch is M times smaller), and
 data-parallel at the scales above 1. The data-parallel reference is tuned like every method:
 "data-parallel" is the inner rate of lowest seed-0 loss at batch 32, and stages two and three
-seed that one. Stage cross: each of the two at the other's pick, where not run yet. The
+seed that one. Stage cross: each of the two at the other's pick, where not run yet. Stage m1
+(seed 0, at the reference's inner rate): the M = 1 controls of `M1_RUNS`, synchronous DiLoCo
+with outer 1 / 0 (G = the learner's parameters each round: data-parallel through the DiLoCo
+machinery), Decoupled with the overlap at 1 / 0, keep_local, and outer momenta beside the
+study's 0.4 / 0.9; its rows join the M = 1 sweep, so stages two and three seed a new pick. The
 second model size (`small`, one seed): data-parallel at the tuned reference's inner rate
 against Decoupled M = 4 at its tiny pick (receipt, outer and inner rates), for
 `--small_steps` steps.
