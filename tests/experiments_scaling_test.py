@@ -499,3 +499,24 @@ def test_cross_stage_runs_each_method_at_the_others_pick_once(tmp_path):
   assert [r.method for r in planned] == [
       f"tiny decoupled M=4 overwrite outer 0.6/0.9 inner {base * 2:g}"]
   assert dict(planned[0].overrides)["optim.learning_rate"] == base * 2
+
+
+def test_m1_stage_runs_the_controls_at_the_reference_inner_rate_once(tmp_path):
+  _stage_one(str(tmp_path), LOSSES)  # the reference at the preset's rate; diloco M=1 at 1/0 ran
+  planned = stages.stage_m1(rows.collect(str(tmp_path)), STEPS)
+  assert [r.method for r in planned] == [
+      "tiny decoupled M=1 keep_local outer 0.4/0.9", "tiny diloco M=1 outer 0.4/0.8",
+      "tiny diloco M=1 outer 0.4/0.95"]  # the two 1/0 controls ran in stage one here
+  assert all(dict(r.overrides)["learners.count"] == 1 for r in planned)
+  assert "optim.learning_rate" not in dict(planned[0].overrides)
+  base = config.PRESET_INNER_LR["tiny"]
+  dp_cfg = _cfg("data-parallel", 1)
+  dp_cfg["optim"] = {"learning_rate": base * 2}
+  fake_run(str(tmp_path), "dpinner", dp_cfg, 1.9)  # the tuned reference moves to 2x
+  planned = stages.stage_m1(rows.collect(str(tmp_path)), STEPS)
+  assert planned[0].method == f"tiny diloco M=1 outer 1/0 inner {base * 2:g}"
+  assert len(planned) == len(config.M1_RUNS)
+  assert {dict(r.overrides)["optim.learning_rate"] for r in planned} == {base * 2}
+  decoupled = dict(planned[1].overrides)
+  assert (decoupled["sync.tau"], decoupled["sync.receipt"]) == (config.TAU, "overwrite")
+  assert dict(planned[0].overrides)["sync.tau"] == 0

@@ -19,7 +19,11 @@ inner: synchronous DiLoCo and Decoupled (overwrite) at their picks with the inne
 learning rate at 2, 1/2 and 1/4 times the preset's (a learner's batch is M times smaller), and
 data-parallel at the scales above 1. The data-parallel reference is tuned like every method:
 "data-parallel" is the inner rate of lowest seed-0 loss at batch 32, and stages two and three
-seed that one. Stage cross: each of the two at the other's pick, where not run yet. The
+seed that one. Stage cross: each of the two at the other's pick, where not run yet. Stage m1
+(seed 0, at the reference's inner rate): the M = 1 controls of `M1_RUNS`, synchronous DiLoCo
+with outer 1 / 0 (G = the learner's parameters each round: data-parallel through the DiLoCo
+machinery), Decoupled with the overlap at 1 / 0, keep_local, and outer momenta beside the
+study's 0.4 / 0.9; its rows join the M = 1 sweep, so stages two and three seed a new pick. The
 second model size (`small`, one seed): data-parallel at the tuned reference's inner rate
 against Decoupled M = 4 at its tiny pick (receipt, outer and inner rates), for
 `--small_steps` steps.
@@ -62,6 +66,17 @@ TARGET_GAP = {2: 1.5, 4: 3.0}  # Decoupled's allowed gap to data-parallel, in pe
 M8_FROM = 4
 M1_FROM = 2
 M1_RECEIPT = "overwrite"
+# --stage=m1: what keeps one learner behind data-parallel at the same batch. Each entry,
+# (kind, receipt, outer), runs at M = 1 with seed 0 at the data-parallel reference's inner rate.
+# Outer 1 / 0 makes G the learner's own parameters at every round, so synchronous DiLoCo there
+# is data-parallel through the DiLoCo machinery (its schedule, data order, rounds and final
+# sync): its gap is the machinery's, and the rest of the picked M = 1's gap is the outer step's.
+# Decoupled at 1 / 0 adds the overlap (overwrite drops the tau steps between each delivery and
+# its receipt); keep_local at the study's 0.4 / 0.9 keeps them; the momentum neighbours of
+# 0.4 / 0.9 finish the outer grid the earlier M = 1 runs swept only in the rate.
+M1_RUNS = (("diloco", "overwrite", (1.0, 0.0)), ("decoupled", "overwrite", (1.0, 0.0)),
+           ("decoupled", "keep_local", (0.4, 0.9)), ("diloco", "overwrite", (0.4, 0.8)),
+           ("diloco", "overwrite", (0.4, 0.95)))
 # The inner AdamW peak learning rate each preset's configs set (tests/experiments_scaling_test.py
 # checks them against configs/); a run at another one has " inner LR" in its setting.
 PRESET_INNER_LR = {"tiny": 3e-3, "small": 3e-3, "m35": 2e-3}

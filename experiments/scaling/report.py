@@ -269,9 +269,9 @@ def section(model: str, steps: int, group: list[dict], folder: str,
     unswept = unswept_columns(group)
     if unswept:
       parts += ["Not swept (one outer setting each, picked by `--stage=m8` from the seed-0 "
-                f"rows at M = {config.M8_FROM} for M = 8 and M = {config.M1_FROM} for M = 1): "
-                + ", ".join(unswept) + "; a star among them picks a receipt mode, not an outer "
-                "setting.", ""]
+                f"rows at M = {config.M8_FROM} for M = 8 and M = {config.M1_FROM} for M = 1, "
+                "or a control of `--stage=m1`): " + ", ".join(unswept) + "; a star among them "
+                "picks a receipt mode, not an outer setting.", ""]
   parts += ["### Every run (goodput from accounting.json)", "",
             "`wall_s`: the run's own training time; `process_wall_s`: its whole process, "
             "compilation included; machine and device from its provenance.json.", "",

@@ -20,7 +20,7 @@ from absl import app, flags
 from experiments import harness
 from experiments.scaling import config, pool, report, rows as rows_lib, stages
 
-STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "none")
+STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "m1", "none")
 
 
 def define_flags() -> None:
@@ -29,7 +29,7 @@ def define_flags() -> None:
   flags.DEFINE_enum("stage", "all", STAGES,
                     "1, 2, 3, all (1 then 2 then 3), small, m8 (M = 8 and 1 at picks from M = 4 "
                     "and 2), inner (other inner learning rates, --inner_scales), cross (each method at "
-                    "the other's pick), none.")
+                    "the other's pick), m1 (M = 1 controls, config.M1_RUNS), none.")
   flags.DEFINE_integer("steps", 0, "Steps per run of the tiny model; 0: 20N tokens.")
   flags.DEFINE_integer("small_steps", config.SMALL_STEPS, "Steps of the `small` runs.")
   flags.DEFINE_list("learners", [str(m) for m in config.LEARNERS], "The values of M.")
@@ -59,6 +59,8 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
     return stages.stage_inner(found, steps, learners, inner_scales)
   if stage == "cross":
     return stages.stage_cross(found, steps, learners)
+  if stage == "m1":
+    return stages.stage_m1(found, steps)
   if stage == "2":
     return stages.stage_two(found, steps, learners)
   if stage == "3":

@@ -185,6 +185,22 @@ def stage_cross(rows: list[dict], steps: int, learners=config.LEARNERS) -> list[
   return runs
 
 
+def stage_m1(rows: list[dict], steps: int, settings=config.M1_RUNS) -> list[Run]:
+  """Seed 0 at M = 1 of each (kind, receipt, outer) of `settings`, at the data-parallel
+  reference's inner rate, where that run has not run yet (`config.M1_RUNS` says what each
+  separates)."""
+  reference = _reference(rows, steps)
+  inner = inner_of(reference) if reference else None
+  names = {r["method"] for r in _tiny(rows, steps)}
+  runs = []
+  for kind, receipt, outer in settings:
+    setting = (f"{receipt} " if kind == "decoupled" else "") + config.outer_label(*outer) + (
+        config.inner_label(inner) if inner is not None else "")
+    if f"{kind} M=1 {setting}" not in names:
+      runs.append(method_run(kind, 1, setting, 0, steps))
+  return runs
+
+
 def stage_small(rows: list[dict], steps: int, small_steps: int) -> list[Run]:
   """The second model size, seed 0: data-parallel at the tiny reference's inner rate against
   Decoupled M = 4 at its tiny pick (receipt, outer and inner rates): each method at the
