@@ -107,6 +107,16 @@ def test_stage_two_repeats_the_picks_with_seed_one_and_stage_three_follows_the_s
                                                  ("tiny diloco M=2 outer 1/0", 2)}
 
 
+@pytest.mark.parametrize("m1_loss, status", [(2.0 + 4e-7, "met"), (2.0002, "missed")])
+def test_m1_at_or_below_data_parallel_is_judged_at_the_tables_precision(tmp_path, m1_loss,
+                                                                         status):
+  """A mean 2e-5 % above data-parallel's reads +0.00% in the table and is at data-parallel;
+  one 0.01 % above is not."""
+  _stage_one(str(tmp_path), {**LOSSES, ("diloco", 1): m1_loss})
+  found = {t["target"]: t["status"] for t in report.targets(rows.collect(str(tmp_path)))}
+  assert found["synchronous DiLoCo M = 1 at or below data-parallel"] == status
+
+
 def test_table4_gaps_and_targets_match_hand_computed_values(tmp_path):
   _stage_one(str(tmp_path), LOSSES)
   group = rows.collect(str(tmp_path))
