@@ -286,7 +286,7 @@ def _committed_steps(root):
 @pytest.mark.slow
 def test_killed_main_command_resumes(tmp_path):
   """Half the preset's steps, checkpointed twice as often: the kill still lands after the
-  first checkpoint (about step 12 of 32) with about 20 steps to go."""
+  first checkpoint (about step 8 of 32), 24 steps of at least 0.15 s before the run would end."""
   workdir = str(tmp_path / "run")
   short = dict(train__steps=32, checkpoint__every_rounds=16)
   command = [sys.executable, "-m", "diloco.main", "--config=configs/decoupled.py:tiny",
