@@ -41,15 +41,20 @@ def test_heterogeneous_runs_cover_every_policy_and_outer_setting_at_equal_tokens
 
 @pytest.mark.slow
 def test_heterogeneous_pipeline_writes_goodput_plot(tmp_path):
+  """One policy, K = 1 with grace, under both receipts: the pipeline (runs, rows, sections,
+  plot) treats every policy alike, and the receipt is what the rows' figures tell apart
+  (K = 1 without grace in the runtime: decoupled_test's quorum and grace test)."""
   runs = [r for r in hetero_config.runs(seeds=(0,), steps=16) if "0.7/0.9" in r.method
-          and r.method.startswith("K=1") and "rebase" not in r.method and "inner" not in r.method]
+          and r.method.startswith("K=1 + grace") and "rebase" not in r.method
+          and "inner" not in r.method]
   outdir, folder = str(tmp_path / "runs"), str(tmp_path / "results")
   os.makedirs(folder)
   wall = harness.run_all(runs, outdir, jobs=2)  # a run leaves a core idle part of the time
   results = harness.report("heterogeneous", runs, outdir, folder,
                            columns=hetero_config.COLUMNS, wall_s=wall,
                            sections=hetero_run.sections(folder), command="x")
-  assert len(results["rows"]) == 4  # K = 1 with and without grace, overwrite and keep_local
+  assert [r["method"] for r in results["rows"]] == [
+      "K=1 + grace, outer 0.7/0.9", "K=1 + grace, outer 0.7/0.9, keep_local"]
   for row in results["rows"]:
     assert 0 < row["goodput"] <= row["compute_goodput"] <= 1 and row["horizon_s"] > 16
     # Overwrite drops the tau steps before each receipt; keep_local drops nothing.
