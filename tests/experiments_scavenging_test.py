@@ -35,7 +35,7 @@ def test_scavenging_pipeline_writes_results_readme_and_plot(tmp_path):
           if r.method in ("fixed M=2", "scavenging")]
   outdir, folder = str(tmp_path / "runs"), str(tmp_path / "results")
   os.makedirs(folder)
-  wall = harness.run_all(runs, outdir, jobs=2)  # a run leaves a core idle part of the time
+  wall = harness.run_all(runs, outdir)
   results = harness.report("scavenging", runs, outdir, folder, columns=scav_config.COLUMNS,
                            wall_s=wall, derive=scav_run.with_time_to_target(outdir, runs),
                            about=scav_config.__doc__, command="python -m experiments.x",
