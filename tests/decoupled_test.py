@@ -140,16 +140,28 @@ def test_heterogeneous_quorum_and_grace(tmp_path, quorum, gamma):
     assert wait < 0.05 and per_round > 1.2 and slow_admitted > 0
 
 
-def test_a_sharded_syncer_trains_like_one_syncer_without_grace(tmp_path):
+# Three learners of unequal, jittered speed without grace: the run that the sharded-syncer and
+# same-seed tests both compare against (one run shared by the two, module-scoped).
+_JITTERED = dict(learners__count=3, learners__devices="2,2,2", learners__speeds="1,1.4,1",
+                 learners__step_jitter=0.2, sync__gamma=0.0, train__steps=24)
+
+
+@pytest.fixture(scope="module")
+def jittered_run(tmp_path_factory):
+  """(runtime, summary, workdir) of the one-syncer run of `_JITTERED`."""
+  workdir = str(tmp_path_factory.mktemp("jittered"))
+  rt, summary = decoupled.run_with_runtime(_config(**_JITTERED), workdir)
+  return rt, summary, workdir
+
+
+def test_a_sharded_syncer_trains_like_one_syncer_without_grace(tmp_path, jittered_run):
   """`sync.shards = 2` (docs/design.md 3.1): two policy instances, each merging its fragments.
   With gamma = 0 a round's close depends on its deliveries and the liveness of learners only,
   never on a shard's EMAs, so the run is the one-syncer run bit for bit: the same G, eval
   loss and goodput, and the same rounds on the tape, each tagged with its owning shard."""
-  common = dict(learners__count=3, learners__devices="2,2,2", learners__speeds="1,1.4,1",
-                learners__step_jitter=0.2, sync__gamma=0.0, train__steps=24)
-  one, s1 = decoupled.run_with_runtime(_config(**common), str(tmp_path / "s1"))
-  two, s2 = decoupled.run_with_runtime(_config(sync__shards=2, **common), str(tmp_path / "s2"))
-  tape1, tape2 = _tape(str(tmp_path / "s1")), _tape(str(tmp_path / "s2"))
+  one, s1, one_dir = jittered_run
+  two, s2 = decoupled.run_with_runtime(_config(sync__shards=2, **_JITTERED), str(tmp_path / "s2"))
+  tape1, tape2 = _tape(one_dir), _tape(str(tmp_path / "s2"))
   assert {r["shard"] for r in tape1} == {0} and {r["shard"] for r in tape2} == {0, 1}
   assert [r["round"] for r in tape2] == list(range(len(tape2)))
   assert all(r["shard"] == two.syncer.assignment[r["fragment"]] for r in tape2)
@@ -165,14 +177,13 @@ def test_a_sharded_syncer_trains_like_one_syncer_without_grace(tmp_path):
     np.testing.assert_array_equal(one.syncer.params[k], two.syncer.params[k])
 
 
-def test_same_seed_same_tape_and_parameters(tmp_path):
-  cfg = _config(learners__count=2, learners__step_jitter=0.2, learners__speeds="1,1.3,1,1",
-                train__steps=20)
-  a, _ = decoupled.run_with_runtime(cfg, str(tmp_path / "a"))
-  b, _ = decoupled.run_with_runtime(cfg, str(tmp_path / "b"))
+def test_same_seed_same_tape_and_parameters(tmp_path, jittered_run):
+  """The jittered run again, from scratch: the same tape and parameters."""
+  a, _, a_dir = jittered_run
+  b, _ = decoupled.run_with_runtime(_config(**_JITTERED), str(tmp_path / "b"))
   def strip(tape):  # the measured wall time of a merge is the one non-replayable field
     return [{k: v for k, v in r.items() if k != "merge_wall_s"} for r in tape]
-  assert strip(_tape(str(tmp_path / "a"))) == strip(_tape(str(tmp_path / "b")))
+  assert strip(_tape(a_dir)) == strip(_tape(str(tmp_path / "b")))
   assert len(a.recorder.tape()) > 10 and a.recorder.tape_count == len(a.recorder.tape())
   for k in a.syncer.params:
     np.testing.assert_array_equal(a.syncer.params[k], b.syncer.params[k])

@@ -2,8 +2,8 @@
 
 The report reads only each run's own files (config.json, metrics.jsonl, accounting.json,
 provenance.json), so fake files with chosen losses check what it derives: the picked
-settings, the later stages, the Table-4 gaps, the targets and the plots. One slow test runs
-a few real short runs through the runner.
+settings, the later stages, the Table-4 gaps, the targets and the plots. The runner's real
+short runs: experiments_scaling_runner_test.py.
 """
 
 import json
@@ -182,24 +182,6 @@ def test_slots_pin_distinct_cores():
   assert pool.slot_cores(5, 2, list(range(8))) == [2, 3]  # wraps around
   with pytest.raises(ValueError, match="threads"):
     pool.slot_cores(0, 0, [0])
-
-
-@pytest.mark.slow
-def test_runner_end_to_end_with_real_short_runs(tmp_path):
-  """Data-parallel at both batches and Decoupled M = 2, 12 steps, two at once, then the
-  report: picks, provenance and the table come from the real runs' files."""
-  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "out")
-  code = subprocess.call(
-      [sys.executable, "-m", "experiments.scaling.run", "--stage=1", "--steps=12",
-       "--learners=2", "--only=tiny data-parallel,keep_local outer 0.4", f"--outdir={outdir}",
-       f"--results_dir={folder}", "--parallel=2", "--threads=1", "--machine_label=ci"],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  assert code == 0
-  found = rows.collect(outdir)
-  assert {r["method"] for r in found} == {"data-parallel", "data-parallel B=16",
-                                         "decoupled M=2 keep_local outer 0.4/0.9"}
-  assert all(r["machine"] == "ci" and r["device"].startswith("cpu") for r in found)
-  assert "Decoupled DiLoCo (ours)" in open(os.path.join(folder, "README.md")).read()
 
 
 def test_share_devices_refuses_a_device_list():

@@ -285,9 +285,13 @@ def _committed_steps(root):
 
 @pytest.mark.slow
 def test_killed_main_command_resumes(tmp_path):
+  """Half the preset's steps, checkpointed twice as often: the kill still lands after the
+  first checkpoint (about step 8 of 32), 24 steps of at least 0.15 s before the run would end."""
   workdir = str(tmp_path / "run")
+  short = dict(train__steps=32, checkpoint__every_rounds=16)
   command = [sys.executable, "-m", "diloco.main", "--config=configs/decoupled.py:tiny",
-             f"--workdir={workdir}", "--config.learners.min_step_s=0.15"]
+             f"--workdir={workdir}", "--config.learners.min_step_s=0.15",
+             "--config.train.steps=32", "--config.checkpoint.every_rounds=16"]
   env = dict(os.environ, PYTHONPATH=REPO)
   root = os.path.join(workdir, run_checkpoint.DIRECTORY)
   with open(tmp_path / "first.log", "w") as log:
@@ -300,7 +304,7 @@ def test_killed_main_command_resumes(tmp_path):
     finally:
       proc.wait()
   assert proc.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
-  cfg = _config()
+  cfg = _config(**short)
   saved = run_checkpoint.RunCheckpointer(workdir, cfg).load().meta
   assert not saved["finished"]
   before = _jsonl(os.path.join(workdir, "tape.jsonl"))[:saved["rounds"]]
