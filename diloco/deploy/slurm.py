@@ -1,0 +1,282 @@
+"""Renders and submits the SLURM batch jobs of a Decoupled DiLoCo run (`diloco slurm`): the
+syncer (one job per shard) on CPUs, the learners as one job array with one learner per array
+task, the evaluator where the local launcher would start one, and a report job at the end.
+
+Each learner is its own array task, so SLURM requeues a preempted or failed learner alone while
+the others keep training: `--requeue` covers preemption and node failure, and a task whose
+program exits non-zero requeues itself (`scontrol requeue`, at most `slurm.max_requeues` times).
+A requeued learner is a new incarnation that rejoins from the store, as after a restart by the
+local launcher. A learner over several nodes is one `jax.distributed` world: one process per
+node, its coordinator on the allocation's first node, its process id SLURM_PROCID. Cluster
+specifics (partitions, account, constraint, GPUs, time) are the `slurm` config fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from diloco.settings import AT_LEAST_ONE, NON_NEGATIVE, Range, frozen, require, setting
+
+if TYPE_CHECKING:
+  from diloco.config.run_config import Config
+
+# The repository the nodes run from (a shared filesystem, as the workdir).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOBS_FILE = "slurm/jobs.json"  # under the workdir: the ids of the last submission
+_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_NO_SPACE = ("partition", "cpu_partition", "account", "qos", "constraint", "gpu_type", "mem")
+
+
+@frozen
+class SlurmConfig:
+  """`diloco slurm`: the batch jobs of a multi-process run on a SLURM cluster."""
+  # Prefix of the job names: NAME-syncer, NAME-learner (the array), NAME-report, ...
+  job_name: str = "diloco"
+  # Partition of the learners' jobs; empty: the cluster's default partition.
+  partition: str = ""
+  # Partition of the syncer, evaluator and report jobs (CPU only); empty: `partition`.
+  cpu_partition: str = ""
+  # sbatch --account and --qos of every job; empty: none given.
+  account: str = ""
+  qos: str = ""
+  # Node features a learner's nodes must have (sbatch --constraint), e.g. "h100&ib".
+  constraint: str = ""
+  # Wall-time limit of every job (sbatch --time, e.g. "2-00:00:00"); empty: the partition's.
+  time: str = ""
+  # Nodes per learner: > 1 makes each learner one jax.distributed world, a process per node.
+  nodes_per_learner: int = setting(1, AT_LEAST_ONE)
+  # GPUs per node of a learner (--gres=gpu[:gpu_type]:N); 0: the learners run on CPUs, with
+  # launch.devices_per_learner emulated devices each, as the local launcher does.
+  gpus_per_node: int = setting(0, NON_NEGATIVE)
+  gpu_type: str = ""
+  # CPUs of each learner process and of the syncer/evaluator (sbatch --cpus-per-task).
+  cpus_per_learner: int = setting(1, AT_LEAST_ONE)
+  cpus_per_syncer: int = setting(1, AT_LEAST_ONE)
+  # Memory per node of every job (sbatch --mem, e.g. "200G"); empty: the partition's default.
+  mem: str = ""
+  # Shell lines each job runs first (module load, a venv's activate), ';'-separated.
+  setup: str = ""
+  # The Python that runs diloco on the nodes; empty: the one that ran `diloco slurm`.
+  python: str = ""
+  # A job whose program exits non-zero requeues itself at most this many times.
+  max_requeues: int = setting(20, NON_NEGATIVE)
+  # jax.distributed's port on the first node of a multi-node learner.
+  coordinator_port: int = setting(8476, Range(low=1024, high=65535))
+
+  def check(self) -> None:
+    """Names and times SLURM accepts; no whitespace where sbatch takes one word."""
+    require(bool(_NAME.fullmatch(self.job_name)), "slurm.job_name",
+            f"must be letters, digits, '_', '.', '-', got {self.job_name!r}")
+    require(not self.time or bool(_TIME.fullmatch(self.time)), "slurm.time",
+            f"must be a SLURM time such as 90, 4:00:00 or 2-00:00:00, got {self.time!r}")
+    for name in _NO_SPACE:
+      value = getattr(self, name)
+      require(not re.search(r"[\s#'\"]", value), f"slurm.{name}",
+              f"must be one word without quotes or '#', got {value!r}")
+    require(not self.gpu_type or self.gpus_per_node > 0, "slurm.gpu_type",
+            "needs slurm.gpus_per_node > 0")
+    require("\n" not in self.setup, "slurm.setup", "must be one line; separate commands with ';'")
+
+
+@dataclasses.dataclass
+class Job:
+  """One batch script: `name` (syncer0, learner, ...) and its text."""
+  name: str
+  script: str
+  depends_on_all: bool = False  # the report: after every other job succeeded
+
+
+def _sbatch_lines(s: SlurmConfig, name: str, log: str, cpu: bool) -> list[str]:
+  partition = (s.cpu_partition or s.partition) if cpu else s.partition
+  options = [f"--job-name={s.job_name}-{name}", f"--output={log}", "--open-mode=append"]
+  options += [f"--partition={partition}"] if partition else []
+  options += [f"--account={s.account}"] if s.account else []
+  options += [f"--qos={s.qos}"] if s.qos else []
+  options += [f"--time={s.time}"] if s.time else []
+  options += [f"--mem={s.mem}"] if s.mem else []
+  return [f"#SBATCH {o}" for o in options]
+
+
+def _python(s: SlurmConfig) -> str:
+  return s.python or sys.executable
+
+
+def _env_lines(env: dict[str, str]) -> list[str]:
+  return [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+
+
+def _restart_lines(what: str, max_requeues: int) -> list[str]:
+  """After the program: a failed job requeues itself (preemption and node failure are SLURM's,
+  with --requeue); one that exited 0 is done."""
+  return [
+      "code=$?",
+      f'if [ "$code" -ne 0 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_requeues} ]; then',
+      f'  echo "==== {what} exited with $code at $(date -u +%FT%TZ): requeued ===="',
+      '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
+      "fi",
+      'exit "$code"']
+
+
+def _header(s: SlurmConfig, about: str) -> list[str]:
+  lines = [f"# {about}", "# Rendered by `diloco slurm` (docs/scale_out.md); change the slurm "
+           "config fields, not this file.", "set -uo pipefail", f"cd {shlex.quote(ROOT)}"]
+  return lines + ([s.setup] if s.setup else [])
+
+
+def _command(cfg: Config, config_json: str, workdir: str, store: str, role: str) -> list[str]:
+  del cfg
+  return ["-m", "diloco.main", f"--config_json={config_json}", f"--workdir={workdir}",
+          f"--store={store}", f"--role={role}"]
+
+
+def cpu_job(cfg: Config, name: str, args: list[str], workdir: str, about: str) -> Job:
+  """A one-process CPU job (syncer shard, evaluator) that requeues itself when it fails."""
+  # pylint: disable-next=import-outside-toplevel
+  from diloco.deploy import accelerators
+  s = cfg.slurm
+  env = accelerators.syncer_env({}, "cuda" if s.gpus_per_node else "cpu")
+  lines = ["#!/bin/bash", *_sbatch_lines(s, name, os.path.join(workdir, "logs", f"{name}.log"),
+                                         cpu=True),
+           "#SBATCH --requeue", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
+           f"#SBATCH --cpus-per-task={s.cpus_per_syncer}", *_header(s, about), *_env_lines(env),
+           f'echo "==== {name}: job $SLURM_JOB_ID on $(hostname), start '
+           '$((${SLURM_RESTART_COUNT:-0} + 1)) at $(date -u +%FT%TZ) ===="',
+           shlex.join(["srun", "--kill-on-bad-exit=1", _python(s), *args]),
+           *_restart_lines(name, s.max_requeues)]
+  return Job(name, "\n".join(lines) + "\n")
+
+
+def learner_job(cfg: Config, config_json: str, workdir: str, store: str) -> Job:
+  """The job array: task m is learner m, on `slurm.nodes_per_learner` nodes of its own."""
+  # pylint: disable-next=import-outside-toplevel
+  from diloco.deploy import accelerators
+  s, count = cfg.slurm, cfg.learners.count
+  nodes = s.nodes_per_learner
+  if s.gpus_per_node:
+    env = {"JAX_PLATFORMS": "cuda"}  # SLURM sets CUDA_VISIBLE_DEVICES to the task's GPUs
+    gres = [f"#SBATCH --gres=gpu:{s.gpu_type + ':' if s.gpu_type else ''}{s.gpus_per_node}"]
+  else:
+    env = accelerators.child_env({}, "cpu",
+                                 emulated=max(cfg.launch.devices_per_learner // nodes, 1))
+    gres = []
+  args = [_python(s), *_command(cfg, config_json, workdir, store, "learner")]
+  program = shlex.join(args) + ' --learner_id="$SLURM_ARRAY_TASK_ID"'
+  if nodes > 1:
+    program += (' --jax_distributed --coordinator_address="$DILOCO_COORDINATOR"'
+                ' --num_processes="$SLURM_NTASKS" --process_id="$SLURM_PROCID"')
+  log = os.path.join(workdir, "logs", "learner%a.log")
+  lines = ["#!/bin/bash", *_sbatch_lines(s, "learner", log, cpu=False),
+           f"#SBATCH --array=0-{count - 1}", "#SBATCH --requeue", f"#SBATCH --nodes={nodes}",
+           "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={s.cpus_per_learner}",
+           *gres, *([f"#SBATCH --constraint={s.constraint}"] if s.constraint else []),
+           *_header(s, f"The {count} learners: array task m is learner m, requeued alone."),
+           *_env_lines(env),
+           'echo "==== learner $SLURM_ARRAY_TASK_ID: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, '
+           'start $((${SLURM_RESTART_COUNT:-0} + 1)) at $(date -u +%FT%TZ) ===="']
+  if nodes > 1:
+    lines += ['DILOCO_COORDINATOR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+              f':{s.coordinator_port}"', "export DILOCO_COORDINATOR"]
+  # One process per node; bash -c so each expands its own SLURM_PROCID.
+  lines += [f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + program)}",
+            *_restart_lines("learner $SLURM_ARRAY_TASK_ID", s.max_requeues)]
+  return Job("learner", "\n".join(lines) + "\n")
+
+
+def report_job(cfg: Config, workdir: str) -> Job:
+  """Once the syncer (and evaluator) finished: the report the local launcher writes."""
+  s = cfg.slurm
+  lines = ["#!/bin/bash", *_sbatch_lines(s, "report", os.path.join(workdir, "logs",
+                                                                    "report.log"), cpu=True),
+           "#SBATCH --nodes=1", "#SBATCH --ntasks=1", "#SBATCH --cpus-per-task=1",
+           *_header(s, "The end-of-run report, after the syncer and evaluator succeeded."),
+           "export JAX_PLATFORMS=cpu",
+           shlex.join([_python(s), "-m", "diloco", "slurm", "--report", f"--workdir={workdir}"])]
+  return Job("report", "\n".join(lines) + "\n", depends_on_all=True)
+
+
+def render(cfg: Config, workdir: str, store: str) -> list[Job]:
+  """Every job of the run, in submission order (the report last)."""
+  config_json = os.path.join(workdir, "config.json")
+  shards = cfg.sync.shards
+  jobs = []
+  for shard in range(shards):
+    name = "syncer" if shards == 1 else f"syncer{shard}"
+    path = config_json if shards == 1 else os.path.join(workdir, f"config_syncer{shard}.json")
+    jobs.append(cpu_job(cfg, name, _command(cfg, path, workdir, store, "syncer"), workdir,
+                        "The syncer: merges the learners' fragments (no accelerator)."
+                        if shards == 1 else f"Syncer shard {shard} of {shards}."))
+  if cfg.train.eval_mode == "process" or (shards > 1 and cfg.train.eval_mode != "off"):
+    jobs.append(cpu_job(cfg, "evaluator", _command(cfg, config_json, workdir, store,
+                                                   "evaluator"), workdir,
+                        "The evaluator: the global evals, off the syncer."))
+  jobs.append(learner_job(cfg, config_json, workdir, store))
+  jobs.append(report_job(cfg, workdir))
+  return jobs
+
+
+def for_slurm(cfg: Config, store: str) -> Config:
+  """The run's config as its jobs read it: the store's root (the report finds it there), and
+  SIGTERM means restart: SLURM stops a preempted or requeued job with SIGTERM, and the learner
+  should come back, not retire."""
+  return dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=store,
+                                                            on_sigterm="restart"))
+
+
+def write_configs(cfg: Config, workdir: str) -> None:
+  """WORKDIR/config.json (and one per syncer shard), which every job reads."""
+  raw = dataclasses.asdict(cfg)
+  files = {"config.json": raw}
+  for shard in range(cfg.sync.shards if cfg.sync.shards > 1 else 0):
+    files[f"config_syncer{shard}.json"] = dict(raw, sync=dict(raw["sync"], shard=shard))
+  for name, doc in files.items():
+    with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
+      json.dump(doc, f, indent=2)
+
+
+def sbatch(script: str, extra: list[str], env: dict[str, str] | None = None) -> str:
+  """Submits a script file; its job id."""
+  out = subprocess.run(["sbatch", "--parsable", *extra, script], capture_output=True, text=True,
+                       check=False, env=env)
+  if out.returncode != 0:
+    raise RuntimeError(f"sbatch {script} failed: {out.stderr.strip() or out.stdout.strip()}")
+  return out.stdout.strip().split(";")[0]
+
+
+def submit(cfg: Config, workdir: str, store: str, env: dict[str, str] | None = None) -> dict:
+  """Writes the configs and scripts under `workdir` and submits them; the job ids by name."""
+  for sub in ("logs", "slurm", "activity"):
+    os.makedirs(os.path.join(workdir, sub), exist_ok=True)
+  write_configs(cfg, workdir)
+  ids: dict[str, str] = {}
+  for job in render(cfg, workdir, store):
+    path = os.path.join(workdir, "slurm", f"{job.name}.sbatch")
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(job.script)
+    extra = [f"--dependency=afterok:{':'.join(ids.values())}"] if job.depends_on_all else []
+    ids[job.name] = sbatch(path, extra, env)
+  with open(os.path.join(workdir, JOBS_FILE), "w", encoding="utf-8") as f:
+    json.dump({"submitted_at": time.time(), "jobs": ids}, f, indent=2)
+  return ids
+
+
+def report(workdir: str) -> dict:
+  """The end-of-run report of a finished SLURM run, as the local launcher writes it."""
+  # pylint: disable=import-outside-toplevel
+  from diloco.config import run_config
+  from diloco.distributed import launch_report
+  from diloco.distributed.store import shared_store
+  cfg = run_config.read_file(os.path.join(workdir, "config.json"))
+  store = shared_store(cfg.store.root or os.path.join(workdir, "store"), cfg.sync.shards)
+  origin = store.run.start() or time.time()
+  os.makedirs(os.path.join(workdir, "activity"), exist_ok=True)
+  started = time.monotonic() - (time.time() - origin)
+  return launch_report.finish(cfg, workdir, {}, [], [], started)
