@@ -45,7 +45,7 @@ def test_scripts_one_learner_per_array_task_requeued_alone():
   for line in ("#SBATCH --array=0-2", "#SBATCH --requeue", "#SBATCH --partition=gpu",
                "#SBATCH --gres=gpu:h100:8", "#SBATCH --constraint=ib", "#SBATCH --account=proj",
                "#SBATCH --time=4:00:00", "export JAX_PLATFORMS=cuda",
-               '  scontrol requeue "$SLURM_JOB_ID" && exit 0'):
+               '  scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" && exit 0'):
     assert line in learner.splitlines(), line
   assert '--learner_id="$SLURM_ARRAY_TASK_ID"' in learner
   assert "--jax_distributed" not in learner  # one node per learner
@@ -157,12 +157,11 @@ def test_a_killed_learner_is_requeued_alone_and_rejoins(cluster, tmp_path):
 
   _wait(cluster, "both learners to reach step 40", lambda: step(0) >= 40 and step(1) >= 40,
         400, workdir)
-  victim = _job(cluster, f"{array}_1")["JobId"]
   killed_at = time.time()
   before = step(0)
-  # SIGKILL to the learner's program (the job's step 0), not to the job: a crash, which the
-  # batch script answers by requeueing its array task.
-  cluster.run("scancel", "--signal=KILL", f"{victim}.0")
+  # SIGKILL to the learner's program (step 0 of array task 1), not to the job: a crash, which
+  # the batch script answers by requeueing its array task (the other task keeps running).
+  cluster.run("scancel", "--signal=KILL", f"{array}_1.0")
   _wait(cluster, "learner 1 to be requeued",
         lambda: int(_job(cluster, f"{array}_1").get("Restarts", 0)) >= 1, 120, workdir)
   _wait(cluster, "the report job to finish",

@@ -114,14 +114,15 @@ def _env_lines(env: dict[str, str]) -> list[str]:
   return [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
 
 
-def _restart_lines(what: str, max_requeues: int) -> list[str]:
+def _restart_lines(what: str, job: str, max_requeues: int) -> list[str]:
   """After the program: a failed job requeues itself (preemption and node failure are SLURM's,
-  with --requeue); one that exited 0 is done."""
+  with --requeue); one that exited 0 is done. `job` names this job alone: an array task is
+  ARRAYID_TASK (its SLURM_JOB_ID may be the array's id, which would requeue every task)."""
   return [
       "code=$?",
       f'if [ "$code" -ne 0 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_requeues} ]; then',
       f'  echo "==== {what} exited with $code at $(date -u +%FT%TZ): requeued ===="',
-      '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
+      f'  scontrol requeue "{job}" && exit 0',
       "fi",
       'exit "$code"']
 
@@ -151,7 +152,7 @@ def cpu_job(cfg: Config, name: str, args: list[str], workdir: str, about: str) -
            f'echo "==== {name}: job $SLURM_JOB_ID on $(hostname), start '
            '$((${SLURM_RESTART_COUNT:-0} + 1)) at $(date -u +%FT%TZ) ===="',
            shlex.join(["srun", "--kill-on-bad-exit=1", _python(s), *args]),
-           *_restart_lines(name, s.max_requeues)]
+           *_restart_lines(name, "$SLURM_JOB_ID", s.max_requeues)]
   return Job(name, "\n".join(lines) + "\n")
 
 
@@ -187,7 +188,8 @@ def learner_job(cfg: Config, config_json: str, workdir: str, store: str) -> Job:
               f':{s.coordinator_port}"', "export DILOCO_COORDINATOR"]
   # One process per node; bash -c so each expands its own SLURM_PROCID.
   lines += [f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + program)}",
-            *_restart_lines("learner $SLURM_ARRAY_TASK_ID", s.max_requeues)]
+            *_restart_lines("learner $SLURM_ARRAY_TASK_ID",
+                            "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}", s.max_requeues)]
   return Job("learner", "\n".join(lines) + "\n")
 
 
