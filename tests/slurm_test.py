@@ -191,9 +191,67 @@ def test_a_killed_learner_is_requeued_alone_and_rejoins(cluster, tmp_path):
       "learner 0 stopped delivering while learner 1 was down"
   assert step(0) == steps and before < steps
   # Every learner's last step is merged into every fragment; no delivery is merged twice.
-  keys = [a[:4] for a in admitted]
-  assert len(keys) == len(set(keys)), "a delivery was merged twice"
+  _rounds_exact(tape)
   for p in range(cfg.sync.num_fragments):
     for m in (0, 1):
       assert max(s for f, l, _, s, _ in admitted if f == p and l == m) == steps, (p, m)
   print(f"slurm run: {elapsed:.0f} s, learner 1 requeued, {len(tape)} rounds")
+
+
+def _rounds_exact(tape) -> None:
+  """Rounds numbered without gap or repeat, versions strictly increasing per fragment, and no
+  delivery merged twice."""
+  assert [r["round"] for r in tape] == list(range(len(tape)))
+  last: dict[int, int] = {}
+  for r in tape:
+    assert r["version"] == last.get(r["fragment"], 0) + 1, r
+    last[r["fragment"]] = r["version"]
+  keys = [(r["fragment"], a["learner"], a["incarnation"], a["local_step"])
+          for r in tape for a in r["admitted"]]
+  assert len(keys) == len(set(keys)), "a delivery was merged twice"
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_cancelled_run_resubmitted_resumes_from_its_store(cluster, tmp_path):
+  steps = 200
+  workdir = str(tmp_path / "run")
+  store_root = os.path.join(workdir, "store")
+  cfg = slurm.for_slurm(_config(2, train__steps=steps, learners__min_step_s=0.2,
+                                slurm__job_name="dr"), store_root)
+  ids = slurm.submit(cfg, workdir, store_root, env=cluster.env)
+  store = shared_store(store_root, 1)
+
+  def step(m):
+    return store.learners.heartbeats().get(m, {}).get("local_step", 0)
+
+  _wait(cluster, "both learners to reach step 60", lambda: step(0) >= 60 and step(1) >= 60,
+        400, workdir)
+  cluster.run("scancel", *ids.values())  # the whole run: what a user stops it with
+  _wait(cluster, "the cancelled jobs to leave the queue",
+        lambda: not cluster.run("squeue", "-h", "--name=dr-syncer,dr-learner,dr-report",
+                                check=False).stdout.strip(), 120, workdir)
+  stopped_at = {m: step(m) for m in (0, 1)}
+  assert all(s < steps for s in stopped_at.values()), stopped_at
+  assert not os.path.exists(os.path.join(workdir, "accounting.json"))
+
+  again = slurm.submit(cfg, workdir, store_root, env=cluster.env)
+  _wait(cluster, "the resubmitted run's report",
+        lambda: _job(cluster, again["report"]).get("JobState") in ("COMPLETED", "FAILED",
+                                                                    "CANCELLED", "TIMEOUT"),
+        600, workdir)
+  assert _job(cluster, again["report"])["JobState"] == "COMPLETED", cluster.logs()
+  syncer_log = open(os.path.join(workdir, "logs", "syncer.log"), encoding="utf-8").read()
+  assert "syncer: resumed at round" in syncer_log, syncer_log[-3000:]
+  for m in (0, 1):
+    log = open(os.path.join(workdir, "logs", f"learner{m}.log"), encoding="utf-8").read()
+    joins = [int(s) for s in re.findall(rf"learner {m} incarnation \d+: joined at local step "
+                                        r"(\d+)", log)]
+    assert len(joins) == 2 and joins[1] > 0, log[-3000:]  # resumed, not from step 0
+    assert f"learner {m} incarnation 1: done at local step {steps}" in log, log[-3000:]
+  tape = _jsonl(os.path.join(workdir, "tape.jsonl"))
+  _rounds_exact(tape)
+  for p in range(cfg.sync.num_fragments):
+    for m in (0, 1):
+      assert max(a["local_step"] for r in tape if r["fragment"] == p for a in r["admitted"]
+                 if a["learner"] == m) == steps, (p, m)
