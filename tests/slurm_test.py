@@ -122,11 +122,16 @@ def _jsonl(path) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def _read(workdir, log: str) -> str:
+  with open(os.path.join(workdir, "logs", log), encoding="utf-8", errors="replace") as f:
+    return f.read()
+
+
 def _wait(cluster, what, ready, timeout, workdir):
   deadline = time.monotonic() + timeout
   while not ready():
     if time.monotonic() > deadline:
-      logs = "".join(f"--- {n}\n{open(os.path.join(workdir, 'logs', n)).read()[-3000:]}"
+      logs = "".join(f"--- {n}\n{_read(workdir, n)[-3000:]}"
                      for n in sorted(os.listdir(os.path.join(workdir, "logs"))))
       raise AssertionError(f"waited {timeout} s for {what}\n"
                            f"{cluster.run('squeue', check=False).stdout}\n{logs}\n"
@@ -171,10 +176,11 @@ def test_a_killed_learner_is_requeued_alone_and_rejoins(cluster, tmp_path):
   elapsed = time.monotonic() - started
   assert _job(cluster, ids["report"])["JobState"] == "COMPLETED", cluster.logs()
   assert os.path.exists(os.path.join(workdir, "accounting.json"))
+  assert "restarts        1 (0 of them the syncer's)" in _read(workdir, "report.log")
   assert _job(cluster, f"{array}_0")["Restarts"] == "0"  # the other learner never stopped
   assert _job(cluster, f"{array}_1")["JobState"] == "COMPLETED"
-  log0 = open(os.path.join(workdir, "logs", "learner0.log"), encoding="utf-8").read()
-  log1 = open(os.path.join(workdir, "logs", "learner1.log"), encoding="utf-8").read()
+  log0 = _read(workdir, "learner0.log")
+  log1 = _read(workdir, "learner1.log")
   assert log0.count("==== learner 0: job") == 1, log0[-3000:]
   assert "==== learner 1 exited with" in log1 and ", start 2 at" in log1, log1[-3000:]
   assert "learner 1 incarnation 1: joined" in log1, log1[-3000:]
@@ -241,10 +247,10 @@ def test_a_cancelled_run_resubmitted_resumes_from_its_store(cluster, tmp_path):
                                                                     "CANCELLED", "TIMEOUT"),
         600, workdir)
   assert _job(cluster, again["report"])["JobState"] == "COMPLETED", cluster.logs()
-  syncer_log = open(os.path.join(workdir, "logs", "syncer.log"), encoding="utf-8").read()
+  syncer_log = _read(workdir, "syncer.log")
   assert "syncer: resumed at round" in syncer_log, syncer_log[-3000:]
   for m in (0, 1):
-    log = open(os.path.join(workdir, "logs", f"learner{m}.log"), encoding="utf-8").read()
+    log = _read(workdir, f"learner{m}.log")
     joins = [int(s) for s in re.findall(rf"learner {m} incarnation \d+: joined at local step "
                                         r"(\d+)", log)]
     assert len(joins) == 2 and joins[1] > 0, log[-3000:]  # resumed, not from step 0

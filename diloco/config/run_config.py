@@ -22,8 +22,8 @@ from typing import Any
 import ml_collections
 
 from diloco import documents
-from diloco.errors import ConfigError
 from diloco.deploy.slurm import SlurmConfig
+from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
 from diloco.model.config import ModelConfig
 from diloco.observe.tracking import LogConfig

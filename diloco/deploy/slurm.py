@@ -128,8 +128,9 @@ def _restart_lines(what: str, job: str, max_requeues: int) -> list[str]:
 
 
 def _header(s: SlurmConfig, about: str) -> list[str]:
-  lines = [f"# {about}", "# Rendered by `diloco slurm` (docs/scale_out.md); change the slurm "
-           "config fields, not this file.", "set -uo pipefail", f"cd {shlex.quote(ROOT)}"]
+  lines = [f"# {about}", ("# Rendered by `diloco slurm` (docs/scale_out.md); change the "
+                          "slurm config fields, not this file."),
+           "set -uo pipefail", f"cd {shlex.quote(ROOT)}"]
   return lines + ([s.setup] if s.setup else [])
 
 
@@ -149,8 +150,8 @@ def cpu_job(cfg: Config, name: str, args: list[str], workdir: str, about: str) -
                                          cpu=True),
            "#SBATCH --requeue", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
            f"#SBATCH --cpus-per-task={s.cpus_per_syncer}", *_header(s, about), *_env_lines(env),
-           f'echo "==== {name}: job $SLURM_JOB_ID on $(hostname), start '
-           '$((${SLURM_RESTART_COUNT:-0} + 1)) at $(date -u +%FT%TZ) ===="',
+           (f'echo "==== {name}: job $SLURM_JOB_ID on $(hostname), start '
+            '$((${SLURM_RESTART_COUNT:-0} + 1)) at $(date -u +%FT%TZ) ===="'),
            shlex.join(["srun", "--kill-on-bad-exit=1", _python(s), *args]),
            *_restart_lines(name, "$SLURM_JOB_ID", s.max_requeues)]
   return Job(name, "\n".join(lines) + "\n")
@@ -181,11 +182,11 @@ def learner_job(cfg: Config, config_json: str, workdir: str, store: str) -> Job:
            *gres, *([f"#SBATCH --constraint={s.constraint}"] if s.constraint else []),
            *_header(s, f"The {count} learners: array task m is learner m, requeued alone."),
            *_env_lines(env),
-           'echo "==== learner $SLURM_ARRAY_TASK_ID: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, '
-           'start $((${SLURM_RESTART_COUNT:-0} + 1)) at $(date -u +%FT%TZ) ===="']
+           ('echo "==== learner $SLURM_ARRAY_TASK_ID: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, '
+            'start $((${SLURM_RESTART_COUNT:-0} + 1)) at $(date -u +%FT%TZ) ===="')]
   if nodes > 1:
-    lines += ['DILOCO_COORDINATOR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
-              f':{s.coordinator_port}"', "export DILOCO_COORDINATOR"]
+    lines += [('DILOCO_COORDINATOR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+               f':{s.coordinator_port}"'), "export DILOCO_COORDINATOR"]
   # One process per node; bash -c so each expands its own SLURM_PROCID.
   lines += [f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + program)}",
             *_restart_lines("learner $SLURM_ARRAY_TASK_ID",
@@ -281,4 +282,26 @@ def report(workdir: str) -> dict:
   origin = store.run.start() or time.time()
   os.makedirs(os.path.join(workdir, "activity"), exist_ok=True)
   started = time.monotonic() - (time.time() - origin)
-  return launch_report.finish(cfg, workdir, {}, [], [], started)
+  procs = _requeues(workdir, cfg)
+  syncers = [p for p in procs.values() if p.name.startswith("syncer")]
+  return launch_report.finish(cfg, workdir, procs, syncers, [], started)
+
+
+def _requeues(workdir: str, cfg: Config) -> dict:
+  """Each process (as `supervision.Proc`) with its restarts: the starts its log records with a
+  SLURM restart count above 0 (a resubmitted run starts at 1 again)."""
+  # pylint: disable-next=import-outside-toplevel
+  from diloco.distributed.supervision import Proc
+  names = ["syncer"] if cfg.sync.shards == 1 else [f"syncer{s}" for s in range(cfg.sync.shards)]
+  procs = {}
+  for key, name in enumerate(names + [f"learner{m}" for m in range(cfg.learners.count)]):
+    path = os.path.join(workdir, "logs", f"{name}.log")
+    text = ""
+    if os.path.exists(path):
+      with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    restarts = len([n for n in re.findall(r"^==== .*, start (\d+) at ", text, re.M)
+                    if int(n) > 1])
+    learner = key - len(names) if name.startswith("learner") else -1 - key
+    procs[learner] = Proc(name, learner, 1, restarts=restarts)
+  return procs
