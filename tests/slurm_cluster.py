@@ -90,10 +90,9 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
     self.conf.write_text(conf, encoding="utf-8")
 
   def _start(self, *argv: str, log: str) -> subprocess.Popen:
-    out = open(self.root / "log" / log, "ab")  # pylint: disable=consider-using-with
-    proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                            start_new_session=True)
-    out.close()
+    with open(self.root / "log" / log, "ab") as out:  # the daemon keeps its own descriptor
+      proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                              start_new_session=True)
     self.procs.append(proc)
     return proc
 

@@ -291,17 +291,20 @@ def _requeues(workdir: str, cfg: Config) -> dict:
   """Each process (as `supervision.Proc`) with its restarts: the starts its log records with a
   SLURM restart count above 0 (a resubmitted run starts at 1 again)."""
   # pylint: disable-next=import-outside-toplevel
-  from diloco.distributed.supervision import Proc
-  names = ["syncer"] if cfg.sync.shards == 1 else [f"syncer{s}" for s in range(cfg.sync.shards)]
+  from diloco.distributed.supervision import EVALUATOR, Proc, syncer_key
+  shards = cfg.sync.shards
+  names = {syncer_key(s): "syncer" if shards == 1 else f"syncer{s}" for s in range(shards)}
+  names.update({m: f"learner{m}" for m in range(cfg.learners.count)})
+  if os.path.exists(os.path.join(workdir, "logs", "evaluator.log")):
+    names[EVALUATOR] = "evaluator"
   procs = {}
-  for key, name in enumerate(names + [f"learner{m}" for m in range(cfg.learners.count)]):
+  for key, name in names.items():
     path = os.path.join(workdir, "logs", f"{name}.log")
     text = ""
     if os.path.exists(path):
       with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
-    restarts = len([n for n in re.findall(r"^==== .*, start (\d+) at ", text, re.M)
+    restarts = len([n for n in re.findall(r"^==== .*, start (\d+) at ", text, re.MULTILINE)
                     if int(n) > 1])
-    learner = key - len(names) if name.startswith("learner") else -1 - key
-    procs[learner] = Proc(name, learner, 1, restarts=restarts)
+    procs[key] = Proc(name, key, 1, restarts=restarts)
   return procs
