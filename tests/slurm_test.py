@@ -146,7 +146,10 @@ def _job(cluster, job_id: str) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.processes
-def test_a_killed_learner_is_requeued_alone_and_rejoins(cluster, tmp_path):
+@pytest.mark.parametrize("how", ["crash", "requeue"])
+def test_a_killed_learner_is_requeued_alone_and_rejoins(cluster, tmp_path, how):
+  """crash: SIGKILL to the learner's program, which its batch script answers by requeueing its
+  own array task; requeue: `scontrol requeue` of the task, SLURM's own (as on preemption)."""
   steps = 200
   workdir = str(tmp_path / "run")
   store_root = os.path.join(workdir, "store")
@@ -164,9 +167,10 @@ def test_a_killed_learner_is_requeued_alone_and_rejoins(cluster, tmp_path):
         400, workdir)
   killed_at = time.time()
   before = step(0)
-  # SIGKILL to the learner's program (step 0 of array task 1), not to the job: a crash, which
-  # the batch script answers by requeueing its array task (the other task keeps running).
-  cluster.run("scancel", "--signal=KILL", f"{array}_1.0")
+  if how == "crash":  # step 0 of array task 1 (the program), not the job
+    cluster.run("scancel", "--signal=KILL", f"{array}_1.0")
+  else:
+    cluster.run("scontrol", "requeue", f"{array}_1")
   _wait(cluster, "learner 1 to be requeued",
         lambda: int(_job(cluster, f"{array}_1").get("Restarts", 0)) >= 1, 120, workdir)
   _wait(cluster, "the report job to finish",
@@ -182,7 +186,8 @@ def test_a_killed_learner_is_requeued_alone_and_rejoins(cluster, tmp_path):
   log0 = _read(workdir, "learner0.log")
   log1 = _read(workdir, "learner1.log")
   assert log0.count("==== learner 0: job") == 1, log0[-3000:]
-  assert "==== learner 1 exited with" in log1 and ", start 2 at" in log1, log1[-3000:]
+  assert ", start 2 at" in log1, log1[-3000:]
+  assert ("==== learner 1 exited with" in log1) == (how == "crash"), log1[-3000:]
   assert "learner 1 incarnation 1: joined" in log1, log1[-3000:]
 
   tape = _jsonl(os.path.join(workdir, "tape.jsonl"))
@@ -201,7 +206,7 @@ def test_a_killed_learner_is_requeued_alone_and_rejoins(cluster, tmp_path):
   for p in range(cfg.sync.num_fragments):
     for m in (0, 1):
       assert max(s for f, l, _, s, _ in admitted if f == p and l == m) == steps, (p, m)
-  print(f"slurm run: {elapsed:.0f} s, learner 1 requeued, {len(tape)} rounds")
+  print(f"slurm run ({how}): {elapsed:.0f} s, learner 1 requeued, {len(tape)} rounds")
 
 
 def _rounds_exact(tape) -> None:
