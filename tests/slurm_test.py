@@ -188,6 +188,8 @@ def test_a_killed_learner_is_requeued_alone_and_rejoins(cluster, tmp_path, how):
   assert log0.count("==== learner 0: job") == 1, log0[-3000:]
   assert ", start 2 at" in log1, log1[-3000:]
   assert ("==== learner 1 exited with" in log1) == (how == "crash"), log1[-3000:]
+  if how == "requeue":  # SIGTERM: the learner checkpointed and left as a restart
+    assert "learner 1 incarnation 0: preempted at local step" in log1, log1[-3000:]
   assert "learner 1 incarnation 1: joined" in log1, log1[-3000:]
 
   tape = _jsonl(os.path.join(workdir, "tape.jsonl"))
