@@ -22,7 +22,7 @@ from typing import Any
 import ml_collections
 
 from diloco import documents
-from diloco.deploy.slurm import SlurmConfig
+from diloco.config.slurm_config import SlurmConfig
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
 from diloco.model.config import ModelConfig

@@ -16,75 +16,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
 
-from diloco.settings import AT_LEAST_ONE, NON_NEGATIVE, Range, frozen, require, setting
-
-if TYPE_CHECKING:
-  from diloco.config.run_config import Config
+from diloco.config.run_config import Config
+from diloco.config.slurm_config import SlurmConfig
+from diloco.deploy import accelerators
 
 # The repository the nodes run from (a shared filesystem, as the workdir).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOBS_FILE = "slurm/jobs.json"  # under the workdir: the ids of the last submission
-_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_NO_SPACE = ("partition", "cpu_partition", "account", "qos", "constraint", "gpu_type", "mem")
-
-
-@frozen
-class SlurmConfig:
-  """`diloco slurm`: the batch jobs of a multi-process run on a SLURM cluster."""
-  # Prefix of the job names: NAME-syncer, NAME-learner (the array), NAME-report, ...
-  job_name: str = "diloco"
-  # Partition of the learners' jobs; empty: the cluster's default partition.
-  partition: str = ""
-  # Partition of the syncer, evaluator and report jobs (CPU only); empty: `partition`.
-  cpu_partition: str = ""
-  # sbatch --account and --qos of every job; empty: none given.
-  account: str = ""
-  qos: str = ""
-  # Node features a learner's nodes must have (sbatch --constraint), e.g. "h100&ib".
-  constraint: str = ""
-  # Wall-time limit of every job (sbatch --time, e.g. "2-00:00:00"); empty: the partition's.
-  time: str = ""
-  # Nodes per learner: > 1 makes each learner one jax.distributed world, a process per node.
-  nodes_per_learner: int = setting(1, AT_LEAST_ONE)
-  # GPUs per node of a learner (--gres=gpu[:gpu_type]:N); 0: the learners run on CPUs, with
-  # launch.devices_per_learner emulated devices each, as the local launcher does.
-  gpus_per_node: int = setting(0, NON_NEGATIVE)
-  gpu_type: str = ""
-  # CPUs of each learner process and of the syncer/evaluator (sbatch --cpus-per-task).
-  cpus_per_learner: int = setting(1, AT_LEAST_ONE)
-  cpus_per_syncer: int = setting(1, AT_LEAST_ONE)
-  # Memory per node of every job (sbatch --mem, e.g. "200G"); empty: the partition's default.
-  mem: str = ""
-  # Shell lines each job runs first (module load, a venv's activate), ';'-separated.
-  setup: str = ""
-  # The Python that runs diloco on the nodes; empty: the one that ran `diloco slurm`.
-  python: str = ""
-  # A job whose program exits non-zero requeues itself at most this many times.
-  max_requeues: int = setting(20, NON_NEGATIVE)
-  # jax.distributed's port on the first node of a multi-node learner.
-  coordinator_port: int = setting(8476, Range(low=1024, high=65535))
-
-  def check(self) -> None:
-    """Names and times SLURM accepts; no whitespace where sbatch takes one word."""
-    require(bool(_NAME.fullmatch(self.job_name)), "slurm.job_name",
-            f"must be letters, digits, '_', '.', '-', got {self.job_name!r}")
-    require(not self.time or bool(_TIME.fullmatch(self.time)), "slurm.time",
-            f"must be a SLURM time such as 90, 4:00:00 or 2-00:00:00, got {self.time!r}")
-    for name in _NO_SPACE:
-      value = getattr(self, name)
-      require(not re.search(r"[\s#'\"]", value), f"slurm.{name}",
-              f"must be one word without quotes or '#', got {value!r}")
-    require(not self.gpu_type or self.gpus_per_node > 0, "slurm.gpu_type",
-            "needs slurm.gpus_per_node > 0")
-    require("\n" not in self.setup, "slurm.setup", "must be one line; separate commands with ';'")
 
 
 @dataclasses.dataclass
@@ -134,16 +77,13 @@ def _header(s: SlurmConfig, about: str) -> list[str]:
   return lines + ([s.setup] if s.setup else [])
 
 
-def _command(cfg: Config, config_json: str, workdir: str, store: str, role: str) -> list[str]:
-  del cfg
+def _command(config_json: str, workdir: str, store: str, role: str) -> list[str]:
   return ["-m", "diloco.main", f"--config_json={config_json}", f"--workdir={workdir}",
           f"--store={store}", f"--role={role}"]
 
 
 def cpu_job(cfg: Config, name: str, args: list[str], workdir: str, about: str) -> Job:
   """A one-process CPU job (syncer shard, evaluator) that requeues itself when it fails."""
-  # pylint: disable-next=import-outside-toplevel
-  from diloco.deploy import accelerators
   s = cfg.slurm
   env = accelerators.syncer_env({}, "cuda" if s.gpus_per_node else "cpu")
   lines = ["#!/bin/bash", *_sbatch_lines(s, name, os.path.join(workdir, "logs", f"{name}.log"),
@@ -159,8 +99,6 @@ def cpu_job(cfg: Config, name: str, args: list[str], workdir: str, about: str) -
 
 def learner_job(cfg: Config, config_json: str, workdir: str, store: str) -> Job:
   """The job array: task m is learner m, on `slurm.nodes_per_learner` nodes of its own."""
-  # pylint: disable-next=import-outside-toplevel
-  from diloco.deploy import accelerators
   s, count = cfg.slurm, cfg.learners.count
   nodes = s.nodes_per_learner
   if s.gpus_per_node:
@@ -170,7 +108,7 @@ def learner_job(cfg: Config, config_json: str, workdir: str, store: str) -> Job:
     env = accelerators.child_env({}, "cpu",
                                  emulated=max(cfg.launch.devices_per_learner // nodes, 1))
     gres = []
-  args = [_python(s), *_command(cfg, config_json, workdir, store, "learner")]
+  args = [_python(s), *_command(config_json, workdir, store, "learner")]
   program = shlex.join(args) + ' --learner_id="$SLURM_ARRAY_TASK_ID"'
   if nodes > 1:
     program += (' --jax_distributed --coordinator_address="$DILOCO_COORDINATOR"'
@@ -214,11 +152,11 @@ def render(cfg: Config, workdir: str, store: str) -> list[Job]:
   for shard in range(shards):
     name = "syncer" if shards == 1 else f"syncer{shard}"
     path = config_json if shards == 1 else os.path.join(workdir, f"config_syncer{shard}.json")
-    jobs.append(cpu_job(cfg, name, _command(cfg, path, workdir, store, "syncer"), workdir,
+    jobs.append(cpu_job(cfg, name, _command(path, workdir, store, "syncer"), workdir,
                         "The syncer: merges the learners' fragments (no accelerator)."
                         if shards == 1 else f"Syncer shard {shard} of {shards}."))
   if cfg.train.eval_mode == "process" or (shards > 1 and cfg.train.eval_mode != "off"):
-    jobs.append(cpu_job(cfg, "evaluator", _command(cfg, config_json, workdir, store,
+    jobs.append(cpu_job(cfg, "evaluator", _command(config_json, workdir, store,
                                                    "evaluator"), workdir,
                         "The evaluator: the global evals, off the syncer."))
   jobs.append(learner_job(cfg, config_json, workdir, store))
@@ -269,42 +207,3 @@ def submit(cfg: Config, workdir: str, store: str, env: dict[str, str] | None = N
   with open(os.path.join(workdir, JOBS_FILE), "w", encoding="utf-8") as f:
     json.dump({"submitted_at": time.time(), "jobs": ids}, f, indent=2)
   return ids
-
-
-def report(workdir: str) -> dict:
-  """The end-of-run report of a finished SLURM run, as the local launcher writes it."""
-  # pylint: disable=import-outside-toplevel
-  from diloco.config import run_config
-  from diloco.distributed import launch_report
-  from diloco.distributed.store import shared_store
-  cfg = run_config.read_file(os.path.join(workdir, "config.json"))
-  store = shared_store(cfg.store.root or os.path.join(workdir, "store"), cfg.sync.shards)
-  origin = store.run.start() or time.time()
-  os.makedirs(os.path.join(workdir, "activity"), exist_ok=True)
-  started = time.monotonic() - (time.time() - origin)
-  procs = _requeues(workdir, cfg)
-  syncers = [p for p in procs.values() if p.name.startswith("syncer")]
-  return launch_report.finish(cfg, workdir, procs, syncers, [], started)
-
-
-def _requeues(workdir: str, cfg: Config) -> dict:
-  """Each process (as `supervision.Proc`) with its restarts: the starts its log records with a
-  SLURM restart count above 0 (a resubmitted run starts at 1 again)."""
-  # pylint: disable-next=import-outside-toplevel
-  from diloco.distributed.supervision import EVALUATOR, Proc, syncer_key
-  shards = cfg.sync.shards
-  names = {syncer_key(s): "syncer" if shards == 1 else f"syncer{s}" for s in range(shards)}
-  names.update({m: f"learner{m}" for m in range(cfg.learners.count)})
-  if os.path.exists(os.path.join(workdir, "logs", "evaluator.log")):
-    names[EVALUATOR] = "evaluator"
-  procs = {}
-  for key, name in names.items():
-    path = os.path.join(workdir, "logs", f"{name}.log")
-    text = ""
-    if os.path.exists(path):
-      with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    restarts = len([n for n in re.findall(r"^==== .*, start (\d+) at ", text, re.MULTILINE)
-                    if int(n) > 1])
-    procs[key] = Proc(name, key, 1, restarts=restarts)
-  return procs

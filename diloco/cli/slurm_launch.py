@@ -12,7 +12,9 @@ Run it again with the same --workdir to resume a cancelled run from its store. `
 from __future__ import annotations
 
 import os
+import re
 import sys
+import time
 
 from absl import flags
 from ml_collections import config_flags
@@ -21,6 +23,9 @@ from diloco.cli import command
 from diloco.cli import config_flags as config_cli
 from diloco.config import run_config
 from diloco.deploy import slurm
+from diloco.distributed import launch_report
+from diloco.distributed.store import shared_store
+from diloco.distributed.supervision import EVALUATOR, Proc, syncer_key
 from diloco.errors import ConfigError
 
 FLAGS = flags.FlagValues()
@@ -43,7 +48,7 @@ def _body() -> None:
     raise ConfigError("--workdir is required: the run's folder on a shared filesystem")
   workdir = os.path.abspath(FLAGS.workdir)
   if FLAGS.report:
-    slurm.report(workdir)
+    report(workdir)
     return
   if _CONFIG.value is None:
     raise ConfigError("--config is required, e.g. --config=decoupled:tiny")
@@ -70,6 +75,39 @@ def _body() -> None:
         f"{workdir}/slurm, logs in {workdir}/logs\n"
         f"watch: squeue --name={','.join(f'{name}-{k}' for k in ids)}\n"
         f"stop:  scancel {' '.join(ids.values())}  (resume: run this command again)")
+
+
+def report(workdir: str) -> dict:
+  """The end-of-run report of a finished SLURM run, as the local launcher writes it."""
+  cfg = run_config.read_file(os.path.join(workdir, "config.json"))
+  store = shared_store(cfg.store.root or os.path.join(workdir, "store"), cfg.sync.shards)
+  origin = store.run.start() or time.time()
+  os.makedirs(os.path.join(workdir, "activity"), exist_ok=True)
+  started = time.monotonic() - (time.time() - origin)
+  procs = _requeues(workdir, cfg)
+  syncers = [p for p in procs.values() if p.name.startswith("syncer")]
+  return launch_report.finish(cfg, workdir, procs, syncers, [], started)
+
+
+def _requeues(workdir: str, cfg: run_config.Config) -> dict:
+  """Each process (as `supervision.Proc`) with its restarts: the starts its log records with a
+  SLURM restart count above 0 (a resubmitted run starts at 1 again)."""
+  shards = cfg.sync.shards
+  names = {syncer_key(s): "syncer" if shards == 1 else f"syncer{s}" for s in range(shards)}
+  names.update({m: f"learner{m}" for m in range(cfg.learners.count)})
+  if os.path.exists(os.path.join(workdir, "logs", "evaluator.log")):
+    names[EVALUATOR] = "evaluator"
+  procs = {}
+  for key, name in names.items():
+    path = os.path.join(workdir, "logs", f"{name}.log")
+    text = ""
+    if os.path.exists(path):
+      with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    restarts = len([n for n in re.findall(r"^==== .*, start (\d+) at ", text, re.MULTILINE)
+                    if int(n) > 1])
+    procs[key] = Proc(name, key, 1, restarts=restarts)
+  return procs
 
 
 def main(argv: list[str]) -> None:
