@@ -85,6 +85,14 @@ def test_bad_slurm_fields_are_one_line_config_errors(key, value, message):
   assert "\n" not in str(e.value)
 
 
+def test_gpus_that_do_not_fit_the_mesh_are_refused():
+  cfg = _config(2, slurm__gpus_per_node=3, mesh__data=-1, mesh__fsdp=2)
+  with pytest.raises(run_config.ConfigError, match=r"slurm.gpus_per_node: .* 3 devices"):
+    _scripts(cfg)
+  assert _scripts(_config(2, slurm__gpus_per_node=4, slurm__nodes_per_learner=2,
+                          mesh__data=-1, mesh__fsdp=2))  # 8 devices: data 4 x fsdp 2
+
+
 def test_dry_run_prints_the_scripts_and_submits_nothing(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "diloco", "slurm", "--config=multiprocess:tiny",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -24,6 +25,7 @@ import time
 from diloco.config.run_config import Config
 from diloco.config.slurm_config import SlurmConfig
 from diloco.deploy import accelerators
+from diloco.errors import ConfigError
 
 # The repository the nodes run from (a shared filesystem, as the workdir).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,8 +146,24 @@ def report_job(cfg: Config, workdir: str) -> Job:
   return Job("report", "\n".join(lines) + "\n", depends_on_all=True)
 
 
+def check_devices(cfg: Config) -> None:
+  """ConfigError unless the mesh fits one GPU learner's devices (nodes x GPUs per node)."""
+  s, mesh = cfg.slurm, cfg.mesh
+  if not s.gpus_per_node:
+    return
+  devices = s.nodes_per_learner * s.gpus_per_node
+  sizes = [mesh.data, mesh.fsdp, mesh.tensor]
+  fixed = math.prod(n for n in sizes if n != -1)
+  if (devices % fixed if -1 in sizes else devices - fixed):
+    raise ConfigError(f"slurm.gpus_per_node: a learner's {s.nodes_per_learner} node(s) x "
+                      f"{s.gpus_per_node} GPUs = {devices} devices do not fit mesh data x fsdp x "
+                      f"tensor = {sizes}")
+
+
 def render(cfg: Config, workdir: str, store: str) -> list[Job]:
-  """Every job of the run, in submission order (the report last)."""
+  """Every job of the run, in submission order (the report last); ConfigError when a learner's
+  GPUs do not fit the mesh."""
+  check_devices(cfg)
   config_json = os.path.join(workdir, "config.json")
   shards = cfg.sync.shards
   jobs = []
