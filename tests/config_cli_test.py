@@ -44,7 +44,7 @@ def test_nearest_keys():
   assert config_flags.unknown_key_message(diloco.get_config("tiny"), "sync.quorum") is None
   message = config_flags.unknown_key_message(diloco.get_config("tiny"), "learners.cont")
   assert message.startswith("unknown config key --config.learners.cont; did you mean "
-                            "learners.count?")
+                            "learners.count")  # (its own group's first)
   assert "learners has: count, devices" in message
 
 

@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "evaluate": ("diloco.cli.evaluate", "score a run's exported model on held-out data"),
     "to_safetensors": ("diloco.cli.to_safetensors",
                        "add model.safetensors and config.json to a run's export"),
+    "slurm": ("diloco.cli.slurm_launch", "a multi-process run as SLURM batch jobs (--dry_run prints)"),
 }
 # Other names people type for a subcommand.
 ALIASES = {"eval": "evaluate", "safetensors": "to_safetensors"}

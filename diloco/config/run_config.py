@@ -22,6 +22,7 @@ from typing import Any
 import ml_collections
 
 from diloco import documents
+from diloco.config.slurm_config import SlurmConfig
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
 from diloco.model.config import ModelConfig
@@ -219,6 +220,7 @@ class Config:
   learners: LearnersConfig = LearnersConfig()
   store: StoreConfig = StoreConfig()
   launch: LaunchConfig = LaunchConfig()
+  slurm: SlurmConfig = SlurmConfig()
   # Seeds parameters, data order, jitter and fault draws.
   seed: int = 0
 
@@ -227,7 +229,7 @@ _GROUPS = {
     "model": ModelConfig, "data": DataConfig, "mesh": MeshConfig, "optim": OptimConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "log": LogConfig,
     "sync": SyncConfig, "outer": OuterConfig, "learners": LearnersConfig,
-    "store": StoreConfig, "launch": LaunchConfig,
+    "store": StoreConfig, "launch": LaunchConfig, "slurm": SlurmConfig,
 }
 GROUPS = _GROUPS  # read by the command line's help (diloco/cli/config_flags.py)
 # `sync.quorum` = ALL_LEARNERS: every live learner (K = M), following learners.count.

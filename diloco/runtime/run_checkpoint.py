@@ -39,8 +39,9 @@ from diloco.train import data as data_lib
 DIRECTORY = "run_checkpoints"
 LOG_FILES = ("tape.jsonl", "activity.jsonl")
 METRICS_FILE = "metrics.jsonl"
-# Groups that may change between a run and its resume: how it prints and how it checkpoints.
-_FREE_GROUPS = ("log", "checkpoint")
+# Groups that may change between a run and its resume: how it prints, how it checkpoints and
+# how SLURM schedules it.
+_FREE_GROUPS = ("log", "checkpoint", "slurm")
 # What a resume reads of a checkpoint's meta (`take_snapshot` writes it), checked on load.
 _META_FIELDS = {"syncer": dict, "versions": list, "rounds": int, "clock": float,
                 "initial_loss": Field((float, type(None)), finite=False), "identity": dict,
