@@ -549,7 +549,7 @@ def test_size_stage_tunes_the_reference_first_then_runs_tinys_picks_and_neighbou
   assert [r.method for r in planned] == [
       f"nano data-parallel{config.inner_label(base * s) if s != 1 else ''}"
       for s in config.SIZE_INNER_SCALES]
-  _nano_dp(str(tmp_path), {0.5: 2.2, 1.0: 2.1, 2.0: 2.0, 4.0: 2.05}, nano)
+  _nano_dp(str(tmp_path), {s: 2.0 if s == 2 else 2.1 for s in config.SIZE_INNER_SCALES}, nano)
   planned = stages.stage_size(rows.collect(str(tmp_path)), nano, STEPS, "nano", (2, 4))
   names = [r.method for r in planned][len(config.SIZE_INNER_SCALES):]
   inner = config.inner_label(base * 2)
@@ -559,10 +559,10 @@ def test_size_stage_tunes_the_reference_first_then_runs_tinys_picks_and_neighbou
                        f"nano diloco M=4 outer 1/0{inner}",
                        f"nano decoupled M=4 overwrite outer 1/0{inner}"]
   assert len(names) == 4 + 4 * (len(config.SIZE_OUTER) - 1)
-  assert {dict(r.overrides)["optim.learning_rate"] for r in planned[4:]} == {base * 2}
-  assert {r.config for r in planned[4:]} == {"configs/diloco.py:nano",
-                                             "configs/decoupled.py:nano"}
-  assert dict(planned[5].overrides)["train.steps"] == nano
+  runs = planned[len(config.SIZE_INNER_SCALES):]
+  assert {dict(r.overrides)["optim.learning_rate"] for r in runs} == {base * 2}
+  assert {r.config for r in runs} == {"configs/diloco.py:nano", "configs/decoupled.py:nano"}
+  assert dict(runs[0].overrides)["train.steps"] == nano
   # Stage two at nano: the reference and the picks, no per-learner batches (none ran).
   for m, loss in ((2, 2.03), (4, 2.08)):
     fake_run(str(tmp_path), f"nano_dil{m}", _cfg("diloco", m, "outer 1/0", model="nano",

@@ -102,8 +102,8 @@ SMALL_EVAL_EVERY = 250
 # synchronous DiLoCo and Decoupled (overwrite) at each M of SIZE_LEARNERS at the reference's
 # inner rate, each at its tiny pick's outer setting (the tiny rows: runs or results.json) and
 # at SIZE_OUTER, the neighbours. Stages 2 and 3 with the same --preset seed the picks. The
-# scales go to 4x: at nano the 2x rate was the best of 0.5-2x by 8%, an edge of the grid.
-SIZE_INNER_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)
+# scales go past tiny's 0.5-4x: at nano each doubling up to 8x still won (an edge of the grid).
+SIZE_INNER_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 SIZE_LEARNERS = (1, 2, 4, 8)
 SIZE_OUTER = ((1.0, 0.0), (1.4, 0.0), (0.6, 0.9))
 # The config preset of a model preset where the names differ: configs/diloco.py and
