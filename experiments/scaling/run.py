@@ -32,7 +32,7 @@ def define_flags() -> None:
                     "the other's pick), m1 (M = 1 controls, config.M1_RUNS), size (the "
                     "protocol at --preset, config.SIZE_*), none.")
   flags.DEFINE_enum("preset", "tiny", ("tiny", "nano"),
-                    "The model of --stage=size, 2 and 3 (its steps: 20N unless --steps).")
+                    "The model of --stage=size, inner, 2 and 3 (its steps: 20N unless --steps).")
   flags.DEFINE_integer("steps", 0, "Steps per run of --preset's model; 0: 20N tokens.")
   flags.DEFINE_integer("small_steps", config.SMALL_STEPS, "Steps of the `small` runs.")
   flags.DEFINE_list("learners", [str(m) for m in config.LEARNERS], "The values of M.")
@@ -43,7 +43,7 @@ def define_flags() -> None:
   flags.DEFINE_string("machine_label", "", "Names this machine in each run's provenance.")
   flags.DEFINE_integer("seed", 0, "The seed of --stage=m8's runs.")
   flags.DEFINE_list("inner_scales", [str(s) for s in config.INNER_SCALES],
-                    "--stage=inner: the factors on the preset's inner learning rate.")
+                    "--stage=inner: the factors on the reference's inner learning rate.")
   flags.DEFINE_bool("dry_run", False, "Print the runs the stage would start, run nothing.")
 
 
@@ -53,7 +53,7 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
                preset: str = "tiny") -> list[harness.Run]:
   """The runs of `stage`, derived from `found` (default: the runs `outdir` holds now; the
   runner passes those plus the rows carried from the earlier results.json, `rows.merged`).
-  `preset` (stages size, 2 and 3) names the model; stage size reads tiny's picks at 20N."""
+  `preset` (stages size, inner, 2 and 3) names the model; stage size reads tiny's picks at 20N."""
   if found is None:
     found = rows_lib.collect(outdir)
   if stage == "1":
@@ -61,7 +61,7 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
   if stage == "m8":
     return stages.stage_m8(found, steps, seed)
   if stage == "inner":
-    return stages.stage_inner(found, steps, learners, inner_scales)
+    return stages.stage_inner(found, steps, learners, inner_scales, preset)
   if stage == "cross":
     return stages.stage_cross(found, steps, learners)
   if stage == "m1":

@@ -148,22 +148,28 @@ def stage_m8(rows: list[dict], steps: int, seed: int = 0) -> list[Run]:
 
 
 def stage_inner(rows: list[dict], steps: int, learners=(config.INNER_M,),
-                scales=config.INNER_SCALES) -> list[Run]:
+                scales=config.INNER_SCALES, preset: str = "tiny") -> list[Run]:
   """Seed 0 of synchronous DiLoCo and Decoupled (overwrite, the default receipt) at each M
-  of `learners`, each at its seed-0 outer pick, with the inner learning rate scaled by each of
-  `scales`, and data-parallel at the scales above 1 (the reference is offered the same larger
-  step): does a learner's smaller batch want another inner step than data-parallel's?"""
-  base = config.PRESET_INNER_LR["tiny"]
-  runs = [config.dp(0, steps, inner_lr=base * scale) for scale in scales if scale > 1]
+  of `learners`, each at its seed-0 outer pick among the runs at the data-parallel
+  reference's inner rate, with that rate scaled by each of `scales`, and data-parallel at the
+  scales above 1 (the reference is offered the same larger step): does a learner's smaller
+  batch want another inner step than data-parallel's?"""
+  reference = _reference(rows, steps, preset)
+  ref_inner = inner_of(reference) if reference else None
+  base = ref_inner or config.PRESET_INNER_LR[preset]
+  runs = [config.dp(0, steps, preset=preset, inner_lr=base * scale)
+          for scale in scales if scale > 1]
   wanted = [("diloco", "overwrite"), ("decoupled", "overwrite")]
   for m in learners:
-    at_m = {k: v for k, v in mode_picks(_tiny(rows, steps), m).items() if inner_of(v) is None}
+    at_m = {k: v.partition(" inner ")[0]
+            for k, v in mode_picks(_tiny(rows, steps, preset), m).items()
+            if inner_of(v) == ref_inner}
     missing = [k for k in wanted if k not in at_m]
     if missing:
-      raise ValueError(f"--stage=inner needs the seed-0 runs at M = {m} of the tiny model at "
-                       f"{steps} steps for {missing}")
+      raise ValueError(f"--stage=inner needs the seed-0 runs at M = {m} of the {preset} model "
+                       f"at {steps} steps for {missing}")
     runs += [method_run(kind, m, at_m[(kind, receipt)] + config.inner_label(base * scale), 0,
-                        steps) for kind, receipt in wanted for scale in scales]
+                        steps, preset) for kind, receipt in wanted for scale in scales]
   return runs
 
 
