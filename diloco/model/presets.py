@@ -24,16 +24,16 @@ _ACCELERATOR = {"dtype": "bfloat16", "remat": "full", "scan_layers": True,
                 "attention_impl": "auto", "loss_chunk": 1024}
 
 _PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=_BYTE_VOCAB, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, mlp_dim=256, attention_pattern="LG", sliding_window=32,
+        final_logit_softcap=30.0),
     # About 4x fewer parameters than `tiny` (half the width and a 3x MLP, same depth,
     # vocabulary and attention pattern): the second size of the compute-optimal comparison
     # (experiments/scaling/), whose 20N runs cost a sixteenth of tiny's.
     "nano": ModelConfig(
         vocab_size=_BYTE_VOCAB, embed_dim=32, num_layers=2, num_heads=2, num_kv_heads=1,
         head_dim=16, mlp_dim=96, attention_pattern="LG", sliding_window=32,
-        final_logit_softcap=30.0),
-    "tiny": ModelConfig(
-        vocab_size=_BYTE_VOCAB, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, mlp_dim=256, attention_pattern="LG", sliding_window=32,
         final_logit_softcap=30.0),
     "tiny_moe": ModelConfig(
         vocab_size=_BYTE_VOCAB, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
