@@ -3,7 +3,7 @@
 Run (8 emulated CPU devices, about 5 minutes on 2 cores):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python -m diloco.main --config=configs/dp.py:small --workdir=runs/dp_small
-Presets: tiny (tests, < 1 min), small (CPU, ~6M parameters), cpu (the same model with
+Presets: tiny (tests, < 1 min), nano (tiny's shape at ~4x fewer parameters), small (CPU, ~6M parameters), cpu (the same model with
 the token budget of configs/decoupled.py:cpu, for comparison), m35 (~35.6M parameters,
 one GPU), and TPU-sized
 gemma_2b / gemma_5b / gemma_9b / moe_2_8b / moe_3_8b, which expect pre-tokenised
@@ -14,6 +14,8 @@ from diloco.config import run_config as config_lib
 
 _CPU = {
     "tiny": dict(seq_len=64, batch_size=16, steps=60, eval_every=30, lr=3e-3, warmup=10),
+    # About 4x fewer parameters than tiny: the smaller size of experiments/scaling/.
+    "nano": dict(seq_len=64, batch_size=16, steps=60, eval_every=30, lr=3e-3, warmup=10),
     "small": dict(seq_len=128, batch_size=16, steps=200, eval_every=50, lr=3e-3, warmup=20),
     # The data-parallel reference for configs/decoupled.py:cpu: the same model, the same
     # tokens per step (4 learners x 8 sequences) and steps.

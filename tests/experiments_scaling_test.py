@@ -512,3 +512,62 @@ def test_m1_stage_runs_the_controls_at_the_reference_inner_rate_once(tmp_path):
   decoupled = dict(planned[1].overrides)
   assert (decoupled["sync.tau"], decoupled["sync.receipt"]) == (config.TAU, "overwrite")
   assert dict(planned[0].overrides)["sync.tau"] == 0
+
+
+def _nano_dp(outdir: str, losses: dict, steps: int) -> None:
+  """Seed-0 data-parallel runs of nano at `steps`, one per inner-rate scale in `losses`."""
+  base = config.PRESET_INNER_LR["nano"]
+  for scale, loss in losses.items():
+    cfg = _cfg("data-parallel", 1, model="nano", steps=steps)
+    cfg["optim"] = {"learning_rate": base * scale}
+    fake_run(outdir, f"nano_dp_{scale}", cfg, loss)
+
+
+def test_size_stage_tunes_the_reference_first_then_runs_tinys_picks_and_neighbours(tmp_path):
+  _stage_one(str(tmp_path), LOSSES)  # tiny: both methods pick outer 1/0 at every M
+  nano = config.compute_optimal_steps("nano")
+  base = config.PRESET_INNER_LR["nano"]
+  planned = stages.stage_size(rows.collect(str(tmp_path)), nano, STEPS, "nano", (2, 4))
+  assert [r.method for r in planned] == [
+      f"nano data-parallel{config.inner_label(base * s) if s != 1 else ''}"
+      for s in config.SIZE_INNER_SCALES]
+  _nano_dp(str(tmp_path), {s: 2.0 if s == 2 else 2.1 for s in config.SIZE_INNER_SCALES}, nano)
+  planned = stages.stage_size(rows.collect(str(tmp_path)), nano, STEPS, "nano", (2, 4))
+  names = [r.method for r in planned][len(config.SIZE_INNER_SCALES):]
+  inner = config.inner_label(base * 2)
+  # Each M's tiny picks first (seed 0 is run in list order), then the neighbours.
+  assert names[:4] == [f"nano diloco M=2 outer 1/0{inner}",
+                       f"nano decoupled M=2 overwrite outer 1/0{inner}",
+                       f"nano diloco M=4 outer 1/0{inner}",
+                       f"nano decoupled M=4 overwrite outer 1/0{inner}"]
+  assert len(names) == 4 + 4 * (len(config.SIZE_OUTER) - 1)
+  runs = planned[len(config.SIZE_INNER_SCALES):]
+  assert {dict(r.overrides)["optim.learning_rate"] for r in runs} == {base * 2}
+  assert {r.config for r in runs} == {"configs/diloco.py:nano", "configs/decoupled.py:nano"}
+  assert dict(runs[0].overrides)["train.steps"] == nano
+  # Stage two at nano: the reference and the picks, no per-learner batches (none ran).
+  for m, loss in ((2, 2.03), (4, 2.08)):
+    fake_run(str(tmp_path), f"nano_dil{m}", _cfg("diloco", m, "outer 1/0", model="nano",
+                                                 steps=nano) | {"optim": {
+                                                     "learning_rate": base * 2}}, loss)
+  second = stages.stage_two(rows.collect(str(tmp_path)), nano, (2, 4), "nano")
+  assert [(r.method, r.seed) for r in second] == [
+      (f"nano data-parallel{inner}", 1), (f"nano diloco M=2 outer 1/0{inner}", 1),
+      (f"nano diloco M=4 outer 1/0{inner}", 1)]
+
+
+def test_size_table_puts_each_20n_size_beside_the_study(tmp_path):
+  for model, dil2 in (("nano", 2.04), ("tiny", 2.02)):
+    steps = config.compute_optimal_steps(model)
+    fake_run(str(tmp_path), f"{model}_dp", _cfg("data-parallel", 1, model=model, steps=steps),
+             2.0)
+    fake_run(str(tmp_path), f"{model}_dil2", _cfg("diloco", 2, "outer 1/0", model=model,
+                                                  steps=steps), dil2)
+  fake_run(str(tmp_path), "short", _cfg("data-parallel", 1), 2.0)  # tiny at STEPS: not 20N
+  table = report.size_table(rows.collect(str(tmp_path)))
+  lines = table.splitlines()
+  assert lines[2].startswith(f"| synchronous DiLoCo | nano | {config.params('nano'):,} | "
+                             "2.0000 (1) |  | +2.00% (1) |")
+  assert lines[3].startswith(f"| synchronous DiLoCo | tiny | {config.params('tiny'):,} | ")
+  assert "+1.00% (1)" in lines[3] and len(lines) == 6  # two study rows, no Decoupled rows
+  assert "+0.66%" in lines[4] and f"+{config.STUDY_LAW_AT_TINY[2]:.2f}%" in lines[5]

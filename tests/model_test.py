@@ -35,7 +35,7 @@ def expected_counts(c):
 # Rough size classes promised by the preset names (billions of total parameters).
 SIZE_CLASS = {"gemma_2b": (2.0, 3.0), "gemma_5b": (4.5, 6.0), "gemma_9b": (8.5, 10.0),
               "moe_2_8b": (2.6, 3.0), "moe_3_8b": (3.6, 4.0), "small": (0.005, 0.02),
-              "m35": (0.034, 0.037)}
+              "m35": (0.034, 0.037), "nano": (0.000035, 0.000040)}
 
 
 @pytest.mark.parametrize("name", model_presets.NAMES)
@@ -50,6 +50,12 @@ def test_preset_parameter_counts(name):
     assert low * 1e9 <= counts["total"] <= high * 1e9
   if cfg.num_experts:
     assert counts["active"] < counts["total"]
+
+
+def test_nano_is_about_four_times_smaller_than_tiny():
+  ratio = (model.param_counts(model_presets.get("tiny"))["total"]
+           / model.param_counts(model_presets.get("nano"))["total"])
+  assert 3.8 <= ratio <= 4.2
 
 
 @pytest.mark.parametrize("name", ["gemma_2b", "moe_2_8b", "m35"])

@@ -2,7 +2,7 @@
 
 The dense Gemma-style sizes follow Gemma 2/3 shapes (head_dim 256, GQA with half as many
 KV heads, 5 local : 1 global attention, soft-capped logits) with Gemma 3's 262,144-token
-SentencePiece vocabulary. `tiny` and `small` use the byte tokenizer (259 ids, padded to 384
+SentencePiece vocabulary. `nano`, `tiny` and `small` use the byte tokenizer (259 ids, padded to 384
 so that the vocabulary splits over up to 128 tensor-parallel shards).
 """
 
@@ -27,6 +27,13 @@ _PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         vocab_size=_BYTE_VOCAB, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16, mlp_dim=256, attention_pattern="LG", sliding_window=32,
+        final_logit_softcap=30.0),
+    # About 4x fewer parameters than `tiny` (half the width and a 3x MLP, same depth,
+    # vocabulary and attention pattern): the second size of the compute-optimal comparison
+    # (experiments/scaling/), whose 20N runs cost a sixteenth of tiny's.
+    "nano": ModelConfig(
+        vocab_size=_BYTE_VOCAB, embed_dim=32, num_layers=2, num_heads=2, num_kv_heads=1,
+        head_dim=16, mlp_dim=96, attention_pattern="LG", sliding_window=32,
         final_logit_softcap=30.0),
     "tiny_moe": ModelConfig(
         vocab_size=_BYTE_VOCAB, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -4,7 +4,8 @@ Each (model, steps) group gets a section: the Table-4-shaped comparison (eval lo
 to data-parallel per M, the study's 35M row beside it), the targets marked met or missed
 from the numbers, the outer sweep per M, goodput per run, and plots of the gap against M
 and of eval loss against tokens. A last table puts the Decoupled M = 4 gap of every model
-size side by side (the trend with N).
+size side by side (the trend with N), and `size_table` every method's gap per M at each size
+trained at 20N, beside the study's.
 """
 
 from __future__ import annotations
@@ -189,6 +190,42 @@ def trend_table(rows: list[dict]) -> str:
     return ""
   return harness.table(out, ("model", "N", "steps", "tokens", "tokens_per_param",
                              "data-parallel", "decoupled M=4", "setting", "gap_pct"))
+
+
+def size_table(rows: list[dict]) -> str:
+  """The gap to data-parallel per M (picked settings, mean over seeds) of each method at every
+  model size trained at 20N, smallest N first, with the study's 35M row and its fitted laws at
+  tiny's N beside: does the gap shrink with N at every M?"""
+  sizes = []
+  for (model, _), group in rows_lib.groups(rows).items():
+    n = config.params(model)
+    if max(r["tokens"] for r in group) < 0.98 * config.TOKENS_PER_PARAM * n:
+      continue  # a partial budget inflates every gap; not a point of the 20N trend
+    ps = picked_stats(group)
+    if ("data-parallel", 0) in ps:
+      sizes.append((n, model, ps))
+  if len(sizes) < 2:
+    return ""
+  ms = config.SIZE_LEARNERS
+  header = ["method", "model", "N", "data-parallel"] + [f"M = {m}" for m in ms]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for kind in ("diloco", "decoupled"):
+    for n, model, ps in sorted(sizes):
+      ref = ps[("data-parallel", 0)]
+      cells = [f"{gap(ps[(kind, m)]['mean'], ref['mean']):+.2f}% ({len(ps[(kind, m)]['seeds'])})"
+               if (kind, m) in ps else "" for m in ms]
+      if any(cells):
+        lines.append(f"| {KIND_NAMES[kind]} | {model} | {n:,} | {ref['mean']:.4f} "
+                     f"({len(ref['seeds'])}) | " + " | ".join(cells) + " |")
+  study = config.STUDY_35M
+  lines.append("| DiLoCo, study (Table 4) | 35M | about 35M | " f"{study['data-parallel']:.3f} | "
+               + " | ".join(f"{gap(study[m], study['data-parallel']):+.2f}%" if m in study
+                            else "" for m in ms) + " |")
+  tiny_n = config.params("tiny")
+  lines.append(f"| DiLoCo, study's fitted laws (Table 7) | extrapolated | {tiny_n:,} |  | "
+               + " | ".join(f"{config.STUDY_LAW_AT_TINY[m]:+.2f}%"
+                            if m in config.STUDY_LAW_AT_TINY else "" for m in ms) + " |")
+  return "\n".join(lines)
 
 
 def budget_note(model: str, group: list[dict]) -> str:

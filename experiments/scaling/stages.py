@@ -47,23 +47,29 @@ def method_run(kind: str, learners: int, setting: str, seed: int, steps: int,
                        inner_lr=inner_of(setting))
 
 
-def _tiny(rows: list[dict], steps: int) -> list[dict]:
-  return rows_lib.groups(rows).get(("tiny", steps), [])
+def _tiny(rows: list[dict], steps: int, preset: str = "tiny") -> list[dict]:
+  """The rows of `preset` (default tiny) at `steps` steps."""
+  return rows_lib.groups(rows).get((preset, steps), [])
 
 
-def _reference(rows: list[dict], steps: int) -> str:
-  """The data-parallel reference's inner-rate setting ("" = the preset's) of the tiny group."""
-  return rows_lib.reference_settings(_tiny(rows, steps)).get(("tiny", steps), "")
+def _reference(rows: list[dict], steps: int, preset: str = "tiny") -> str:
+  """The data-parallel reference's inner-rate setting ("" = the preset's) of the group."""
+  return rows_lib.reference_settings(_tiny(rows, steps, preset)).get((preset, steps), "")
 
 
-def stage_two(rows: list[dict], steps: int, learners=config.LEARNERS) -> list[Run]:
+def stage_two(rows: list[dict], steps: int, learners=config.LEARNERS,
+              preset: str = "tiny") -> list[Run]:
   """Seed 1 of data-parallel (the full batch and each learner's, at each batch's tuned inner
-  rate) and of each (kind, M)'s picked setting."""
-  picked = rows_lib.picks(_tiny(rows, steps))
-  tuned = rows_lib.batch_settings(_tiny(rows, steps))
-  runs = [method_run("data-parallel", m, tuned.get(("tiny", steps, config.DP_BATCH // m), ""),
-                     1, steps) for m in (1, *(m for m in learners if m > 1))]
-  runs += [method_run(kind, m, setting, 1, steps)
+  rate) and of each (kind, M)'s picked setting. Outside tiny, data-parallel at a learner's
+  batch only where its seed 0 ran (--stage=size runs none)."""
+  group = _tiny(rows, steps, preset)
+  picked = rows_lib.picks(group)
+  tuned = rows_lib.batch_settings(group)
+  batches = [m for m in learners if m > 1
+             and (preset == "tiny" or (preset, steps, config.DP_BATCH // m) in tuned)]
+  runs = [method_run("data-parallel", m, tuned.get((preset, steps, config.DP_BATCH // m), ""),
+                     1, steps, preset) for m in (1, *batches)]
+  runs += [method_run(kind, m, setting, 1, steps, preset)
            for (kind, m), setting in picked.items() if m in learners]
   return runs
 
@@ -79,10 +85,10 @@ def comparisons(picked: dict[tuple[str, int], str]) -> list[tuple[str, str]]:
 
 
 def stage_three(rows: list[dict], steps: int, learners=config.LEARNERS,
-                seeds: int = 3) -> list[Run]:
+                seeds: int = 3, preset: str = "tiny") -> list[Run]:
   """Seed 2 of both methods of every compared pair that two seeds leave within noise
   (|mean difference| <= the larger spread)."""
-  group = _tiny(rows, steps)
+  group = _tiny(rows, steps, preset)
   picked = {k: v for k, v in rows_lib.picks(group).items() if k[1] in learners}
   stats = rows_lib.stats(group)
   wanted: dict[str, Run] = {}
@@ -94,10 +100,10 @@ def stage_three(rows: list[dict], steps: int, learners=config.LEARNERS,
       continue
     if abs(sa["mean"] - sb["mean"]) <= max(sa["spread"], sb["spread"]):
       for s in (sa, sb):
-        setting = (_reference(rows, steps) if s["method"] == "data-parallel"
+        setting = (_reference(rows, steps, preset) if s["method"] == "data-parallel"
                    else picked.get((s["kind"], s["M"]), ""))
         for seed in range(len(s["seeds"]), seeds):
-          run = method_run(s["kind"], s["M"], setting, seed, steps)
+          run = method_run(s["kind"], s["M"], setting, seed, steps, preset)
           wanted[run.name] = run
   return list(wanted.values())
 
@@ -142,22 +148,28 @@ def stage_m8(rows: list[dict], steps: int, seed: int = 0) -> list[Run]:
 
 
 def stage_inner(rows: list[dict], steps: int, learners=(config.INNER_M,),
-                scales=config.INNER_SCALES) -> list[Run]:
+                scales=config.INNER_SCALES, preset: str = "tiny") -> list[Run]:
   """Seed 0 of synchronous DiLoCo and Decoupled (overwrite, the default receipt) at each M
-  of `learners`, each at its seed-0 outer pick, with the inner learning rate scaled by each of
-  `scales`, and data-parallel at the scales above 1 (the reference is offered the same larger
-  step): does a learner's smaller batch want another inner step than data-parallel's?"""
-  base = config.PRESET_INNER_LR["tiny"]
-  runs = [config.dp(0, steps, inner_lr=base * scale) for scale in scales if scale > 1]
+  of `learners`, each at its seed-0 outer pick among the runs at the data-parallel
+  reference's inner rate, with that rate scaled by each of `scales`, and data-parallel at the
+  scales above 1 (the reference is offered the same larger step): does a learner's smaller
+  batch want another inner step than data-parallel's?"""
+  reference = _reference(rows, steps, preset)
+  ref_inner = inner_of(reference) if reference else None
+  base = ref_inner or config.PRESET_INNER_LR[preset]
+  runs = [config.dp(0, steps, preset=preset, inner_lr=base * scale)
+          for scale in scales if scale > 1]
   wanted = [("diloco", "overwrite"), ("decoupled", "overwrite")]
   for m in learners:
-    at_m = {k: v for k, v in mode_picks(_tiny(rows, steps), m).items() if inner_of(v) is None}
+    at_m = {k: v.partition(" inner ")[0]
+            for k, v in mode_picks(_tiny(rows, steps, preset), m).items()
+            if inner_of(v) == ref_inner}
     missing = [k for k in wanted if k not in at_m]
     if missing:
-      raise ValueError(f"--stage=inner needs the seed-0 runs at M = {m} of the tiny model at "
-                       f"{steps} steps for {missing}")
+      raise ValueError(f"--stage=inner needs the seed-0 runs at M = {m} of the {preset} model "
+                       f"at {steps} steps for {missing}")
     runs += [method_run(kind, m, at_m[(kind, receipt)] + config.inner_label(base * scale), 0,
-                        steps) for kind, receipt in wanted for scale in scales]
+                        steps, preset) for kind, receipt in wanted for scale in scales]
   return runs
 
 
@@ -216,3 +228,38 @@ def stage_small(rows: list[dict], steps: int, small_steps: int) -> list[Run]:
                     **shape),
           config.diloco("decoupled", 4, outer, 0, small_steps, receipt,
                         inner_lr=inner_of(picked), **shape)]
+
+
+def stage_size(rows: list[dict], steps: int, tiny_steps: int, preset: str,
+               learners=config.SIZE_LEARNERS) -> list[Run]:
+  """Seed 0 of the protocol at `preset` (`steps`: its 20N): data-parallel at each inner rate
+  of `config.SIZE_INNER_SCALES`; once all of them have rows, synchronous DiLoCo and Decoupled
+  (overwrite) at each M of `learners` at the reference's inner rate, first at the outer
+  setting each picked at tiny (`tiny_steps`) and then at `config.SIZE_OUTER`'s neighbours."""
+  base = config.PRESET_INNER_LR[preset]
+  runs = [config.dp(0, steps, preset=preset,
+                    inner_lr=None if scale == 1 else base * scale)
+          for scale in config.SIZE_INNER_SCALES]
+  group = _tiny(rows, steps, preset)
+  # A row's method names the tuned rate "data-parallel": match the rates by setting instead.
+  done = {r["setting"] for r in group
+          if r["kind"] == "data-parallel" and r["seed"] == 0 and r["batch"] == config.DP_BATCH}
+  if any(("" if scale == 1 else config.inner_label(base * scale).strip()) not in done
+         for scale in config.SIZE_INNER_SCALES):
+    return runs  # the reference is picked from all of them first
+  reference = _reference(rows, steps, preset)
+  inner = inner_of(reference) if reference else None
+  suffix = config.inner_label(inner) if inner is not None else ""
+  tiny = _tiny(rows, tiny_steps)
+  firsts, neighbours = [], []
+  for m in learners:
+    at_m = mode_picks(tiny, m)
+    for kind in ("diloco", "decoupled"):
+      prefix = "overwrite " if kind == "decoupled" else ""
+      pick = at_m.get((kind, "overwrite"))
+      outers = [parse_setting(pick)[1]] if pick else []
+      firsts += [method_run(kind, m, prefix + config.outer_label(*o) + suffix, 0, steps, preset)
+                 for o in outers]
+      neighbours += [method_run(kind, m, prefix + config.outer_label(*o) + suffix, 0, steps,
+                                preset) for o in config.SIZE_OUTER if o not in outers]
+  return runs + firsts + neighbours
