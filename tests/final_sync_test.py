@@ -52,9 +52,9 @@ def test_every_learners_last_step_is_in_the_last_round_of_every_fragment(tmp_pat
   assert summary["accounting/goodput"] > 0.9, summary["accounting/goodput"]
 
 
-def _schedules(count: int, seed: int = 0) -> list[tuple[int, int, int, int]]:
-  """`count` schedules (steps, H, tau, P), drawn at random, where a regular receipt lands exactly
-  on the last step: some fragment is due at `steps - tau`, and its round is received at `steps`."""
+def _draw(count: int, seed: int, wanted) -> list[tuple[int, int, int, int]]:
+  """`count` distinct schedules (steps, H, tau, P) drawn at random for which `wanted(steps,
+  period, tau, num)` holds."""
   rng, drawn = random.Random(seed), []
   while len(drawn) < count:
     period = rng.choice([4, 6, 8])
@@ -62,26 +62,23 @@ def _schedules(count: int, seed: int = 0) -> list[tuple[int, int, int, int]]:
     tau = rng.randint(2, period - 1)
     steps = rng.randint(max(period + tau, 10), 3 * period)
     schedule = (steps, period, tau, num)
-    if fragments_lib.due_fragments(steps - tau, period, num) and schedule not in drawn:
+    if wanted(*schedule) and schedule not in drawn:
       drawn.append(schedule)
   return drawn
+
+
+def _schedules(count: int, seed: int = 0) -> list[tuple[int, int, int, int]]:
+  """Schedules where a regular receipt lands exactly on the last step: some fragment is due at
+  `steps - tau`, and its round is received at `steps`."""
+  return _draw(count, seed, lambda steps, period, tau, num: bool(
+      fragments_lib.due_fragments(steps - tau, period, num)))
 
 
 def _ending_schedules(count: int, seed: int = 1) -> list[tuple[int, int, int, int]]:
-  """`count` schedules (steps, H, tau, P), drawn at random, where some fragment is delivered
-  within tau steps of the end (at `steps - tau < t < steps`), so that its round lands after the
-  learner's last step."""
-  rng, drawn = random.Random(seed), []
-  while len(drawn) < count:
-    period = rng.choice([4, 6, 8])
-    num = rng.choice([p for p in (2, 4, 8) if p <= period])
-    tau = rng.randint(2, period - 1)
-    steps = rng.randint(max(period + tau, 10), 3 * period)
-    schedule = (steps, period, tau, num)
-    if any(fragments_lib.due_fragments(t, period, num) for t in range(steps - tau + 1, steps)) \
-        and schedule not in drawn:
-      drawn.append(schedule)
-  return drawn
+  """Schedules where some fragment is delivered within tau steps of the end (at
+  `steps - tau < t < steps`), so that its round lands after the learner's last step."""
+  return _draw(count, seed, lambda steps, period, tau, num: any(
+      fragments_lib.due_fragments(t, period, num) for t in range(steps - tau + 1, steps)))
 
 
 def _check_same_last_round(tape, steps, learners, num_fragments):
@@ -124,7 +121,7 @@ def _check_last_rounds(rt, tape, steps, tau, learners, same_round=True):
     for m in learners:
       spans = sorted((a["local_step"] - a["steps"] + 1, a["local_step"]) for r in tape
                      if r["fragment"] == p for a in r["admitted"] if a["learner"] == m)
-      assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), (p, m, spans)
+      assert all(a[1] < b[0] for a, b in itertools.pairwise(spans)), (p, m, spans)
   _check_claimed_once(rt, tape, steps, learners)
 
 

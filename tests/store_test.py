@@ -395,23 +395,31 @@ def test_collect_merged_spares_a_version_being_written(where):
   np.testing.assert_array_equal(store.merged.read(0, 3)[0].tensors["embedder/embedding"],
                                 s.fragment_values(0)["embedder/embedding"])
 
-def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
-  """Kill-and-restart in process: same G, momentum, versions; tape without gap or duplicate."""
-  store = Store(where[0])
+def _five_committed_rounds(store, tmp_path, keep=None):
+  """A syncer of two learners that publishes its initial versions, then commits five rounds
+  (fragments 0, 1, 0, 1, 0) to `store` and to a tape; returns the syncer and the tape's path.
+  `keep`: versions kept per fragment after each commit (None: all)."""
   records: list = []
   s = _syncer(on_round=records.append)
   for m in s.initial(0.0):
     store.merged.put(m, s.momentum, {"round": None, "state": s.export_state()})
   tape_path = str(tmp_path / "tape.jsonl")
-  tape = open(tape_path, "a", encoding="utf-8")
-  beats = [Heartbeat(m, 0, 1, 0.1, 0.0) for m in (0, 1)]
-  for r in range(5):
-    p = r % 2
-    merged, _ = s.tick(float(r + 1), beats if r == 0 else (),
-                       [_payload(r % 2, p, _params(10 + r), base=s.versions[p], step=r + 1)])
-    syncer_process._commit(store, s, merged, records, tape)
-    store.merged.collect(p, keep=3)
-  tape.close()
+  with open(tape_path, "a", encoding="utf-8") as tape:
+    beats = [Heartbeat(m, 0, 1, 0.1, 0.0) for m in (0, 1)]
+    for r in range(5):
+      p = r % 2
+      merged, _ = s.tick(float(r + 1), beats if r == 0 else (),
+                         [_payload(r % 2, p, _params(10 + r), base=s.versions[p], step=r + 1)])
+      syncer_process._commit(store, s, merged, records, tape)
+      if keep is not None:
+        store.merged.collect(p, keep=keep)
+  return s, tape_path
+
+
+def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
+  """Kill-and-restart in process: same G, momentum, versions; tape without gap or duplicate."""
+  store = Store(where[0])
+  s, tape_path = _five_committed_rounds(store, tmp_path, keep=3)
   # A round that closed but died before its commit marker: never durable.
   s.tick(6.0, (), [_payload(0, 0, _params(99), base=s.versions[0], step=9)])
   with open(tape_path, "a") as f:
@@ -441,18 +449,7 @@ def test_repair_tape_drops_the_rounds_of_versions_recover_refused(tmp_path):
   version 1, so the tape must no longer list round 3 (G does not hold it; the next round of
   fragment 1 reuses version 2), while round 4 of fragment 0 stays."""
   store = Store(tmp_path / "store")
-  records: list = []
-  s = _syncer(on_round=records.append)
-  for m in s.initial(0.0):
-    store.merged.put(m, s.momentum, {"round": None, "state": s.export_state()})
-  tape_path = str(tmp_path / "tape.jsonl")
-  with open(tape_path, "a", encoding="utf-8") as tape:
-    beats = [Heartbeat(m, 0, 1, 0.1, 0.0) for m in (0, 1)]
-    for r in range(5):
-      p = r % 2
-      merged, _ = s.tick(float(r + 1), beats if r == 0 else (),
-                         [_payload(r % 2, p, _params(10 + r), base=s.versions[p], step=r + 1)])
-      syncer_process._commit(store, s, merged, records, tape)
+  _, tape_path = _five_committed_rounds(store, tmp_path)
   data = store.merged.marker(1, 2)["data"]
   for npy in (tmp_path / "store" / "merged" / data / "params").glob("*.npy"):
     np.save(npy, np.full(np.load(npy).shape, np.nan, np.float32))
