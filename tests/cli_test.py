@@ -281,6 +281,48 @@ def _committed(directory):
   return os.path.isdir(directory) and any(d.isdigit() for d in os.listdir(directory))
 
 
+_SWALLOWED = """
+import gc, signal, sys, time
+from diloco.cli import interrupt
+interrupt.install()
+where = sys.argv[1]
+
+class Dropped:
+  def __del__(self):
+    signal.raise_signal(signal.SIGTERM)  # the handler runs in here, where raising is dropped
+
+def in_gc_callback(phase, info):
+  if phase == "start":
+    gc.callbacks.remove(in_gc_callback)
+    signal.raise_signal(signal.SIGTERM)
+
+try:
+  if where == "gc":
+    gc.callbacks.append(in_gc_callback)
+    gc.collect()
+  else:
+    Dropped()
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline:
+    sum(range(1000))
+  print("lost")
+except interrupt.Interrupted as e:
+  print("stopped", e)
+"""
+
+
+@pytest.mark.parametrize("where", ["gc", "del"])
+def test_a_signal_landing_where_python_drops_exceptions_still_stops_the_run(where):
+  """A signal whose handler runs inside a gc callback (jax registers one) or a `__del__` raises
+  `Interrupted` where Python prints "Exception ignored" and drops it: the stop must still come
+  (the signal is delivered again), not be lost while training goes on."""
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, "-c", _SWALLOWED, where], capture_output=True, text=True,
+                       timeout=60, env=env)
+  assert out.stdout.strip() == "stopped SIGTERM", (out.stdout, out.stderr[-2000:])
+  assert "Exception ignored" not in out.stderr
+
+
 @pytest.mark.slow
 def test_sigint_stops_a_threaded_run_in_one_line_and_the_same_command_resumes(tmp_path):
   workdir = tmp_path / "run"

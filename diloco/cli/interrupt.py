@@ -42,10 +42,32 @@ def _on_signal(signum, frame):  # pylint: disable=unused-argument
   raise Interrupted(signum)
 
 
+def _on_unraisable(unraisable) -> None:
+  """An `Interrupted` raised where Python cannot propagate it (the handler ran inside a gc
+  callback, such as jax's, or a `__del__`) is printed and dropped, and the stop would be lost.
+  The signal is sent again instead, from another thread a moment later (sent from here, its
+  handler would run inside this hook, where raising is dropped too), so the handler raises in
+  the main thread once it is out of the callback."""
+  error = unraisable.exc_value
+  if isinstance(error, Interrupted):
+    _on_signal.seen = False
+    threading.Timer(_RESEND_AFTER_S, os.kill, (os.getpid(), error.signum)).start()
+    return
+  _default_unraisable_hook(unraisable)
+
+
+_RESEND_AFTER_S = 0.01
+
+
+_default_unraisable_hook = sys.unraisablehook
+
+
 def install() -> None:
-  """Routes SIGINT and SIGTERM of this (main) thread to `Interrupted`."""
+  """Routes SIGINT and SIGTERM of this (main) thread to `Interrupted`, also when the signal
+  lands inside a callback that cannot raise."""
   for signum in (signal.SIGINT, signal.SIGTERM):
     signal.signal(signum, _on_signal)
+  sys.unraisablehook = _on_unraisable
 
 
 def _last_checkpoint(workdir: str) -> str | None:
