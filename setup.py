@@ -50,7 +50,17 @@ setup(
         # 2026.7 is the release those tests were written against).
         "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "pyarrow>=15", "tokenizers>=0.15,<1",
                  "datasets>=3,<6", "tensorboard>=2.14,<3", "wandb>=0.20,<1",
-                 "hypothesis>=6.100,<7", "gcsfs>=2024.12", "gcp-storage-emulator>=2026.7,<2027"],
+                 "hypothesis>=6.100,<7", "gcsfs>=2024.12", "gcp-storage-emulator>=2026.7,<2027",
+                 # Benchmarks through lm-evaluation-harness, and the Hugging Face export loaded
+                 # back by transformers. torch is pinned to the CPU build this machine kind keeps
+                 # on disk for Python 3.11 (any other torch is a download of several GB); on
+                 # other Pythons the tests marked `torch` need `pip install torch` first.
+                 "lm-eval>=0.4.9,<0.5", "transformers>=5,<6",
+                 "torch==2.13.0; python_version=='3.11'"],
+        # Scoring a run on lm-evaluation-harness tasks (`diloco evaluate --tasks=...`).
+        "lm-eval": ["lm-eval>=0.4.9,<0.5"],
+        # Loading an export written with `--format=hf` into transformers (needs PyTorch).
+        "transformers": ["transformers>=5,<6", "torch>=2.4"],
         # viewing the event files every run writes (tensorboardX writes them)
         "tensorboard": ["tensorboard>=2.14,<3"],
         # log.wandb=True
