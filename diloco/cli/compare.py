@@ -8,7 +8,9 @@ multi-process). The table has its final and initial global eval loss, tokens, ti
 Decoupled runs, the accounting figures (goodput, learners per round, grace, staleness,
 bandwidth); `--report_dir` also writes compare.md, compare.json and eval.png (eval loss
 against tokens and against time). Every figure is read from the run's `metrics.jsonl`,
-`accounting.json` and `config.json`.
+`accounting.json` and `config.json`; a run scored on lm-evaluation-harness tasks (`diloco
+evaluate --tasks=...`, WORKDIR/benchmarks/results.json) adds a column per task metric, e.g.
+"hellaswag acc".
 
 All runs are put on one clock: seconds since each run's first training step, so that
 compilation and start-up count for none of them (a data-parallel run compiles its first step
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from diloco.cli import benchmarks
 from diloco.observe import curves
 
 COLUMNS = ("run", "eval_loss", "initial_loss", "tokens", "time_s", "eval_windows", "goodput",
@@ -90,6 +93,7 @@ def row(workdir: str, curve: list[dict], time_key: str) -> dict:
       out[key] = float(accounting[f"accounting/{key}"])
   if "eval/loss" in accounting:  # the runtime's own final evaluation
     out["eval_loss"] = float(accounting["eval/loss"])
+  out.update(benchmarks.metric_columns(workdir))
   return out
 
 
@@ -115,6 +119,7 @@ def compare(workdirs: list[str], out: str = "") -> str:
   time_key = clock(all_curves)
   rows = [row(w, c, time_key) for w, c in zip(workdirs, all_curves)]
   columns = [c for c in COLUMNS if any(c in r for r in rows)]
+  columns += sorted({k for r in rows for k in r if k not in COLUMNS})  # benchmark metrics
   text = "\n\n".join([table(rows, columns), f"time_s: {CLOCKS[time_key]}.", *warnings(rows)])
   if out:
     os.makedirs(out, exist_ok=True)

@@ -10,6 +10,11 @@ data, from WORKDIR/config.json); --split (eval: the held-out documents, or train
 --seq_len (default: the run's); --batch_size (8); --num_batches (16; 0: every window);
 --text_key, --dataset_split, --max_bytes, --eval_fraction (the data fields of the same names);
 --step; --json (print one JSON line instead of text).
+
+With --tasks=a,b it scores lm-evaluation-harness tasks instead (`diloco.cli.benchmarks`):
+--include_path (a folder of task YAMLs), --num_fewshot, --limit (examples per task, or a
+fraction below 1), --batch_size and --seq_len (the model's max_length); the results JSON goes
+to WORKDIR/benchmarks/results.json and one line per task is printed.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from absl import flags
 from flax import nnx
 
 from diloco.artifacts import export, trained
-from diloco.cli import command
+from diloco.cli import benchmarks, command
 from diloco.errors import ConfigError
 from diloco.train import data as data_lib
 from diloco.train import storage
@@ -56,6 +61,14 @@ flags.DEFINE_float("eval_fraction", None, "data.eval_fraction: documents held ou
 flags.DEFINE_integer("step", None, "Use checkpoint STEP of the run instead of its export.",
                      flag_values=FLAGS)
 flags.DEFINE_bool("json", False, "Print one JSON line.", flag_values=FLAGS)
+flags.DEFINE_string("tasks", None, "lm-evaluation-harness tasks, comma-separated (instead of "
+                    "--data).", flag_values=FLAGS)
+flags.DEFINE_string("include_path", None, "With --tasks: a folder of task YAMLs.",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("num_fewshot", None, "With --tasks: few-shot examples (default: the "
+                     "task's).", flag_values=FLAGS)
+flags.DEFINE_float("limit", None, "With --tasks: examples per task (a fraction when < 1).",
+                   flag_values=FLAGS)
 command.define_trust_flag(FLAGS)
 
 
@@ -142,8 +155,41 @@ def score(model: nnx.Module, token_batches: list[np.ndarray]) -> dict:
           "windows": sum(len(b) for b in token_batches)}
 
 
+def _benchmarks() -> None:
+  """--tasks: lm-evaluation-harness tasks on the model (`diloco.cli.benchmarks`)."""
+  for flag in ("data", "split", "num_batches", "text_key", "dataset_split", "max_bytes",
+               "eval_fraction"):
+    if FLAGS[flag].present:
+      raise ConfigError(f"--{flag}: scores held-out text; it does not go with --tasks")
+  if FLAGS.num_fewshot is not None:
+    command.at_least(FLAGS.num_fewshot, 0, "num_fewshot")
+  limit = FLAGS.limit
+  if limit is not None:
+    if limit <= 0:
+      raise ConfigError(f"--limit: must be > 0, got {limit}")
+    limit = int(limit) if limit >= 1 else limit
+  if FLAGS.seq_len is not None:
+    command.at_least(FLAGS.seq_len, 2, "seq_len")
+  benchmarks.task_names(FLAGS.tasks)  # an empty list fails before a model is loaded
+  model = trained.load(FLAGS.workdir, FLAGS.step, trust_code=FLAGS.trust_export_code)
+  results, path = benchmarks.evaluate(
+      model, FLAGS.workdir, tasks=FLAGS.tasks, include_path=FLAGS.include_path,
+      num_fewshot=FLAGS.num_fewshot, limit=limit, batch_size=FLAGS.batch_size,
+      max_length=FLAGS.seq_len)
+  if FLAGS.json:
+    print(json.dumps({"results": benchmarks.metrics(results), "file": path}))
+  else:
+    print("\n".join([model.source, *benchmarks.lines(results), f"results: {path}"]))
+
+
 def _evaluate() -> None:
   command.at_least(FLAGS.batch_size, 1, "batch_size")
+  if FLAGS.tasks is not None:
+    _benchmarks()
+    return
+  for flag in ("include_path", "num_fewshot", "limit"):
+    if FLAGS[flag].value is not None:
+      raise ConfigError(f"--{flag}: goes with --tasks=NAMES (lm-evaluation-harness tasks)")
   command.at_least(FLAGS.num_batches, 0, "num_batches")
   model = trained.load(FLAGS.workdir, FLAGS.step, trust_code=FLAGS.trust_export_code)
   cfg = data_config(model)

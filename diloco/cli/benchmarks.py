@@ -1,0 +1,136 @@
+"""Scoring a run on lm-evaluation-harness tasks: `diloco evaluate --workdir=RUN --tasks=a,b`.
+
+Looks the tasks up (lm_eval's own and `--include_path`'s), runs them through lm_eval's
+`simple_evaluate` on the run's model (`diloco.artifacts.harness_model`), writes the harness's
+results JSON to RUN/benchmarks/results.json and prints one line per task. `diloco compare`
+reads that file (`metric_columns`) for a column per task metric. lm_eval is imported only
+here, when tasks are asked for, so the rest of the CLI works without it (and `diloco
+compare`, which reads the results file only, imports no model code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+from diloco.errors import ConfigError
+
+if TYPE_CHECKING:
+  from diloco.artifacts import trained
+
+RESULTS_FILE = os.path.join("benchmarks", "results.json")
+_INSTALL = "pip install -e '.[lm-eval]'"
+
+
+def _lm_eval():
+  try:
+    import lm_eval  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ConfigError(f"--tasks: scoring tasks needs lm-evaluation-harness; {_INSTALL}") from None
+  return lm_eval
+
+
+def task_names(spec: str) -> list[str]:
+  """The comma-separated `--tasks` names, in order, without repeats."""
+  names = list(dict.fromkeys(t.strip() for t in spec.split(",") if t.strip()))
+  if not names:
+    raise ConfigError("--tasks: give task names, e.g. --tasks=hellaswag,arc_easy")
+  return names
+
+
+def task_manager(names: list[str], include_path: str | None):
+  """An lm_eval TaskManager that knows every name; ConfigError naming the first unknown one.
+  When `include_path` holds them all, lm_eval's own index (some 15,000 tasks, seconds to
+  build) is not read."""
+  _lm_eval()
+  from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
+  if include_path is not None and not os.path.isdir(include_path):
+    raise ConfigError(f"--include_path: {include_path!r} is not a directory")
+  if include_path is not None:
+    local = TaskManager(include_path=include_path, include_defaults=False)
+    if all(local.match_tasks([n]) for n in names):
+      return local
+  manager = TaskManager(include_path=include_path)
+  for name in names:
+    if not manager.match_tasks([name]):
+      where = "lm_eval's tasks" + (f" and --include_path={include_path}" if include_path
+                                   else " (--include_path=DIR adds a folder of task YAMLs)")
+      raise ConfigError(f"--tasks: unknown task {name!r}; looked up in {where}; "
+                        "`lm_eval ls tasks` lists them")
+  return manager
+
+
+def run_dir(workdir: str) -> str:
+  """The run folder of `workdir`: itself, or the run around an export folder named directly."""
+  from diloco.artifacts import export  # pylint: disable=import-outside-toplevel
+  workdir = os.path.abspath(workdir)
+  parent = os.path.dirname(workdir)
+  if (export.export_dir(workdir) == workdir
+      and os.path.isfile(os.path.join(parent, "config.json"))):
+    return parent
+  return workdir
+
+
+def evaluate(model: trained.Trained, workdir: str, *, tasks: str, include_path: str | None,
+             num_fewshot: int | None, limit: float | None, batch_size: int,
+             max_length: int | None) -> tuple[dict, str]:
+  """Runs the tasks; returns the harness's results (no samples) and where they were written."""
+  names = task_names(tasks)
+  manager = task_manager(names, include_path)
+  from lm_eval import evaluator, utils  # pylint: disable=import-outside-toplevel
+
+  from diloco.artifacts import harness_model  # pylint: disable=import-outside-toplevel
+  lm = harness_model.DilocoLM(model, batch_size=batch_size, max_length=max_length)
+  resolved = list(dict.fromkeys(m for n in names for m in manager.match_tasks([n])))
+  results = evaluator.simple_evaluate(model=lm, tasks=resolved, num_fewshot=num_fewshot,
+                                      limit=limit, task_manager=manager, log_samples=False)
+  results.pop("samples", None)
+  results["config"]["model"] = "diloco"
+  results["config"]["model_args"] = f"workdir={workdir}"
+  path = os.path.join(run_dir(workdir), RESULTS_FILE)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=2, default=utils.handle_non_serializable)
+  os.replace(path + ".tmp", path)
+  return results, path
+
+
+def metrics(results: dict) -> dict[str, dict[str, float]]:
+  """{task: {metric: value}} of a results JSON: numbers only, no stderr; a metric under a
+  filter other than lm_eval's "none" keeps the filter's name in parentheses."""
+  out = {}
+  for task, values in (results.get("results") or {}).items():
+    row = {}
+    for key, value in values.items():
+      if not isinstance(value, (int, float)) or isinstance(value, bool):
+        continue
+      metric, _, filt = key.partition(",")
+      if metric.endswith("_stderr") or metric == "samples":
+        continue
+      row[metric if filt in ("", "none") else f"{metric} ({filt})"] = float(value)
+    if row:
+      out[task] = row
+  return out
+
+
+def lines(results: dict) -> list[str]:
+  """One line per task: its metrics and how many examples were scored."""
+  counts = results.get("n-samples") or {}
+  out = []
+  for task, row in metrics(results).items():
+    shown = ", ".join(f"{m} {v:.4f}" for m, v in row.items())
+    n = (counts.get(task) or {}).get("effective")
+    out.append(f"{task}: {shown}" + (f" ({n} examples)" if n is not None else ""))
+  return out
+
+
+def metric_columns(workdir: str) -> dict[str, float]:
+  """{"TASK METRIC": value} of WORKDIR/benchmarks/results.json; {} when there is none."""
+  path = os.path.join(workdir, RESULTS_FILE)
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    results = json.load(f)
+  return {f"{task} {metric}": value for task, row in metrics(results).items()
+          for metric, value in row.items()}
