@@ -101,12 +101,15 @@ def metrics(results: dict) -> dict[str, dict[str, float]]:
   filter other than lm_eval's "none" keeps the filter's name in parentheses."""
   out = {}
   for task, values in (results.get("results") or {}).items():
+    # The task's metrics are those it says which way is better (not sample_len, stderrs).
+    named = set((results.get("higher_is_better") or {}).get(task) or ())
     row = {}
     for key, value in values.items():
       if not isinstance(value, (int, float)) or isinstance(value, bool):
         continue
       metric, _, filt = key.partition(",")
-      if metric.endswith("_stderr") or metric == "samples":
+      if metric.endswith("_stderr") or metric in ("samples", "sample_len") or (
+          named and metric not in named):
         continue
       row[metric if filt in ("", "none") else f"{metric} ({filt})"] = float(value)
     if row:
