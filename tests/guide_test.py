@@ -93,6 +93,9 @@ def test_the_guides_tiny_commands_run_as_written(tmp_path):
       assert (tmp_path / workdir / "export").is_dir(), command
     elif "diloco.cli.sample" in command:
       assert proc.stdout.startswith("import "), proc.stdout
+    elif "--tasks=" in command:  # lm-evaluation-harness tasks: a line per task, the JSON
+      assert re.search(r"^tiny_choice: acc \d\.\d+", proc.stdout, re.M), proc.stdout
+      assert (tmp_path / "runs" / "first" / "benchmarks" / "results.json").is_file()
     elif "diloco.cli.evaluate" in command:
       assert re.search(r"loss \d+\.\d+, perplexity \d+\.\d+", proc.stdout), proc.stdout
     else:

@@ -122,7 +122,7 @@ def lines(results: dict) -> list[str]:
   counts = results.get("n-samples") or {}
   out = []
   for task, row in metrics(results).items():
-    shown = ", ".join(f"{m} {v:.4f}" for m, v in row.items())
+    shown = ", ".join(f"{m} {v:.4f}" if abs(v) < 1e4 else f"{m} {v:.4g}" for m, v in row.items())
     n = (counts.get(task) or {}).get("effective")
     out.append(f"{task}: {shown}" + (f" ({n} examples)" if n is not None else ""))
   return out
