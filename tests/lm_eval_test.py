@@ -4,29 +4,28 @@ one-line errors. No torch, no network: the tasks are YAML over local jsonl files
 
 import os
 
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import dataclasses  # noqa: E402
-import json  # noqa: E402
+import dataclasses
+import json
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+import pytest
+from flax import nnx
 
 pytest.importorskip("lm_eval")
 
-from lm_eval import utils as lm_utils  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.api.registry import get_model  # noqa: E402
+import run_config
+from lm_eval import utils as lm_utils
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import get_model
 
-from diloco.artifacts import export, harness_model, trained  # noqa: E402
-from diloco.cli import commands, compare, evaluate  # noqa: E402
-from diloco.errors import ConfigError  # noqa: E402
-from diloco.model import registry  # noqa: E402
-
-import run_config  # noqa: E402
+from diloco.artifacts import export, harness_model
+from diloco.cli import commands, compare, evaluate
+from diloco.errors import ConfigError
+from diloco.model import registry
 
 BOS, EOS, VOCAB_LIMIT = 256, 257, 258
 SEQ_LEN = 32
@@ -62,8 +61,8 @@ def run(tmp_path_factory):
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f)
   with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
-    for t, loss in ((1.0, 5.5), (2.0, 5.0)):
-      f.write(json.dumps({"t": t, "role": "dp", "step": int(t), "eval/loss": loss}) + "\n")
+    f.writelines(json.dumps({"t": t, "role": "dp", "step": int(t), "eval/loss": loss}) + "\n"
+                 for t, loss in ((1.0, 5.5), (2.0, 5.0)))
   export.save(workdir, params, model=cfg.model, data=cfg.data, seed=0, step=2,
               runtime="data_parallel")
   tasks = str(root / "tasks")
@@ -237,4 +236,3 @@ def test_buckets_are_few_and_end_at_max_length():
   assert harness_model.buckets(32) == [16, 32]
   assert harness_model.buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
   assert harness_model.buckets(100) == [16, 32, 64, 100]
-  assert trained.RUN_CONFIG == "config.json"

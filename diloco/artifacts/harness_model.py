@@ -122,7 +122,7 @@ class DilocoLM(TemplateLM):
     if not isinstance(trust, bool):
       raise ConfigError(f"--model_args trust_export_code: must be true or false, got {trust!r}")
     if args:
-      raise ConfigError(f"--model_args {sorted(args)[0]}: unknown; the diloco model takes "
+      raise ConfigError(f"--model_args {min(args)}: unknown; the diloco model takes "
                         "workdir, step, batch_size, max_length, max_gen_toks, "
                         "trust_export_code")
     try:

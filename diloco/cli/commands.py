@@ -19,11 +19,10 @@ SUBCOMMANDS = {
               "train a model (the default): --config=NAME:PRESET --workdir=DIR"),
     "compare": ("diloco.cli.compare", "finished runs side by side: a table and eval-loss curves"),
     "sample": ("diloco.cli.sample", "generate text from a run's exported model"),
-    "evaluate": ("diloco.cli.evaluate", "score a run's exported model on held-out data, or on "
-                 "lm-evaluation-harness tasks (--tasks)"),
-    "lm_eval": ("diloco.cli.harness",
-                "lm-evaluation-harness's CLI with the run's model: --model diloco "
-                "--model_args workdir=RUN --tasks ..."),
+    "evaluate": ("diloco.cli.evaluate", ("score a run's exported model on held-out data, or "
+                                         "on lm-evaluation-harness tasks (--tasks)")),
+    "lm_eval": ("diloco.cli.harness", ("lm-evaluation-harness's CLI with the run's model: "
+                                       "--model diloco --model_args workdir=RUN --tasks ...")),
     "to_safetensors": ("diloco.cli.to_safetensors",
                        "add model.safetensors and config.json to a run's export"),
     "slurm": ("diloco.cli.slurm_launch", "a multi-process run as SLURM batch jobs (--dry_run prints)"),

@@ -24,7 +24,8 @@ def main(argv: list[str]) -> None:
   try:
     from lm_eval import __main__ as lm_eval_main  # pylint: disable=import-outside-toplevel
 
-    from diloco.artifacts import harness_model  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    # Imported for its side effect: it registers the "diloco" model with lm_eval.
+    from diloco.artifacts import harness_model  # noqa: F401  pylint: disable=unused-import
   except ImportError as e:
     sys.exit(f"{_PROG}: error: needs lm-evaluation-harness ({e}); pip install -e '.[lm-eval]'")
   saved = sys.argv
