@@ -20,6 +20,8 @@ SUBCOMMANDS = {
     "compare": ("diloco.cli.compare", "finished runs side by side: a table and eval-loss curves"),
     "sample": ("diloco.cli.sample", "generate text from a run's exported model"),
     "evaluate": ("diloco.cli.evaluate", "score a run's exported model on held-out data"),
+    "export": ("diloco.cli.export_model",
+               "write a run's model for other tools: --format=hf (transformers) | safetensors"),
     "to_safetensors": ("diloco.cli.to_safetensors",
                        "add model.safetensors and config.json to a run's export"),
     "slurm": ("diloco.cli.slurm_launch", "a multi-process run as SLURM batch jobs (--dry_run prints)"),
