@@ -199,8 +199,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 def byte_tokenizer_json() -> str:
   """`ByteTokenizer` as a `tokenizers` JSON document: a byte-level BPE without merges whose
   ids are the bytes, <bos> and <eos> at ByteTokenizer's ids, BOS put before a text (as the
-  training pipeline puts it before every document), and special tokens never matched in
-  text, so that any text gives ByteTokenizer's ids."""
+  training pipeline puts it before every document). The tokenizer_config.json beside it sets
+  `split_special_tokens`, so that transformers never matches "<bos>" typed in a text: any text
+  gives ByteTokenizer's ids (the JSON itself cannot say so)."""
   from tokenizers import AddedToken, Tokenizer  # pylint: disable=import-outside-toplevel
   from tokenizers import decoders, models, pre_tokenizers, processors  # pylint: disable=import-outside-toplevel
   vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
@@ -211,7 +212,6 @@ def byte_tokenizer_json() -> str:
                           for t in sorted(_BYTE_SPECIALS, key=_BYTE_SPECIALS.get)])
   tok.post_processor = processors.TemplateProcessing(
       single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", _BYTE_SPECIALS["<bos>"])])
-  tok.encode_special_tokens = True  # "<bos>" typed in a text is five bytes, as ByteTokenizer
   vocab_out = tok.get_vocab(with_added_tokens=True)
   if any(vocab_out.get(t) != i for t, i in _BYTE_SPECIALS.items()):
     raise AssertionError(f"the byte tokenizer's specials landed at {vocab_out}")
