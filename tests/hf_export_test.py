@@ -241,3 +241,29 @@ def test_the_cli_exports_a_run_end_to_end(tmp_path, capsys):
   # --format=safetensors is `diloco to_safetensors`
   assert _cli(f"--workdir={tmp_path}", "--format=safetensors") is None
   assert (tmp_path / "export" / export.SAFETENSORS_FILE).is_file()
+
+
+@pytest.mark.torch
+def test_a_runs_tokenizer_json_is_copied_and_gives_its_ids(tmp_path):
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from transformers import AutoTokenizer
+  words = ["<unk>", "<eos>", "<bos>", "the", "syncer", "merged", "fragments", "."]
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  os.makedirs(tmp_path / "tok")
+  tok.save(str(tmp_path / "tok" / "tokenizer.json"))  # no tokenizer_config.json beside it
+  cfg = presets.get("tiny")
+  with nnx.use_eager_sharding(False):
+    model = registry.build(cfg, nnx.Rngs(0))
+  data = dataclasses.replace(data_lib.DataConfig(), tokenizer=str(tmp_path / "tok" /
+                                                                  "tokenizer.json"))
+  export.save(str(tmp_path / "run"), nnx.to_pure_dict(nnx.state(model)), model=cfg, data=data,
+              seed=0, step=1, runtime="data_parallel")
+  hf_format.write(str(tmp_path / "run"), str(tmp_path / "hf"))
+  config = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert (config["bos_token_id"], config["eos_token_id"]) == (2, 1)
+  theirs = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  ours = tokenizers.make(str(tmp_path / "hf" / "tokenizer.json"))
+  text = "the syncer merged the fragments ."
+  assert theirs(text, add_special_tokens=False).input_ids == list(ours.encode(text.encode()))
+  assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
