@@ -31,7 +31,8 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Without a known run length, Gemma 3's own default (the RoPE here does not depend on it).
 _DEFAULT_MAX_POSITIONS = 131_072
 # The byte tokenizer's specials, by the names Gemma's tokenizer gives them.
-_BYTE_SPECIALS = {"<bos>": tokenizers.ByteTokenizer.bos_id, "<eos>": tokenizers.ByteTokenizer.eos_id}
+_BYTE_SPECIALS = {"<bos>": tokenizers.ByteTokenizer.bos_id,
+                  "<eos>": tokenizers.ByteTokenizer.eos_id}
 # Per-layer tensors: this project's name under layers/<i>/ -> (the HF name under
 # model.layers.<i>., how the array becomes the torch Linear's (out, in) weight).
 _LAYER_TENSORS = {
@@ -131,18 +132,25 @@ def hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
   lm_head. The arrays keep their dtype."""
   refuse_differences(cfg, "model")
   flat = {k: np.asarray(v) for k, v in fragments_lib.flatten_tree(params).items()}
-  out = {"model.embed_tokens.weight": flat.pop("embedder/embedding"),
-         "model.norm.weight": flat.pop("final_norm/scale")}
+
+  def take(name: str) -> np.ndarray:
+    if name not in flat:
+      raise ConfigError(f"model: the parameters have no tensor {name!r}; they are not those "
+                        "of this model config")
+    return flat.pop(name)
+
+  out = {"model.embed_tokens.weight": take("embedder/embedding"),
+         "model.norm.weight": take("final_norm/scale")}
   for i in range(cfg.num_layers):
     for name, (hf_name, kind) in _LAYER_TENSORS.items():
-      array = flat.pop(f"layers/{i}/{name}")
+      array = take(f"layers/{i}/{name}")
       if kind == "in_first":  # (D, N, H) or (D, F): the input axis first
         array = array.reshape(array.shape[0], -1).T
       elif kind == "out_last":  # (N, H, D): the output axis last
         array = array.reshape(-1, array.shape[-1]).T
       out[f"model.layers.{i}.{hf_name}"] = np.ascontiguousarray(array)
   if flat:
-    raise ConfigError(f"model: tensor {sorted(flat)[0]!r} has no Gemma 3 counterpart "
+    raise ConfigError(f"model: tensor {min(flat)!r} has no Gemma 3 counterpart "
                       f"({len(flat)} left over); the parameters are not this transformer's")
   return out
 
@@ -151,8 +159,8 @@ def shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[st
   """The tensor names of each weights file, in order: a file holds at most `max_shard_bytes`
   of tensors, except a single tensor larger than that, which is alone in its file."""
   groups, size = [[]], 0
-  for name in tensors:
-    nbytes = tensors[name].nbytes
+  for name, tensor in tensors.items():
+    nbytes = tensor.nbytes
     if groups[-1] and size + nbytes > max_shard_bytes:
       groups.append([])
       size = 0
@@ -202,16 +210,17 @@ def byte_tokenizer_json() -> str:
   training pipeline puts it before every document). The tokenizer_config.json beside it sets
   `split_special_tokens`, so that transformers never matches "<bos>" typed in a text: any text
   gives ByteTokenizer's ids (the JSON itself cannot say so)."""
-  from tokenizers import AddedToken, Tokenizer  # pylint: disable=import-outside-toplevel
-  from tokenizers import decoders, models, pre_tokenizers, processors  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
   vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
   tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   tok.decoder = decoders.ByteLevel()
-  tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                          for t in sorted(_BYTE_SPECIALS, key=_BYTE_SPECIALS.get)])
+  by_id = sorted(_BYTE_SPECIALS.items(), key=lambda item: item[1])  # added at 256, then 257
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _ in by_id])
   tok.post_processor = processors.TemplateProcessing(
-      single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", _BYTE_SPECIALS["<bos>"])])
+      single="<bos> $A", pair="<bos> $A <bos> $B",
+      special_tokens=[("<bos>", _BYTE_SPECIALS["<bos>"])])
   vocab_out = tok.get_vocab(with_added_tokens=True)
   if any(vocab_out.get(t) != i for t, i in _BYTE_SPECIALS.items()):
     raise AssertionError(f"the byte tokenizer's specials landed at {vocab_out}")
@@ -226,9 +235,9 @@ def _tokenizer_config(bos: str | None, eos: str | None, pad: str | None, max_len
   return config
 
 
-def write_tokenizer(found: str, meta: dict, tokenizer, out_dir: str) -> str | None:
-  """The tokenizer files of the export at `found` in `out_dir`; None, or the one line that
-  says why none were written."""
+def write_tokenizer(meta: dict, tokenizer, out_dir: str) -> str | None:
+  """The files of the run's `tokenizer` (export.json: `meta`) in `out_dir`; None, or the one
+  line that says why none were written."""
   max_len = int(meta.get("data", {}).get("seq_len") or _DEFAULT_MAX_POSITIONS)
   if isinstance(tokenizer, tokenizers.ByteTokenizer):
     with open(os.path.join(out_dir, TOKENIZER_FILE), "w", encoding="utf-8") as f:
@@ -303,7 +312,7 @@ def write(found: str, out_dir: str, max_shard_bytes: int = 5 * 10**9, *,
                   if config[k] is not None}
     _write_json(os.path.join(tmp, "generation_config.json"), generation)
     written += ["config.json", "generation_config.json"]
-    note = write_tokenizer(where, meta, tokenizer, tmp)
+    note = write_tokenizer(meta, tokenizer, tmp)
     if note:
       print(note, flush=True)
     written += sorted(f for f in os.listdir(tmp) if f.startswith("tokenizer"))
