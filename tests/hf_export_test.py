@@ -84,13 +84,16 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("name", ["tiny", "nano", "small", "gemma_shaped"])
+@pytest.mark.parametrize("name", ["tiny", "nano", "small", "gemma_shaped", "tiny_bf16"])
 def test_transformers_computes_the_same_logits(name, tmp_path):
-  cfg = GEMMA_SHAPED if name == "gemma_shaped" else presets.get(name)
+  cfg = {"gemma_shaped": GEMMA_SHAPED,
+         "tiny_bf16": dataclasses.replace(presets.get("tiny"), param_dtype="bfloat16")}.get(
+             name) or presets.get(name)
   params = _make_export(tmp_path, cfg, seed=3)
   hf_format.write(str(tmp_path), str(tmp_path / "hf"))
   config = json.loads((tmp_path / "hf" / "config.json").read_text())
   assert config["model_type"] == "gemma3_text" and config["tie_word_embeddings"]
+  assert config["dtype"] == cfg.param_dtype
   length = cfg.sliding_window + 16  # past the window: its edge is in every local layer
   tokens = np.random.default_rng(0).integers(0, 258, (2, length))
   _close(_hf_logits(tmp_path / "hf", tokens), _logits(cfg, params, tokens))
