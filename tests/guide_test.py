@@ -21,11 +21,12 @@ from diloco.config import run_config as config_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(REPO, "docs", "guide.md")
 # Commands cheap enough to run here: the tiny single-process runs, what reads their results
-# (sample, score, safetensors export) and the comparison.
+# (sample, score, safetensors and Hugging Face exports) and the comparison.
 TRAIN = re.compile(r"^python -m diloco(\.main)? --config=configs/(decoupled|dp)\.py:tiny ")
 TINY = (TRAIN, re.compile(r"^python -m diloco compare "),
         re.compile(r"^python -m diloco\.cli\.(sample|evaluate|to_safetensors) "
-                   r"--workdir=runs/first"))
+                   r"--workdir=runs/first"),
+        re.compile(r"^python -m diloco export --workdir=runs/first --format=hf"))
 SHORTEN = 8
 
 
@@ -69,6 +70,7 @@ def test_the_guide_still_has_its_tiny_commands():
   assert any(c.startswith("python -m diloco compare ") for c in found)
   for tool in ("sample", "evaluate", "to_safetensors"):
     assert any(c.startswith(f"python -m diloco.cli.{tool} ") for c in found), tool
+  assert any(c.startswith("python -m diloco export ") for c in found)
 
 
 @pytest.mark.slow
@@ -98,5 +100,7 @@ def test_the_guides_tiny_commands_run_as_written(tmp_path):
       assert (tmp_path / "runs" / "first" / "benchmarks" / "results.json").is_file()
     elif "diloco.cli.evaluate" in command:
       assert re.search(r"loss \d+\.\d+, perplexity \d+\.\d+", proc.stdout), proc.stdout
+    elif "diloco export" in command:
+      assert (tmp_path / "runs" / "first" / "hf" / "config.json").is_file()
     else:
       assert (tmp_path / "runs" / "first" / "export" / "model.safetensors").is_file()

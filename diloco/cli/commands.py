@@ -23,6 +23,8 @@ SUBCOMMANDS = {
                                          "on lm-evaluation-harness tasks (--tasks)")),
     "lm_eval": ("diloco.cli.harness", ("lm-evaluation-harness's CLI with the run's model: "
                                        "--model diloco --model_args workdir=RUN --tasks ...")),
+    "export": ("diloco.cli.export_model",
+               "write a run's model for other tools: --format=hf (transformers) | safetensors"),
     "to_safetensors": ("diloco.cli.to_safetensors",
                        "add model.safetensors and config.json to a run's export"),
     "slurm": ("diloco.cli.slurm_launch", "a multi-process run as SLURM batch jobs (--dry_run prints)"),

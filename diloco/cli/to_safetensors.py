@@ -26,21 +26,26 @@ flags.DEFINE_string("workdir", None, "The run's workdir, or an export folder.", 
 command.define_trust_flag(FLAGS)
 
 
-def _convert() -> None:
-  if not FLAGS.workdir:
+def convert(workdir: str | None, trust_code: bool) -> None:
+  """Adds model.safetensors and config.json to the export of `workdir` (a run or an export)."""
+  if not workdir:
     raise ConfigError("--workdir is required: a run's workdir or an export folder")
-  found = export.export_dir(FLAGS.workdir)
+  found = export.export_dir(workdir)
   if found is None:
-    raise ConfigError(f"--workdir: {FLAGS.workdir!r} holds no export "
+    raise ConfigError(f"--workdir: {workdir!r} holds no export "
                       f"({export.EXPORT_DIR}/{export.META_FILE})")
   # Nothing here builds the model, but the copy is made for other readers: one that names
   # code to import is passed on only by a user who trusts it.
   meta_file = os.path.join(found, export.META_FILE)
   export.refuse_code(export.read_model(export.read_meta(found)["model"], meta_file), meta_file,
-                     FLAGS.trust_export_code)
+                     trust_code)
   params, meta = export.load(found)
   for path in export.write_safetensors(found, params, meta):
     print(f"wrote {path}")
+
+
+def _convert() -> None:
+  convert(FLAGS.workdir, FLAGS.trust_export_code)
 
 
 def main(argv: list[str]) -> None:
