@@ -56,7 +56,9 @@ setup(
                  # on disk for Python 3.11 (any other torch is a download of several GB); on
                  # other Pythons the tests marked `torch` need `pip install torch` first.
                  "lm-eval>=0.4.9,<0.5", "transformers>=5,<6",
-                 "torch==2.13.0; python_version=='3.11'"],
+                 "torch==2.13.0; python_version=='3.11'",
+                 # lm_eval's "hf" model (scoring the transformers export the same way).
+                 "accelerate>=1,<2; python_version=='3.11'"],
         # Scoring a run on lm-evaluation-harness tasks (`diloco evaluate --tasks=...`).
         "lm-eval": ["lm-eval>=0.4.9,<0.5"],
         # Loading an export written with `--format=hf` into transformers (needs PyTorch).

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-pytest.importorskip("lm_eval")
-
 import run_config
 from lm_eval import utils as lm_utils
 from lm_eval.api.instance import Instance
