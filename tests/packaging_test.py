@@ -12,6 +12,9 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCANNED = ("diloco", "scripts", "experiments", "configs")
 OWN = {"diloco", "configs", "experiments", "scripts", "tests"}
+# Modules whose whole job is an optional feature: they import its extra's packages at module
+# level, and the rest of the package imports them only inside functions (checked below).
+OPTIONAL_MODULES = {"diloco/artifacts/harness_model.py": "lm-eval"}
 
 
 def _setup_kwargs() -> dict:
@@ -33,6 +36,12 @@ def _name(requirement: str) -> str:
   return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group()).lower()
 
 
+def _lazy_nodes(tree: ast.AST) -> set[int]:
+  """The ids of the nodes inside a function of `tree` (run only when it is called)."""
+  return {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+          for n in ast.walk(f)}
+
+
 def _imports() -> dict[str, tuple[str, bool]]:
   """{top-level module: (a file that imports it, whether any import of it is at module level)}
   for the third-party modules imported anywhere in the scanned directories."""
@@ -40,9 +49,9 @@ def _imports() -> dict[str, tuple[str, bool]]:
   for directory in SCANNED:
     for path in sorted((REPO / directory).rglob("*.py")):
       tree = ast.parse(path.read_text(), str(path))
-      lazy = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef,
-                                                              ast.AsyncFunctionDef))
-              for n in ast.walk(f)}
+      lazy = _lazy_nodes(tree)
+      if str(path.relative_to(REPO)) in OPTIONAL_MODULES:
+        lazy = {id(n) for n in ast.walk(tree)}
       for node in ast.walk(tree):
         if isinstance(node, ast.Import):
           names = [alias.name for alias in node.names]
@@ -90,3 +99,30 @@ def test_console_command_is_the_cli():
                         cwd=REPO, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "sync.quorum = 0  # K:" in proc.stdout
+
+
+def test_optional_modules_are_imported_lazily_and_their_extras_declare_their_packages():
+  """An optional feature's module is imported only inside functions anywhere in the package,
+  so that `import diloco...` never needs its extra; the extra lists what it imports."""
+  extras = _setup_kwargs()["extras_require"]
+  providers = importlib.metadata.packages_distributions()
+  for module_path, extra in OPTIONAL_MODULES.items():
+    dotted = module_path[:-3].replace("/", ".")
+    tree = ast.parse((REPO / module_path).read_text())
+    tops = {n.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+            for n in (a.name for a in node.names)}
+    tops |= {node.module.split(".")[0] for node in ast.walk(tree)
+             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module}
+    third_party = {t for t in tops if t not in sys.stdlib_module_names and t not in OWN}
+    declared = {_name(r) for r in extras[extra]}
+    for top in third_party - {"jax", "numpy", "flax"}:
+      assert {_name(d) for d in providers.get(top, [top])} & declared, (top, extra)
+    for path in sorted((REPO / "diloco").rglob("*.py")):
+      tree = ast.parse(path.read_text())
+      lazy = _lazy_nodes(tree)
+      for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [f"{node.module}.{a.name}" for a in node.names]
+                 if isinstance(node, ast.ImportFrom) and node.module else [])
+        if any(n == dotted or n.startswith(dotted + ".") for n in names):
+          assert id(node) in lazy, f"{path} imports {dotted} at module level"
