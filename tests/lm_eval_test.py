@@ -201,6 +201,32 @@ def test_evaluate_tasks_writes_the_results_and_compare_shows_them(run, capsys):
   assert f"{acc:.4g}" in table.splitlines()[2]
 
 
+def test_a_later_evaluation_adds_its_tasks_beside_the_earlier_ones(run, tmp_path, capsys):
+  workdir, tasks, _ = run
+  path = os.path.join(workdir, "benchmarks", "results.json")
+  argv = ["diloco evaluate", f"--workdir={workdir}", f"--include_path={tasks}", "--batch_size=4"]
+  evaluate.main([*argv, "--tasks=tiny_mc"])
+  with open(path) as f:
+    first = json.load(f)["results"]["tiny_mc"]
+  evaluate.main([*argv, "--tasks=tiny_text"])
+  with open(path) as f:
+    both = json.load(f)
+  assert both["results"]["tiny_mc"] == first and "tiny_text" in both["results"]
+  assert set(both["n-samples"]) >= {"tiny_mc", "tiny_text"}
+  header = compare.compare([workdir]).splitlines()[0]
+  assert "tiny_mc acc" in header and "tiny_text word_perplexity" in header
+  # A damaged file stops the command in one line naming it, before any task runs; it is kept.
+  with open(path, "w") as f:
+    f.write("{not json")
+  with pytest.raises(SystemExit) as e:
+    evaluate.main([*argv, "--tasks=tiny_mc"])
+  assert path in str(e.value) and "\n" not in str(e.value)
+  with open(path) as f:
+    assert f.read() == "{not json"
+  os.remove(path)
+  capsys.readouterr()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tasks=no_such_task"], "--tasks: unknown task 'no_such_task'"),
     (["--tasks=tiny_mc", "--data=stdlib"], "--data: scores held-out text"),

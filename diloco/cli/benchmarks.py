@@ -2,7 +2,8 @@
 
 Looks the tasks up (lm_eval's own and `--include_path`'s), runs them through lm_eval's
 `simple_evaluate` on the run's model (`diloco.artifacts.harness_model`), writes the harness's
-results JSON to RUN/benchmarks/results.json and prints one line per task. `diloco compare`
+results JSON to RUN/benchmarks/results.json (a later evaluation of other tasks adds them
+beside the earlier ones) and prints one line per task. `diloco compare`
 reads that file (`metric_columns`) for a column per task metric. lm_eval is imported only
 here, when tasks are asked for, so the rest of the CLI works without it (and `diloco
 compare`, which reads the results file only, imports no model code).
@@ -77,6 +78,8 @@ def evaluate(model: trained.Trained, workdir: str, *, tasks: str, include_path: 
              max_length: int | None) -> tuple[dict, str]:
   """Runs the tasks; returns the harness's results (no samples) and where they were written."""
   names = task_names(tasks)
+  path = os.path.join(run_dir(workdir), RESULTS_FILE)
+  earlier = read_results(path)  # a damaged file stops here, before the tasks run
   manager = task_manager(names, include_path)
   from lm_eval import evaluator, utils  # pylint: disable=import-outside-toplevel
 
@@ -88,12 +91,42 @@ def evaluate(model: trained.Trained, workdir: str, *, tasks: str, include_path: 
   results.pop("samples", None)
   results["config"]["model"] = "diloco"
   results["config"]["model_args"] = f"workdir={workdir}"
-  path = os.path.join(run_dir(workdir), RESULTS_FILE)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=2, default=utils.handle_non_serializable)
+    json.dump(merged(earlier, results), f, indent=2, default=utils.handle_non_serializable)
   os.replace(path + ".tmp", path)
   return results, path
+
+
+# The sections of a results JSON that are keyed by task: a later evaluation of other tasks adds
+# its own entries beside the earlier ones (and replaces those of a task it scores again).
+_PER_TASK = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot",
+             "higher_is_better", "n-samples")
+
+
+def read_results(path: str) -> dict:
+  """The results JSON at `path` ({} when there is none); ConfigError naming it if unreadable."""
+  if not os.path.exists(path):
+    return {}
+  try:
+    with open(path, encoding="utf-8") as f:
+      results = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ConfigError(f"{path}: not a results JSON ({e}); move it aside to keep it") from None
+  if not isinstance(results, dict) or not all(
+      isinstance(results.get(k, {}), dict) for k in _PER_TASK):
+    raise ConfigError(f"{path}: not a results JSON (expected an object of per-task sections); "
+                      "move it aside to keep it")
+  return results
+
+
+def merged(earlier: dict, latest: dict) -> dict:
+  """`latest` with the per-task entries of `earlier` for the tasks it did not score."""
+  out = dict(latest)
+  for key in _PER_TASK:
+    if key in earlier or key in latest:
+      out[key] = {**earlier.get(key, {}), **latest.get(key, {})}
+  return out
 
 
 def metrics(results: dict) -> dict[str, dict[str, float]]:
