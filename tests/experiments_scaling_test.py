@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from experiments.scaling import config, pool, report, rows, run, stages
+from experiments.scaling import config, pool, report, report_batch, rows, run, stages
 
 STEPS = 40
 
@@ -590,15 +590,15 @@ def _nano_cfg(kind: str, m: int, setting: str = "", *, batch: int = config.DP_BA
 
 
 def _nano_group(outdir: str, losses: dict, *, batch: int = config.DP_BATCH,
-                steps: int = NANO, ref_scale: float = 8.0) -> None:
-  """Seed-0 nano runs at `batch`: data-parallel at every SIZE_INNER_SCALES rate (2.0 at
+                steps: int = NANO, ref_scale: float = 8.0, dp_loss: float = 2.0) -> None:
+  """Seed-0 nano runs at `batch`: data-parallel at every SIZE_INNER_SCALES rate (`dp_loss` at
   `ref_scale`, 2.1 elsewhere) and each (kind, M) of `losses` at outer 1/0 and, 0.05 worse,
   at 1.4/0, both at the reference's rate."""
   for scale in config.SIZE_INNER_SCALES:
     setting = "" if scale == 1 else config.inner_label(NANO_INNER * scale).strip()
     fake_run(outdir, f"nano{batch}_dp_{scale}",
              _nano_cfg("data-parallel", 1, setting, batch=batch, steps=steps),
-             2.0 if scale == ref_scale else 2.1)
+             dp_loss if scale == ref_scale else 2.1)
   inner = config.inner_label(NANO_INNER * ref_scale)
   for (kind, m), loss in losses.items():
     prefix = "overwrite " if kind == "decoupled" else ""
@@ -721,3 +721,53 @@ def test_period_rows_never_change_the_main_groups_picks(tmp_path):
       config.PERIODS)
   assert all(r["method"].endswith(f"H={r['period']}")
              for r in rows.period_groups(found)[("nano", NANO)])
+
+
+def test_batch_and_period_tables_match_hand_computed_values(tmp_path):
+  """Batch 32: data-parallel 2.00; batch 64: 1.96 (the best), so every gap is to 1.96 and
+  each method keeps the batch of its lower loss; the period rows gap to batch 32's 2.00."""
+  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "out")
+  _nano_group(outdir, {("diloco", 2): 2.02, ("decoupled", 2): 2.03, ("decoupled", 4): 2.06})
+  steps64 = config.compute_optimal_steps("nano", 64)
+  _nano_group(outdir, {("diloco", 2): 1.98, ("decoupled", 4): 2.04}, batch=64, steps=steps64,
+              ref_scale=4.0, dp_loss=1.96)
+  inner8, inner4 = config.inner_label(NANO_INNER * 8), config.inner_label(NANO_INNER * 4)
+  fake_run(outdir, "dil2_h15", _nano_cfg("diloco", 2, f"outer 1/0{inner8} H=15"), 2.04)
+  fake_run(outdir, "dec4_h8", _nano_cfg("decoupled", 4, f"overwrite outer 1/0{inner4} H=8"),
+           2.07)
+  found = rows.collect(outdir)
+  at_best, own = report_batch.best_tables(found, "nano")
+  assert at_best.splitlines()[2] == ("| synchronous DiLoCo | 1.9600 (B = 64) | — | "
+                                     "1.9800 (+1.02%) | — | — |")
+  assert at_best.splitlines()[3] == ("| Decoupled DiLoCo | 1.9600 (B = 64) | — | — | "
+                                     "2.0400 (+4.08%) | — |")
+  lines = own.splitlines()
+  assert lines[2] == ("| synchronous DiLoCo | 1.9600 (B = 64) | — | 1.9800 (+1.02%, B = 64) "
+                      "| — | — |")
+  assert lines[3] == ("| Decoupled DiLoCo | 1.9600 (B = 64) | — | 2.0300 (+3.57%, B = 32) | "
+                      "2.0400 (+4.08%, B = 64) | — |")
+  assert lines[4].startswith("| DiLoCo, study 35M | 3.485 | 3.482 (-0.09%) | 3.508 (+0.66%) |")
+  assert lines[5] == ("| DiLoCo, study's fitted laws at tiny's N |  | +0.33% | +1.57% | "
+                      "+4.06% | +7.47% |")
+  sweep = report_batch.batch_table(found, "nano").splitlines()
+  assert sweep[0] == f"| method | B = 32 ({NANO} steps) | B = 64 ({steps64} steps) |"
+  assert sweep[2:5] == ["| data-parallel | 2.0000 | 1.9600* |",
+                        "| synchronous DiLoCo M = 2 | 2.0200 | 1.9800* |",
+                        "| Decoupled DiLoCo M = 2 | 2.0300* | — |"]
+  main = rows.groups(found)[("nano", NANO)]
+  period = report_batch.period_table(main, rows.period_groups(found)[("nano", NANO)])
+  assert period.splitlines()[0] == (f"| method | H = 8 ({NANO // 8} rounds) | H = 15 "
+                                    f"({NANO // 15} rounds) | H = 30 ({NANO // 30} rounds) |")
+  assert period.splitlines()[2:] == [
+      "| synchronous DiLoCo M = 2 | — | 2.0400 (+2.00%) | 2.0200 (+1.00%) |",
+      "| synchronous DiLoCo M = 4 | — | — | — |",
+      "| Decoupled DiLoCo M = 2 | — | — | 2.0300 (+1.50%) |",
+      "| Decoupled DiLoCo M = 4 | 2.0700 (+3.50%) | — | 2.0600 (+3.00%) |",
+      "| data-parallel (the reference) | 2.0000 | | |"]
+  run.write_report(outdir, folder)
+  text = open(os.path.join(folder, "README.md")).read()
+  assert "## `nano`: best against best over the global batch B" in text and own in text
+  assert f"## `nano`, {steps64} steps per learner, global batch 64" in text
+  assert f"## `nano`, {NANO} steps: the synchronisation period H" in text and period in text
+  # The size table reads nano at batch 32 only (one row per size): no second nano row.
+  assert report.size_table(found) == ""

@@ -198,7 +198,8 @@ def dp(seed: int, steps: int, batch: int = DP_BATCH, preset: str = "tiny",
     method += inner_label(inner_lr)
   # The batch is split over the mesh's devices: below DEVICES sequences, fewer devices.
   devices = (("devices", batch),) if batch < DEVICES else ()
-  return Run(f"{preset}{batch_tag(dp_batch, named_batch)} {method}", f"configs/dp.py:{preset}", seed,
+  return Run(f"{preset}{batch_tag(dp_batch, named_batch)} {method}", f"configs/dp.py:{preset}",
+             seed,
              _common(steps, batch, seq_len, eval_every, **common) + extra,
              labels=(("model", preset), ("kind", "data-parallel"), ("M", 1),
                      ("batch", batch)) + devices)

@@ -18,7 +18,7 @@ import os
 from absl import app, flags
 
 from experiments import harness
-from experiments.scaling import config, pool, report, rows as rows_lib, stages
+from experiments.scaling import config, pool, report, report_batch, rows as rows_lib, stages
 
 STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "m1", "size", "batch",
           "period", "none")
@@ -89,8 +89,10 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             dry_run: bool = False, inner_scales=config.INNER_SCALES,
             preset: str = "tiny") -> float:
   """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous; "size" and
-  "batch": twice, the second pass once the data-parallel references are known); returns the wall seconds spent. A run with a row in `folder`'s results.json (carried from another machine)
-  counts as done. `dry_run` only prints the runs."""
+  "batch": twice, the second pass once the data-parallel references are known); returns the
+  wall seconds spent. A run with a row in `folder`'s results.json (carried from another
+  machine) counts as done. `dry_run` only prints the runs (and, for "batch", each batch's
+  plan: `stages.batch_plan`)."""
   wall = 0.0
   passes = {"all": ("1", "2", "3"), "size": ("size", "size"),
             "batch": ("batch", "batch")}.get(stage, (stage,))
@@ -144,6 +146,7 @@ def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str =
               "rows are on another corpus and tokenizer: only gaps compare; its fitted laws are "
               "quoted at tiny's N only (extrapolated 2.4 decades below its smallest model).", "",
               by_size, ""]
+  parts += report_batch.sections(found)
   for extra in ("usage.md", "gpu35m.md") if prefix == config.NAME else ():
     path = os.path.join(folder, extra)
     if os.path.exists(path):
