@@ -28,6 +28,16 @@ second model size (`small`, one seed): data-parallel at the tuned reference's in
 against Decoupled M = 4 at its tiny pick (receipt, outer and inner rates), for
 `--small_steps` steps. Stage size (`--preset=nano`, about 4x fewer parameters than tiny, at
 20N): the same protocol at another size (`SIZE_*` below), then stages 2 and 3 at that preset.
+Stage batch (`--preset=nano`; the study tuned the global batch per method and M): stage size
+at each global batch B of `BATCH_SWEEP` beside 32, at the same 20N tokens (20N / (B x 64)
+steps), warmup and evaluations at the same tokens as at 32 (`batch_shape`), each learner on
+B / M sequences: data-parallel at every inner rate of `SIZE_INNER_SCALES` (each B's reference
+tuned anew), then both DiLoCo methods at that reference's inner rate, first at the outer
+setting each picked at batch 32, then at `SIZE_OUTER`. Each B is its own group (its steps
+differ), reported best against best: every method at data-parallel's best B, and each
+method and M at its own best B. Stage period: H at each of `PERIODS` beside 30 at M = 2 and
+4, both methods at their batch-32 picks, Decoupled with a fragment due every 5 steps; these
+runs name their H and never enter the picks.
 
 Targets: M = 1 at or below data-parallel; Decoupled M = 2 within 1.5 % and M = 4 within 3 %
 of data-parallel; Decoupled no worse than synchronous DiLoCo at the same M beyond the seeds'
