@@ -765,7 +765,8 @@ def test_batch_and_period_tables_match_hand_computed_values(tmp_path):
       "| Decoupled DiLoCo M = 4 | 2.0700 (+3.50%) | — | 2.0600 (+3.00%) |",
       "| data-parallel (the reference) | 2.0000 | | |"]
   run.write_report(outdir, folder)
-  text = open(os.path.join(folder, "README.md")).read()
+  with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+    text = f.read()
   assert "## `nano`: best against best over the global batch B" in text and own in text
   assert f"## `nano`, {steps64} steps per learner, global batch 64" in text
   assert f"## `nano`, {NANO} steps: the synchronisation period H" in text and period in text

@@ -153,27 +153,28 @@ def sections(rows: list[dict]) -> list[str]:
       continue
     at_best, own = best_tables(rows, model)
     parts += [f"## `{model}`: best against best over the global batch B", "",
-              f"The protocol at each global batch B (`--stage=batch`; B = {config.DP_BATCH} is "
-              "the section above), at the same tokens (20N), warmup and evaluations; each "
-              "learner on B / M sequences, data-parallel's inner rate tuned at each B, each "
-              "method's outer setting picked at each B. Seed-0 losses, gap to the best "
-              "data-parallel loss over B; — = not run yet.", ""]
+              (f"The protocol at each global batch B (`--stage=batch`; B = {config.DP_BATCH} "
+               "is its own section above), at the same tokens (20N), warmup and evaluations; "
+               "each learner on B / M sequences, data-parallel's inner rate tuned at each B, "
+               "each method's outer setting picked at each B. Seed-0 losses, gap to the best "
+               "data-parallel loss over B; — = not run yet."), ""]
     if at_best:
       parts += ["### Every method at data-parallel's best batch", "", at_best, "",
                 "### Each method and M at its own best batch (as the study tuned it)", "", own,
-                "", f"The study's rows cite {config.STUDY_CITATION} and its fitted laws "
-                "(Table 7) at tiny's N; its losses are on another corpus and tokenizer, so "
-                "only its gaps compare with ours.", ""]
+                "", (f"The study's rows cite {config.STUDY_CITATION} and its fitted laws "
+                     "(Table 7) at tiny's N; its losses are on another corpus and tokenizer, "
+                     "so only its gaps compare with ours."), ""]
     parts += ["### Seed-0 loss at each batch (* = the row's lowest)", "", sweep, ""]
   groups = rows_lib.groups(rows)
   for (model, steps), at_periods in sorted(rows_lib.period_groups(rows).items()):
     main = groups.get((model, steps), [])
     parts += [f"## `{model}`, {steps} steps: the synchronisation period H", "",
-              "Each method at its pick of the section above (receipt, outer and inner rates) "
-              f"with H changed (`--stage=period`; Decoupled keeps a fragment due every "
-              f"{config.FRAGMENT_STEPS} steps, tau = {config.TAU}). Seed-0 loss and gap to "
-              "that section's data-parallel reference; the runs at another H never enter its "
-              "picks. — = not run yet.", "", period_table(main, at_periods), "",
+              (f"Each method at its pick of the section `{model}`, {steps} steps (receipt, "
+               "outer and inner rates) with H changed (`--stage=period`; Decoupled keeps a "
+               f"fragment due every {config.FRAGMENT_STEPS} steps, tau = {config.TAU}). "
+               "Seed-0 loss and gap to that section's data-parallel reference; the runs at "
+               "another H never enter its picks. — = not run yet."), "",
+              period_table(main, at_periods), "",
               report.goodput_table(at_periods + [r for r in main
                                                  if r["method"] == "data-parallel"]), ""]
   return parts
