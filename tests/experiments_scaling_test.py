@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from experiments.scaling import config, pool, report, rows, run, stages
+from experiments.scaling import config, pool, report, report_batch, rows, run, stages
 
 STEPS = 40
 
@@ -571,3 +571,204 @@ def test_size_table_puts_each_20n_size_beside_the_study(tmp_path):
   assert lines[3].startswith(f"| synchronous DiLoCo | tiny | {config.params('tiny'):,} | ")
   assert "+1.00% (1)" in lines[3] and len(lines) == 6  # two study rows, no Decoupled rows
   assert "+0.66%" in lines[4] and f"+{config.STUDY_LAW_AT_TINY[2]:.2f}%" in lines[5]
+
+
+NANO = config.compute_optimal_steps("nano")
+NANO_INNER = config.PRESET_INNER_LR["nano"]
+
+
+def _nano_cfg(kind: str, m: int, setting: str = "", *, batch: int = config.DP_BATCH,
+              steps: int = NANO, period: int | None = None, seed: int = 0) -> dict:
+  """A nano config.json at global batch `batch`: its setting's inner rate and H as well."""
+  cfg = _cfg(kind, m, "" if kind == "data-parallel" else setting, seed, batch // m, "nano",
+             steps)
+  cfg["optim"] = {"learning_rate": stages.inner_of(setting) or NANO_INNER}
+  if kind != "data-parallel":
+    h = period or stages.period_of(setting)
+    cfg["sync"].update(period=h, num_fragments=1 if kind == "diloco" else config.fragments(h))
+  return cfg
+
+
+def _nano_group(outdir: str, losses: dict, *, batch: int = config.DP_BATCH,
+                steps: int = NANO, ref_scale: float = 8.0, dp_loss: float = 2.0) -> None:
+  """Seed-0 nano runs at `batch`: data-parallel at every SIZE_INNER_SCALES rate (`dp_loss` at
+  `ref_scale`, 2.1 elsewhere) and each (kind, M) of `losses` at outer 1/0 and, 0.05 worse,
+  at 1.4/0, both at the reference's rate."""
+  for scale in config.SIZE_INNER_SCALES:
+    setting = "" if scale == 1 else config.inner_label(NANO_INNER * scale).strip()
+    fake_run(outdir, f"nano{batch}_dp_{scale}",
+             _nano_cfg("data-parallel", 1, setting, batch=batch, steps=steps),
+             dp_loss if scale == ref_scale else 2.1)
+  inner = config.inner_label(NANO_INNER * ref_scale)
+  for (kind, m), loss in losses.items():
+    prefix = "overwrite " if kind == "decoupled" else ""
+    for outer, extra in (("outer 1/0", 0.0), ("outer 1.4/0", 0.05)):
+      fake_run(outdir, f"nano{batch}_{kind}{m}_{outer[6:].replace('/', '-')}",
+               _nano_cfg(kind, m, prefix + outer + inner, batch=batch, steps=steps),
+               loss + extra)
+
+
+NANO_LOSSES = {("diloco", 1): 1.99, ("diloco", 2): 2.02, ("diloco", 4): 2.05,
+               ("diloco", 8): 2.10, ("decoupled", 1): 1.995, ("decoupled", 2): 2.03,
+               ("decoupled", 4): 2.06, ("decoupled", 8): 2.12}
+
+
+def test_batch_stage_tunes_each_batchs_reference_then_runs_the_nano_picks(tmp_path):
+  outdir = str(tmp_path)
+  _nano_group(outdir, NANO_LOSSES)
+  existing = {r.method for r in stages.stage_size(rows.collect(outdir), NANO, NANO, "nano",
+                                                  pick_preset="nano")}
+  planned = stages.stage_batch(rows.collect(outdir), NANO, "nano", (1, 2, 4, 8))
+  assert len(planned) == len(config.BATCH_SWEEP) * len(config.SIZE_INNER_SCALES)
+  assert len({r.name for r in planned}) == len(planned) and not existing & {
+      r.method for r in planned}
+  expect = {16: (727, 100, 200), 64: (182, 25, 50), 128: (91, 12, 25)}
+  for r in planned:
+    o = dict(r.overrides)
+    batch = o["train.batch_size"]
+    assert config.compute_optimal_steps("nano", batch) == o["train.steps"]
+    assert (o["train.steps"], o["optim.warmup_steps"], o["train.eval_every"]) == expect[batch]
+    assert o["train.eval_batches"] * batch == config.EVAL_WINDOWS
+    assert r.method.startswith(f"nano batch {batch} data-parallel")
+  # Batch 64's reference is tuned at 4x (not nano's 8x); its DiLoCo runs follow, each at
+  # the outer setting picked at batch 32 first, the neighbours after, on 64 / M sequences.
+  steps64 = config.compute_optimal_steps("nano", 64)
+  _nano_group(outdir, {}, batch=64, steps=steps64, ref_scale=4.0)
+  planned = [r for r in stages.stage_batch(rows.collect(outdir), NANO, "nano", (1, 2, 4, 8))
+             if dict(r.overrides)["train.steps"] == steps64 and dict(r.labels)["kind"] != (
+                 "data-parallel")]
+  assert len(planned) == 8 * len(config.SIZE_OUTER)
+  inner = config.inner_label(NANO_INNER * 4)
+  assert planned[0].method == f"nano batch 64 diloco M=1 outer 1/0{inner}"
+  assert planned[1].method == f"nano batch 64 decoupled M=1 overwrite outer 1/0{inner}"
+  for r in planned:
+    o = dict(r.overrides)
+    assert o["train.batch_size"] * o["learners.count"] == 64
+    assert (o["optim.warmup_steps"], o["train.eval_every"], o["sync.period"]) == (25, 50, 30)
+  with pytest.raises(ValueError, match="--stage=batch needs"):
+    stages.stage_batch(rows.collect(outdir), NANO, "nano", (16,))
+
+
+def test_stage_two_of_a_batch_group_seeds_its_own_reference_and_picks(tmp_path):
+  outdir = str(tmp_path)
+  steps64 = config.compute_optimal_steps("nano", 64)
+  _nano_group(outdir, {("decoupled", 2): 2.03}, batch=64, steps=steps64, ref_scale=4.0)
+  found = rows.collect(outdir)
+  group = rows.groups(found)[("nano", steps64)]
+  assert rows.global_batch(group) == 64
+  assert {r["method"] for r in group if r["kind"] == "data-parallel" and r["seed"] == 0} >= {
+      "data-parallel"}  # data-parallel at the group's own batch is its reference
+  inner = config.inner_label(NANO_INNER * 4)
+  second = stages.stage_two(found, steps64, (2,), "nano")
+  assert [r.method for r in second] == [f"nano batch 64 data-parallel{inner}",
+                                        f"nano batch 64 decoupled M=2 overwrite outer 1/0{inner}"]
+  o = dict(second[1].overrides)
+  assert (o["train.batch_size"], o["train.steps"], o["optim.warmup_steps"]) == (32, steps64, 25)
+  assert {r.seed for r in second} == {1}
+
+
+def test_period_stage_scales_fragments_with_h_and_names_it(tmp_path):
+  outdir = str(tmp_path)
+  _nano_group(outdir, NANO_LOSSES)
+  planned = stages.stage_period(rows.collect(outdir), NANO, "nano")
+  assert len(planned) == len(config.PERIODS) * len(config.PERIOD_LEARNERS) * 2 == 8
+  assert len({r.name for r in planned}) == 8
+  inner = config.inner_label(NANO_INNER * 8)
+  assert planned[1].method == f"nano decoupled M=2 overwrite outer 1/0{inner} H=8"
+  for r in planned:
+    o = dict(r.overrides)
+    h = stages.period_of(r.method)
+    assert o["sync.period"] == h and o["train.steps"] == NANO and r.seed == 0
+    if dict(r.labels)["kind"] == "decoupled":
+      assert (o["sync.num_fragments"], o["sync.tau"]) == ({8: 2, 15: 3}[h], config.TAU)
+    else:
+      assert o["sync.tau"] == 0 and "sync.num_fragments" not in o
+  assert config.fragments(config.PERIOD) == config.DECOUPLED_FRAGMENTS
+  with pytest.raises(ValueError, match="--stage=period needs"):
+    stages.stage_period(rows.collect(outdir), NANO + 1, "nano")
+
+
+def test_describe_names_a_non_default_period_and_batch():
+  setting = f"overwrite outer 1/0{config.inner_label(0.012)} H=15"
+  cfg = _nano_cfg("decoupled", 4, setting, batch=128, steps=91)
+  labels = rows.describe(cfg)
+  assert (labels["setting"], labels["period"], labels["batch"], labels["M"]) == (
+      setting, 15, 32, 4)
+  assert stages.parse_setting(setting) == ("overwrite", (1.0, 0.0))
+  assert (stages.inner_of(setting), stages.period_of(setting)) == (0.012, 15)
+  plain = rows.describe(_nano_cfg("diloco", 2, "outer 1/0"))
+  assert (plain["setting"], plain["period"]) == ("outer 1/0", config.PERIOD)
+  assert stages.period_of("outer 1/0") == config.PERIOD
+  with pytest.raises(ValueError, match="H="):
+    stages.parse_setting("outer 1/0 H=x")
+  # A run's config reads back as the setting its name was made from.
+  run_ = stages.method_run("decoupled", 4, setting, 0, 91, "nano", 128)
+  assert run_.method == f"nano batch 128 decoupled M=4 {setting}"
+
+
+def test_period_rows_never_change_the_main_groups_picks(tmp_path):
+  outdir = str(tmp_path)
+  _nano_group(outdir, NANO_LOSSES)
+  before = rows.picks(rows.groups(rows.collect(outdir))[("nano", NANO)])
+  second = [r.method for r in stages.stage_two(rows.collect(outdir), NANO, (2, 4), "nano")]
+  inner = config.inner_label(NANO_INNER * 8)
+  for h in config.PERIODS:  # far better than every H = 30 run
+    fake_run(outdir, f"dil2_h{h}", _nano_cfg("diloco", 2, f"outer 1.4/0{inner} H={h}"), 1.5)
+  found = rows.collect(outdir)
+  assert rows.picks(rows.groups(found)[("nano", NANO)]) == before
+  assert [r.method for r in stages.stage_two(found, NANO, (2, 4), "nano")] == second
+  assert {r["period"] for r in rows.period_groups(found)[("nano", NANO)]} == set(
+      config.PERIODS)
+  assert all(r["method"].endswith(f"H={r['period']}")
+             for r in rows.period_groups(found)[("nano", NANO)])
+
+
+def test_batch_and_period_tables_match_hand_computed_values(tmp_path):
+  """Batch 32: data-parallel 2.00; batch 64: 1.96 (the best), so every gap is to 1.96 and
+  each method keeps the batch of its lower loss; the period rows gap to batch 32's 2.00."""
+  outdir, folder = str(tmp_path / "runs"), str(tmp_path / "out")
+  _nano_group(outdir, {("diloco", 2): 2.02, ("decoupled", 2): 2.03, ("decoupled", 4): 2.06})
+  steps64 = config.compute_optimal_steps("nano", 64)
+  _nano_group(outdir, {("diloco", 2): 1.98, ("decoupled", 4): 2.04}, batch=64, steps=steps64,
+              ref_scale=4.0, dp_loss=1.96)
+  inner8, inner4 = config.inner_label(NANO_INNER * 8), config.inner_label(NANO_INNER * 4)
+  fake_run(outdir, "dil2_h15", _nano_cfg("diloco", 2, f"outer 1/0{inner8} H=15"), 2.04)
+  fake_run(outdir, "dec4_h8", _nano_cfg("decoupled", 4, f"overwrite outer 1/0{inner4} H=8"),
+           2.07)
+  found = rows.collect(outdir)
+  at_best, own = report_batch.best_tables(found, "nano")
+  assert at_best.splitlines()[2] == ("| synchronous DiLoCo | 1.9600 (B = 64) | — | "
+                                     "1.9800 (+1.02%) | — | — |")
+  assert at_best.splitlines()[3] == ("| Decoupled DiLoCo | 1.9600 (B = 64) | — | — | "
+                                     "2.0400 (+4.08%) | — |")
+  lines = own.splitlines()
+  assert lines[2] == ("| synchronous DiLoCo | 1.9600 (B = 64) | — | 1.9800 (+1.02%, B = 64) "
+                      "| — | — |")
+  assert lines[3] == ("| Decoupled DiLoCo | 1.9600 (B = 64) | — | 2.0300 (+3.57%, B = 32) | "
+                      "2.0400 (+4.08%, B = 64) | — |")
+  assert lines[4].startswith("| DiLoCo, study 35M | 3.485 | 3.482 (-0.09%) | 3.508 (+0.66%) |")
+  assert lines[5] == ("| DiLoCo, study's fitted laws at tiny's N |  | +0.33% | +1.57% | "
+                      "+4.06% | +7.47% |")
+  sweep = report_batch.batch_table(found, "nano").splitlines()
+  assert sweep[0] == f"| method | B = 32 ({NANO} steps) | B = 64 ({steps64} steps) |"
+  assert sweep[2:5] == ["| data-parallel | 2.0000 | 1.9600* |",
+                        "| synchronous DiLoCo M = 2 | 2.0200 | 1.9800* |",
+                        "| Decoupled DiLoCo M = 2 | 2.0300* | — |"]
+  main = rows.groups(found)[("nano", NANO)]
+  period = report_batch.period_table(main, rows.period_groups(found)[("nano", NANO)])
+  assert period.splitlines()[0] == (f"| method | H = 8 ({NANO // 8} rounds) | H = 15 "
+                                    f"({NANO // 15} rounds) | H = 30 ({NANO // 30} rounds) |")
+  assert period.splitlines()[2:] == [
+      "| synchronous DiLoCo M = 2 | — | 2.0400 (+2.00%) | 2.0200 (+1.00%) |",
+      "| synchronous DiLoCo M = 4 | — | — | — |",
+      "| Decoupled DiLoCo M = 2 | — | — | 2.0300 (+1.50%) |",
+      "| Decoupled DiLoCo M = 4 | 2.0700 (+3.50%) | — | 2.0600 (+3.00%) |",
+      "| data-parallel (the reference) | 2.0000 | | |"]
+  run.write_report(outdir, folder)
+  with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+    text = f.read()
+  assert "## `nano`: best against best over the global batch B" in text and own in text
+  assert f"## `nano`, {steps64} steps per learner, global batch 64" in text
+  assert f"## `nano`, {NANO} steps: the synchronisation period H" in text and period in text
+  # The size table reads nano at batch 32 only (one row per size): no second nano row.
+  assert report.size_table(found) == ""

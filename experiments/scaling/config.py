@@ -28,6 +28,16 @@ second model size (`small`, one seed): data-parallel at the tuned reference's in
 against Decoupled M = 4 at its tiny pick (receipt, outer and inner rates), for
 `--small_steps` steps. Stage size (`--preset=nano`, about 4x fewer parameters than tiny, at
 20N): the same protocol at another size (`SIZE_*` below), then stages 2 and 3 at that preset.
+Stage batch (`--preset=nano`; the study tuned the global batch per method and M): stage size
+at each global batch B of `BATCH_SWEEP` beside 32, at the same 20N tokens (20N / (B x 64)
+steps), warmup and evaluations at the same tokens as at 32 (`batch_shape`), each learner on
+B / M sequences: data-parallel at every inner rate of `SIZE_INNER_SCALES` (each B's reference
+tuned anew), then both DiLoCo methods at that reference's inner rate, first at the outer
+setting each picked at batch 32, then at `SIZE_OUTER`. Each B is its own group (its steps
+differ), reported best against best: every method at data-parallel's best B, and each
+method and M at its own best B. Stage period: H at each of `PERIODS` beside 30 at M = 2 and
+4, both methods at their batch-32 picks, Decoupled with a fragment due every 5 steps; these
+runs name their H and never enter the picks.
 
 Targets: M = 1 at or below data-parallel; Decoupled M = 2 within 1.5 % and M = 4 within 3 %
 of data-parallel; Decoupled no worse than synchronous DiLoCo at the same M beyond the seeds'
@@ -106,6 +116,19 @@ SMALL_EVAL_EVERY = 250
 SIZE_INNER_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 SIZE_LEARNERS = (1, 2, 4, 8)
 SIZE_OUTER = ((1.0, 0.0), (1.4, 0.0), (0.6, 0.9))
+# --stage=batch --preset=P: the size protocol at each global batch B of BATCH_SWEEP beside
+# DP_BATCH, at the same tokens (`compute_optimal_steps(P, B)` steps), warmup and evaluations
+# at the same tokens as at DP_BATCH (`batch_shape`), each learner on B / M sequences; the
+# DiLoCo runs start at the outer settings picked at P's DP_BATCH group. The study tuned the
+# global batch per method and M (powers of 2).
+BATCH_SWEEP = (16, 64, 128)
+# --stage=period --preset=P: H at each of PERIODS beside PERIOD, at each M of PERIOD_LEARNERS,
+# both DiLoCo methods at their picks of P's DP_BATCH group; Decoupled keeps a fragment due
+# every FRAGMENT_STEPS steps (`fragments`), tau = TAU. These runs name their H and stay out of
+# the main group's picks (rows.groups).
+PERIODS = (8, 15)
+PERIOD_LEARNERS = (2, 4)
+FRAGMENT_STEPS = 5
 # The config preset of a model preset where the names differ: configs/diloco.py and
 # configs/decoupled.py call the `small` model's preset `cpu` (configs/dp.py has both).
 CONFIG_PRESET = {"small": "cpu"}
@@ -128,6 +151,31 @@ def compute_optimal_steps(preset: str = "tiny", batch: int = DP_BATCH,
   return round(TOKENS_PER_PARAM * params(preset) / (batch * seq_len))
 
 
+def batch_shape(batch: int) -> dict:
+  """The keyword arguments of `dp` / `diloco` at global batch `batch`: warmup and evaluation
+  cadence at the same tokens as at DP_BATCH (rounded, at least one step), and the batch in
+  the run's name (`batch_tag`)."""
+  return {"dp_batch": batch, "eval_every": max(1, round(EVAL_EVERY * DP_BATCH / batch)),
+          "warmup": max(1, round(WARMUP * DP_BATCH / batch)), "named_batch": True}
+
+
+def fragments(period: int) -> int:
+  """Decoupled's fragment count at H = `period`: one due every FRAGMENT_STEPS steps."""
+  return max(1, round(period / FRAGMENT_STEPS))
+
+
+def batch_tag(dp_batch: int, named: bool = True) -> str:
+  """What a run's name says about its global batch: nothing at DP_BATCH (the names of the
+  runs made before the batch sweep) or when not `named` (gpu35m's runs, each preset at one
+  batch), " batch B" otherwise."""
+  return "" if dp_batch == DP_BATCH or not named else f" batch {dp_batch}"
+
+
+def period_label(period: int) -> str:
+  """The suffix of a setting whose H is not the study's PERIOD."""
+  return "" if period == PERIOD else f" H={period}"
+
+
 def outer_label(lr: float, momentum: float) -> str:
   return f"outer {lr:g}/{momentum:g}"
 
@@ -148,18 +196,20 @@ def _common(steps: int, batch: int, seq_len: int, eval_every: int, *,
 
 def dp(seed: int, steps: int, batch: int = DP_BATCH, preset: str = "tiny",
        seq_len: int = SEQ_LEN, eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH,
-       extra: tuple = (), inner_lr: float | None = None, **common) -> Run:
+       extra: tuple = (), inner_lr: float | None = None, named_batch: bool = False,
+       **common) -> Run:
   """Data-parallel at `batch` sequences per step (one learner's batch when < `dp_batch`).
   `extra` overrides are appended; `common` goes to `_common` (eval_windows, warmup);
   `inner_lr` replaces the preset's peak learning rate (a method of its own, not the
-  reference)."""
+  reference); `named_batch` names `dp_batch` in the run's name (`batch_tag`)."""
   method = "data-parallel" if batch == dp_batch else f"data-parallel B={batch}"
   if inner_lr is not None:
     extra = (("optim.learning_rate", inner_lr),) + tuple(extra)
     method += inner_label(inner_lr)
   # The batch is split over the mesh's devices: below DEVICES sequences, fewer devices.
   devices = (("devices", batch),) if batch < DEVICES else ()
-  return Run(f"{preset} {method}", f"configs/dp.py:{preset}", seed,
+  return Run(f"{preset}{batch_tag(dp_batch, named_batch)} {method}", f"configs/dp.py:{preset}",
+             seed,
              _common(steps, batch, seq_len, eval_every, **common) + extra,
              labels=(("model", preset), ("kind", "data-parallel"), ("M", 1),
                      ("batch", batch)) + devices)
@@ -168,18 +218,20 @@ def dp(seed: int, steps: int, batch: int = DP_BATCH, preset: str = "tiny",
 def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, steps: int,
            receipt: str = "overwrite", preset: str = "tiny", seq_len: int = SEQ_LEN,
            eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH, extra: tuple = (),
-           inner_lr: float | None = None, **common) -> Run:
+           inner_lr: float | None = None, period: int = PERIOD, named_batch: bool = False,
+           **common) -> Run:
   """Synchronous DiLoCo (`kind` = "diloco") or Decoupled with `receipt`, M = `learners`,
   each learner on `dp_batch` / M sequences; `inner_lr` replaces the preset's inner peak
-  learning rate (and names itself in the setting)."""
+  learning rate and `period` the study's H (each names itself in the setting);
+  `named_batch` as for `dp`."""
   batch = dp_batch // learners
   lr, momentum = outer
   overrides = _common(steps, batch, seq_len, eval_every, **common) + (
       ("learners.count", learners), ("learners.virtual_clock", True),
-      ("outer.learning_rate", lr), ("outer.momentum", momentum), ("sync.period", PERIOD),
+      ("outer.learning_rate", lr), ("outer.momentum", momentum), ("sync.period", period),
       ("checkpoint.every_rounds", 0))
   if kind == "decoupled":
-    overrides += (("sync.num_fragments", DECOUPLED_FRAGMENTS), ("sync.tau", TAU),
+    overrides += (("sync.num_fragments", fragments(period)), ("sync.tau", TAU),
                   ("sync.receipt", receipt))
     if receipt == "mix":
       overrides += (("sync.mixing_alpha", MIX_ALPHA),)
@@ -192,7 +244,8 @@ def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, step
   if inner_lr is not None:
     overrides += (("optim.learning_rate", inner_lr),)
     setting += inner_label(inner_lr)
-  return Run(f"{preset} {kind} M={learners} {setting}",
+  setting += period_label(period)
+  return Run(f"{preset}{batch_tag(dp_batch, named_batch)} {kind} M={learners} {setting}",
              f"configs/{kind}.py:{CONFIG_PRESET.get(preset, preset)}", seed,
              overrides + extra, labels=(("model", preset), ("kind", kind), ("M", learners),
                                 ("batch", batch), ("setting", setting)))

@@ -5,7 +5,8 @@ to data-parallel per M, the study's 35M row beside it), the targets marked met o
 from the numbers, the outer sweep per M, goodput per run, and plots of the gap against M
 and of eval loss against tokens. A last table puts the Decoupled M = 4 gap of every model
 size side by side (the trend with N), and `size_table` every method's gap per M at each size
-trained at 20N, beside the study's.
+trained at 20N (at the global batch DP_BATCH), beside the study's. The batch and period
+sweeps' tables: `report_batch`.
 """
 
 from __future__ import annotations
@@ -195,15 +196,20 @@ def trend_table(rows: list[dict]) -> str:
 def size_table(rows: list[dict]) -> str:
   """The gap to data-parallel per M (picked settings, mean over seeds) of each method at every
   model size trained at 20N, smallest N first, with the study's 35M row and its fitted laws at
-  tiny's N beside: does the gap shrink with N at every M?"""
-  sizes = []
+  tiny's N beside: does the gap shrink with N at every M? A size swept over the global batch
+  is read at DP_BATCH here (the sweep: `report_batch`)."""
+  sizes, at_dp_batch = [], set()
   for (model, _), group in rows_lib.groups(rows).items():
     n = config.params(model)
     if max(r["tokens"] for r in group) < 0.98 * config.TOKENS_PER_PARAM * n:
       continue  # a partial budget inflates every gap; not a point of the 20N trend
     ps = picked_stats(group)
+    batch = rows_lib.global_batch(group)
+    at_dp_batch |= {model} if batch == config.DP_BATCH else set()
     if ("data-parallel", 0) in ps:
-      sizes.append((n, model, ps))
+      sizes.append((n, model, batch, ps))
+  sizes = [(n, model, ps) for n, model, batch, ps in sizes
+           if batch == config.DP_BATCH or model not in at_dp_batch]
   if len(sizes) < 2:
     return ""
   ms = config.SIZE_LEARNERS
@@ -293,7 +299,10 @@ def section(model: str, steps: int, group: list[dict], folder: str,
   title = f"{model}, {steps} steps"
   tag = f"{prefix}_{model}_{steps}"
   target_rows = targets(group)
-  parts = [f"## `{model}`, {steps} steps per learner", "", budget_note(model, group), "",
+  batch = rows_lib.global_batch(group)
+  at_batch = f", global batch {batch}" if batch != config.DP_BATCH else ""
+  parts = [f"## `{model}`, {steps} steps per learner{at_batch}", "", budget_note(model, group),
+           "",
            *reference_note(group),
            "### Eval loss and gap to data-parallel per M (picked settings; mean ± half the "
            "seeds' spread)", "", table4(group), "",

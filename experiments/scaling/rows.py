@@ -31,7 +31,8 @@ def receipt_of(sync: dict) -> str:
 
 
 def describe(cfg: dict) -> dict:
-  """The labels of a run from its config.json: model, kind, M, batch, setting."""
+  """The labels of a run from its config.json: model, kind, M, batch, setting, and a DiLoCo
+  kind's H ("period"; its setting ends in " H=<H>" when H is not the study's)."""
   count, sync, outer = cfg["learners"]["count"], cfg["sync"], cfg["outer"]
   labels = {"model": cfg["model"].get("name") or "custom", "M": max(count, 1),
             "batch": cfg["train"]["batch_size"], "steps": cfg["train"]["steps"],
@@ -43,7 +44,10 @@ def describe(cfg: dict) -> dict:
     own_inner = config.inner_label(inner)
   if count == 0:
     return dict(labels, kind="data-parallel", setting=own_inner.strip())
-  setting = config.outer_label(outer["learning_rate"], outer["momentum"]) + own_inner
+  period = sync.get("period", config.PERIOD)
+  labels["period"] = period
+  setting = (config.outer_label(outer["learning_rate"], outer["momentum"]) + own_inner
+             + config.period_label(period))
   if sync["quorum"] == 0 and sync["num_fragments"] == 1:
     return dict(labels, kind="diloco", setting=setting)
   return dict(labels, kind="decoupled", setting=f"{receipt_of(sync)} {setting}")
@@ -182,12 +186,35 @@ def with_methods(rows: list[dict]) -> list[dict]:
   return rows
 
 
+def at_period(row: dict) -> bool:
+  """Whether a row trains at the study's H (data-parallel, and rows written before the
+  period sweep, have no "period": they do)."""
+  return row.get("period", config.PERIOD) == config.PERIOD
+
+
 def groups(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
-  """Rows by (model, steps): one token budget of one model per report section."""
+  """Rows at the study's H by (model, steps): one token budget of one model per report
+  section, its picks and its stages (runs at another H: `period_groups`)."""
   out: dict[tuple[str, int], list[dict]] = {}
   for r in rows:
-    out.setdefault((r["model"], r["steps"]), []).append(r)
+    if at_period(r):
+      out.setdefault((r["model"], r["steps"]), []).append(r)
   return out
+
+
+def period_groups(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
+  """The rows at another H than the study's, by (model, steps): never among `groups`."""
+  out: dict[tuple[str, int], list[dict]] = {}
+  for r in rows:
+    if not at_period(r):
+      out.setdefault((r["model"], r["steps"]), []).append(r)
+  return out
+
+
+def global_batch(group: list[dict]) -> int:
+  """The global batch of a group: M x each learner's batch (the largest over its rows;
+  data-parallel at one learner's batch trains fewer tokens)."""
+  return max(r["batch"] * r["M"] for r in group)
 
 
 def stats(rows: list[dict]) -> dict[str, dict]:

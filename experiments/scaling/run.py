@@ -18,9 +18,10 @@ import os
 from absl import app, flags
 
 from experiments import harness
-from experiments.scaling import config, pool, report, rows as rows_lib, stages
+from experiments.scaling import config, pool, report, report_batch, rows as rows_lib, stages
 
-STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "m1", "size", "none")
+STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "m1", "size", "batch",
+          "period", "none")
 
 
 def define_flags() -> None:
@@ -30,9 +31,11 @@ def define_flags() -> None:
                     "1, 2, 3, all (1 then 2 then 3), small, m8 (M = 8 and 1 at picks from M = 4 "
                     "and 2), inner (other inner learning rates, --inner_scales), cross (each method at "
                     "the other's pick), m1 (M = 1 controls, config.M1_RUNS), size (the "
-                    "protocol at --preset, config.SIZE_*), none.")
+                    "protocol at --preset, config.SIZE_*), batch (stage size at each global "
+                    "batch of config.BATCH_SWEEP), period (H at config.PERIODS), none.")
   flags.DEFINE_enum("preset", "tiny", ("tiny", "nano"),
-                    "The model of --stage=size, inner, 2 and 3 (its steps: 20N unless --steps).")
+                    "The model of --stage=size, batch, period, inner, 2 and 3 (its steps: 20N "
+                    "unless --steps).")
   flags.DEFINE_integer("steps", 0, "Steps per run of --preset's model; 0: 20N tokens.")
   flags.DEFINE_integer("small_steps", config.SMALL_STEPS, "Steps of the `small` runs.")
   flags.DEFINE_list("learners", [str(m) for m in config.LEARNERS], "The values of M.")
@@ -53,7 +56,8 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
                preset: str = "tiny") -> list[harness.Run]:
   """The runs of `stage`, derived from `found` (default: the runs `outdir` holds now; the
   runner passes those plus the rows carried from the earlier results.json, `rows.merged`).
-  `preset` (stages size, inner, 2 and 3) names the model; stage size reads tiny's picks at 20N."""
+  `preset` (stages size, batch, period, inner, 2 and 3) names the model; stage size reads
+  tiny's picks at 20N, stages batch and period `preset`'s own at `steps`."""
   if found is None:
     found = rows_lib.collect(outdir)
   if stage == "1":
@@ -68,6 +72,10 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
     return stages.stage_m1(found, steps)
   if stage == "size":
     return stages.stage_size(found, steps, config.compute_optimal_steps(), preset, learners)
+  if stage == "batch":
+    return stages.stage_batch(found, steps, preset, learners)
+  if stage == "period":
+    return stages.stage_period(found, steps, preset)
   if stage == "2":
     return stages.stage_two(found, steps, learners, preset)
   if stage == "3":
@@ -80,11 +88,14 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             threads: int = 0, label: str = "", folder: str = "", seed: int = 0,
             dry_run: bool = False, inner_scales=config.INNER_SCALES,
             preset: str = "tiny") -> float:
-  """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous; "size": twice, the
-  second pass once the data-parallel reference is known); returns the wall seconds spent. A run with a row in `folder`'s results.json (carried from another machine)
-  counts as done. `dry_run` only prints the runs."""
+  """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous; "size" and
+  "batch": twice, the second pass once the data-parallel references are known); returns the
+  wall seconds spent. A run with a row in `folder`'s results.json (carried from another
+  machine) counts as done. `dry_run` only prints the runs (and, for "batch", each batch's
+  plan: `stages.batch_plan`)."""
   wall = 0.0
-  passes = {"all": ("1", "2", "3"), "size": ("size", "size")}.get(stage, (stage,))
+  passes = {"all": ("1", "2", "3"), "size": ("size", "size"),
+            "batch": ("batch", "batch")}.get(stage, (stage,))
   for s in passes:
     found = rows_lib.merged(outdir, os.path.join(folder, "results.json") if folder else "")
     carried = {r["run"] for r in found if "carried_commit" in r}
@@ -92,6 +103,8 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
                                   inner_scales, preset)
             if (not only or any(o in r.method for o in only)) and r.name not in carried]
     print(f"stage {s}: {len(runs)} runs", flush=True)
+    if dry_run and s == "batch":
+      print("\n".join(stages.batch_plan(found, steps, preset, learners, runs)))
     if dry_run:
       for r in runs:
         done = " (finished: skipped)" if harness.finished(os.path.join(outdir, r.name)) else ""
@@ -133,6 +146,7 @@ def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str =
               "rows are on another corpus and tokenizer: only gaps compare; its fitted laws are "
               "quoted at tiny's N only (extrapolated 2.4 decades below its smallest model).", "",
               by_size, ""]
+  parts += report_batch.sections(found)
   for extra in ("usage.md", "gpu35m.md") if prefix == config.NAME else ():
     path = os.path.join(folder, extra)
     if os.path.exists(path):

@@ -12,11 +12,27 @@ from experiments.harness import Run
 from experiments.scaling import config, rows as rows_lib
 
 
+def period_of(setting: str) -> int:
+  """The H a setting names ("... H=15"), the study's PERIOD when it names none."""
+  _, found, period = f" {setting}".partition(" H=")
+  if not found:
+    return config.PERIOD
+  try:
+    return int(period)
+  except ValueError:
+    raise ValueError(f"setting {setting!r}: expected '... H=<int>' last") from None
+
+
+def _without_period(setting: str) -> str:
+  return f" {setting}".partition(" H=")[0][1:]
+
+
 def parse_setting(setting: str) -> tuple[str, tuple[float, float]]:
   """"keep_local outer 1/0" -> ("keep_local", (1.0, 0.0)); "outer 0.8/0.9" -> overwrite.
-  An " inner LR" suffix is read by `inner_of`."""
+  An " inner LR" suffix is read by `inner_of`, a last " H=<H>" by `period_of`."""
   inner_of(setting)  # a malformed suffix fails here too
-  receipt, _, outer = setting.partition(" inner ")[0].rpartition("outer ")
+  period_of(setting)
+  receipt, _, outer = _without_period(setting).partition(" inner ")[0].rpartition("outer ")
   lr, _, momentum = outer.partition("/")
   try:
     return receipt.strip() or "overwrite", (float(lr), float(momentum))
@@ -26,7 +42,8 @@ def parse_setting(setting: str) -> tuple[str, tuple[float, float]]:
 
 def inner_of(setting: str) -> float | None:
   """The inner learning rate a setting names ("... inner 0.0015"), None for the preset's."""
-  _, found, inner = f" {setting}".partition(" inner ")  # data-parallel's reads "inner LR"
+  # Data-parallel's setting reads "inner LR"; an " H=<H>" suffix follows the rate.
+  _, found, inner = f" {_without_period(setting)}".partition(" inner ")
   if not found:
     return None
   try:
@@ -36,15 +53,21 @@ def inner_of(setting: str) -> float | None:
 
 
 def method_run(kind: str, learners: int, setting: str, seed: int, steps: int,
-               preset: str = "tiny") -> Run:
-  """The run of a method (data-parallel at batch DP_BATCH / `learners`, or a DiLoCo kind
-  with `setting`) at `seed`."""
+               preset: str = "tiny", batch: int = config.DP_BATCH) -> Run:
+  """The run of a method at global batch `batch` (data-parallel at `batch` / `learners`, or
+  a DiLoCo kind with `setting`, its H included) at `seed`."""
+  shape = config.batch_shape(batch)
   if kind == "data-parallel":
-    return config.dp(seed, steps, config.DP_BATCH // learners, preset,
-                     inner_lr=inner_of(setting) if setting else None)
+    return config.dp(seed, steps, batch // learners, preset,
+                     inner_lr=inner_of(setting) if setting else None, **shape)
   receipt, outer = parse_setting(setting)
   return config.diloco(kind, learners, outer, seed, steps, receipt, preset,
-                       inner_lr=inner_of(setting))
+                       inner_lr=inner_of(setting), period=period_of(setting), **shape)
+
+
+def _batch(group: list[dict]) -> int:
+  """The global batch of a group's runs (DP_BATCH for a group with none yet)."""
+  return rows_lib.global_batch(group) if group else config.DP_BATCH
 
 
 def _tiny(rows: list[dict], steps: int, preset: str = "tiny") -> list[dict]:
@@ -60,16 +83,17 @@ def _reference(rows: list[dict], steps: int, preset: str = "tiny") -> str:
 def stage_two(rows: list[dict], steps: int, learners=config.LEARNERS,
               preset: str = "tiny") -> list[Run]:
   """Seed 1 of data-parallel (the full batch and each learner's, at each batch's tuned inner
-  rate) and of each (kind, M)'s picked setting. Outside tiny, data-parallel at a learner's
-  batch only where its seed 0 ran (--stage=size runs none)."""
+  rate) and of each (kind, M)'s picked setting, at the group's global batch. Outside tiny,
+  data-parallel at a learner's batch only where its seed 0 ran (--stage=size runs none)."""
   group = _tiny(rows, steps, preset)
   picked = rows_lib.picks(group)
   tuned = rows_lib.batch_settings(group)
+  full = _batch(group)
   batches = [m for m in learners if m > 1
-             and (preset == "tiny" or (preset, steps, config.DP_BATCH // m) in tuned)]
-  runs = [method_run("data-parallel", m, tuned.get((preset, steps, config.DP_BATCH // m), ""),
-                     1, steps, preset) for m in (1, *batches)]
-  runs += [method_run(kind, m, setting, 1, steps, preset)
+             and (preset == "tiny" or (preset, steps, full // m) in tuned)]
+  runs = [method_run("data-parallel", m, tuned.get((preset, steps, full // m), ""),
+                     1, steps, preset, full) for m in (1, *batches)]
+  runs += [method_run(kind, m, setting, 1, steps, preset, full)
            for (kind, m), setting in picked.items() if m in learners]
   return runs
 
@@ -103,7 +127,7 @@ def stage_three(rows: list[dict], steps: int, learners=config.LEARNERS,
         setting = (_reference(rows, steps, preset) if s["method"] == "data-parallel"
                    else picked.get((s["kind"], s["M"]), ""))
         for seed in range(len(s["seeds"]), seeds):
-          run = method_run(s["kind"], s["M"], setting, seed, steps, preset)
+          run = method_run(s["kind"], s["M"], setting, seed, steps, preset, _batch(group))
           wanted[run.name] = run
   return list(wanted.values())
 
@@ -230,36 +254,109 @@ def stage_small(rows: list[dict], steps: int, small_steps: int) -> list[Run]:
                         inner_lr=inner_of(picked), **shape)]
 
 
-def stage_size(rows: list[dict], steps: int, tiny_steps: int, preset: str,
-               learners=config.SIZE_LEARNERS) -> list[Run]:
-  """Seed 0 of the protocol at `preset` (`steps`: its 20N): data-parallel at each inner rate
-  of `config.SIZE_INNER_SCALES`; once all of them have rows, synchronous DiLoCo and Decoupled
-  (overwrite) at each M of `learners` at the reference's inner rate, first at the outer
-  setting each picked at tiny (`tiny_steps`) and then at `config.SIZE_OUTER`'s neighbours."""
+def stage_size(rows: list[dict], steps: int, pick_steps: int, preset: str,
+               learners=config.SIZE_LEARNERS, *, batch: int = config.DP_BATCH,
+               pick_preset: str = "tiny") -> list[Run]:
+  """Seed 0 of the protocol at `preset` and global batch `batch` (`steps`: its 20N):
+  data-parallel at each inner rate of `config.SIZE_INNER_SCALES`; once all of them have rows,
+  synchronous DiLoCo and Decoupled (overwrite) at each M of `learners` at the reference's
+  inner rate (`size_methods`)."""
   base = config.PRESET_INNER_LR[preset]
-  runs = [config.dp(0, steps, preset=preset,
-                    inner_lr=None if scale == 1 else base * scale)
+  runs = [config.dp(0, steps, batch, preset=preset,
+                    inner_lr=None if scale == 1 else base * scale, **config.batch_shape(batch))
           for scale in config.SIZE_INNER_SCALES]
   group = _tiny(rows, steps, preset)
   # A row's method names the tuned rate "data-parallel": match the rates by setting instead.
   done = {r["setting"] for r in group
-          if r["kind"] == "data-parallel" and r["seed"] == 0 and r["batch"] == config.DP_BATCH}
+          if r["kind"] == "data-parallel" and r["seed"] == 0 and r["batch"] == batch}
   if any(("" if scale == 1 else config.inner_label(base * scale).strip()) not in done
          for scale in config.SIZE_INNER_SCALES):
     return runs  # the reference is picked from all of them first
   reference = _reference(rows, steps, preset)
   inner = inner_of(reference) if reference else None
+  return runs + size_methods(rows, steps, pick_steps, preset, learners, inner, batch=batch,
+                             pick_preset=pick_preset)
+
+
+def size_methods(rows: list[dict], steps: int, pick_steps: int, preset: str, learners,
+                 inner: float | None, *, batch: int = config.DP_BATCH,
+                 pick_preset: str = "tiny") -> list[Run]:
+  """Stage size's DiLoCo runs at inner rate `inner` (None: the preset's): at each M, each
+  method first at the outer setting it picked in `pick_preset`'s group at `pick_steps` (the
+  runs or carried rows), then at `config.SIZE_OUTER`'s neighbours."""
   suffix = config.inner_label(inner) if inner is not None else ""
-  tiny = _tiny(rows, tiny_steps)
+  picked_from = _tiny(rows, pick_steps, pick_preset)
   firsts, neighbours = [], []
   for m in learners:
-    at_m = mode_picks(tiny, m)
+    at_m = mode_picks(picked_from, m)
     for kind in ("diloco", "decoupled"):
       prefix = "overwrite " if kind == "decoupled" else ""
       pick = at_m.get((kind, "overwrite"))
       outers = [parse_setting(pick)[1]] if pick else []
-      firsts += [method_run(kind, m, prefix + config.outer_label(*o) + suffix, 0, steps, preset)
-                 for o in outers]
+      firsts += [method_run(kind, m, prefix + config.outer_label(*o) + suffix, 0, steps, preset,
+                            batch) for o in outers]
       neighbours += [method_run(kind, m, prefix + config.outer_label(*o) + suffix, 0, steps,
-                                preset) for o in config.SIZE_OUTER if o not in outers]
-  return runs + firsts + neighbours
+                                preset, batch) for o in config.SIZE_OUTER if o not in outers]
+  return firsts + neighbours
+
+
+def batch_steps(preset: str, batch: int, steps: int) -> int:
+  """The steps at global batch `batch` that train the tokens of `steps` at DP_BATCH: 20N's
+  own rounding (`compute_optimal_steps`) when `steps` is 20N."""
+  if steps == config.compute_optimal_steps(preset):
+    return config.compute_optimal_steps(preset, batch)
+  return max(1, round(steps * config.DP_BATCH / batch))
+
+
+def stage_batch(rows: list[dict], steps: int, preset: str, learners=config.SIZE_LEARNERS,
+                batches=config.BATCH_SWEEP) -> list[Run]:
+  """Stage size at each global batch of `batches` at the tokens of `steps` x DP_BATCH: each
+  batch its own (preset, steps) group, its data-parallel inner rate tuned anew, its DiLoCo
+  runs first at the outer settings picked in `preset`'s DP_BATCH group at `steps`."""
+  main = _tiny(rows, steps, preset)
+  missing = [(kind, m) for m in learners for kind in ("diloco", "decoupled")
+             if (kind, "overwrite") not in mode_picks(main, m)]
+  if missing:
+    raise ValueError(f"--stage=batch needs the seed-0 runs of {missing} (kind, M) of the "
+                     f"{preset} model at batch {config.DP_BATCH} and {steps} steps (--stage=size)")
+  runs = []
+  for batch in batches:
+    runs += stage_size(rows, batch_steps(preset, batch, steps), steps, preset, learners,
+                       batch=batch, pick_preset=preset)
+  return runs
+
+
+def stage_period(rows: list[dict], steps: int, preset: str, learners=config.PERIOD_LEARNERS,
+                 periods=config.PERIODS) -> list[Run]:
+  """Seed 0 of synchronous DiLoCo and Decoupled at each M of `learners` at their picks
+  (receipt, outer and inner rates) of `preset`'s group at `steps`, with H at each of
+  `periods` (Decoupled's fragments scaled with H, `config.fragments`)."""
+  picked = rows_lib.picks(_tiny(rows, steps, preset))
+  missing = [(kind, m) for m in learners for kind in ("diloco", "decoupled")
+             if (kind, m) not in picked]
+  if missing:
+    raise ValueError(f"--stage=period needs the seed-0 runs of {missing} (kind, M) of the "
+                     f"{preset} model at {steps} steps")
+  return [method_run(kind, m, picked[(kind, m)] + config.period_label(h), 0, steps, preset)
+          for h in periods if h != config.PERIOD for m in learners
+          for kind in ("diloco", "decoupled")]
+
+
+def batch_plan(rows: list[dict], steps: int, preset: str, learners, runs: list[Run],
+               batches=config.BATCH_SWEEP) -> list[str]:
+  """One line per global batch of `stage_batch`: its steps, warmup, evaluation cadence and
+  learners' batches, the runs of `runs` at it, and its DiLoCo runs in all (proposed once its
+  data-parallel rates all have rows, by `--stage=batch`'s second pass or its next call)."""
+  lines = []
+  for batch in batches:
+    b_steps, shape = batch_steps(preset, batch, steps), config.batch_shape(batch)
+    mine = [r for r in runs if dict(r.overrides)["train.steps"] == b_steps]
+    dps = sum(dict(r.labels)["kind"] == "data-parallel" for r in mine)
+    methods = size_methods(rows, b_steps, steps, preset, learners, None, batch=batch,
+                           pick_preset=preset)
+    lines.append(f"  batch {batch}: {b_steps} steps, warmup {shape['warmup']}, eval every "
+                 f"{shape['eval_every']}, learners' batches "
+                 + ", ".join(f"M={m}: {batch // m}" for m in learners)
+                 + f"; proposed now: {dps} data-parallel, {len(mine) - dps} DiLoCo; "
+                 f"{len(methods)} DiLoCo runs in all")
+  return lines
