@@ -622,7 +622,7 @@ def test_batch_stage_tunes_each_batchs_reference_then_runs_the_nano_picks(tmp_pa
   assert len(planned) == len(config.BATCH_SWEEP) * len(config.SIZE_INNER_SCALES)
   assert len({r.name for r in planned}) == len(planned) and not existing & {
       r.method for r in planned}
-  expect = {16: (727, 100, 200), 64: (182, 25, 50), 128: (91, 12, 25)}
+  expect = {8: (1454, 200, 400), 16: (727, 100, 200), 64: (182, 25, 50), 128: (91, 12, 25)}
   for r in planned:
     o = dict(r.overrides)
     batch = o["train.batch_size"]

@@ -120,8 +120,9 @@ SIZE_OUTER = ((1.0, 0.0), (1.4, 0.0), (0.6, 0.9))
 # DP_BATCH, at the same tokens (`compute_optimal_steps(P, B)` steps), warmup and evaluations
 # at the same tokens as at DP_BATCH (`batch_shape`), each learner on B / M sequences; the
 # DiLoCo runs start at the outer settings picked at P's DP_BATCH group. The study tuned the
-# global batch per method and M (powers of 2).
-BATCH_SWEEP = (16, 64, 128)
+# global batch per method and M (powers of 2). 8: at nano, data-parallel's best of 16-128 was
+# 16, the grid's edge, so the grid goes one power below it.
+BATCH_SWEEP = (8, 16, 64, 128)
 # --stage=period --preset=P: H at each of PERIODS beside PERIOD, at each M of PERIOD_LEARNERS,
 # both DiLoCo methods at their picks of P's DP_BATCH group; Decoupled keeps a fragment due
 # every FRAGMENT_STEPS steps (`fragments`), tau = TAU. These runs name their H and stay out of
