@@ -18,8 +18,9 @@ import tempfile
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 MODEL_FILE = "tokenizer.model"
-# SentencePiece's piece types (sentencepiece_model.proto).
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# SentencePiece's piece types that matter here (sentencepiece_model.proto); the others are
+# unknown (2), unused (5) and byte (6).
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 _UNIGRAM, _BPE = 1, 2
 # Texts every model is checked on: code, multi-byte UTF-8, emoji, whitespace runs, leading and
 # trailing spaces, control characters, characters no small vocabulary holds, the empty text.
@@ -97,9 +98,9 @@ def sentencepiece_tokenizer_json(model_path: str, bos_id: int) -> str:
   if spec.remove_extra_whitespaces:  # at the end, a "▁" typed in the text goes too
     steps.append(normalizers.Replace(Regex(f"{space}+\\z"), ""))
   tok.normalizer = normalizers.Sequence(steps)
-  # SentencePiece emits a user-defined piece whole wherever the normalised text spells it (one
-  # the normaliser changes never appears there). `tokenizers` normalises an added token's text
-  # too, so that the dummy prefix is then the pre-tokeniser's, else a last normalising step.
+  # SentencePiece emits a user-defined piece whole wherever the normalised text spells it, so
+  # never one that normalising changes. `tokenizers` normalises an added token's own text too:
+  # with such tokens the dummy prefix is the pre-tokeniser's, else the normaliser's last step.
   user = [p.piece for p in pieces if p.type == _USER_DEFINED
           and tok.normalizer.normalize_str(p.piece) == p.piece]
   if spec.add_dummy_prefix and user:
@@ -132,6 +133,7 @@ def _tokenizer_config(tokenizer, max_len: int) -> dict:
             "clean_up_tokenization_spaces": False,
             # sentencepiece reads "<s>" in a text as characters, never as the control piece
             "split_special_tokens": True, "add_bos_token": True}
+  # No unk_token: transformers would drop it when decoding, where sentencepiece writes " ⁇ ".
   for key, i in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
                  ("pad_token", tokenizer.pad_id)):
     if i is not None and i >= 0:
@@ -141,9 +143,7 @@ def _tokenizer_config(tokenizer, max_len: int) -> dict:
 
 def probes(model_path: str) -> list[str]:
   """`PROBES`, and the model's own non-normal pieces typed as text (alone and in a sentence)."""
-  proto = _proto(model_path)
-  own = [p.piece for p in proto.pieces if p.type != _NORMAL]
-  own = own[:64] + [p.piece for p in proto.pieces if p.type == _USER_DEFINED][64:]
+  own = [p.piece for p in _proto(model_path).pieces if p.type != _NORMAL]
   out = list(PROBES)
   for piece in own:
     out += [piece, f"a {piece} b", piece.replace("▁", " ") + piece]
@@ -164,16 +164,19 @@ def mismatch(folder: str, tokenizer, texts) -> str | None:
     except BaseException as e:  # pylint: disable=broad-except  (tokenizers' panics are such)
       if isinstance(e, (KeyboardInterrupt, SystemExit)):
         raise
-      return f"probe {text!r} fails in transformers ({type(e).__name__}: {str(e)[:80]})"
+      return f"probe {_show(text)} fails there ({type(e).__name__}: {str(e)[:80]})"
     if got != want:
       at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-      return (f"probe {text!r} gives ids {got[at:at + 4]} through transformers where "
-              f"sentencepiece gives {want[at:at + 4]} (at token {at})")
-    decoded = theirs.decode(got, skip_special_tokens=True)
-    if decoded != tokenizer.decode(want):
-      return f"probe {text!r} decodes to {decoded!r} through transformers, " \
-             f"{tokenizer.decode(want)!r} here"
+      return (f"probe {_show(text)} gives ids {got[at:at + 4]} there where sentencepiece gives "
+              f"{want[at:at + 4]} (at token {at})")
+    decoded, wanted = theirs.decode(got, skip_special_tokens=True), tokenizer.decode(want)
+    if decoded != wanted:
+      return f"probe {_show(text)} decodes to {_show(decoded)} there, {_show(wanted)} here"
   return None
+
+
+def _show(text: str) -> str:
+  return repr(text if len(text) <= 60 else text[:60] + "...")
 
 
 def write_sentencepiece(tokenizer, out_dir: str, max_len: int) -> str | None:
@@ -199,7 +202,7 @@ def write_sentencepiece(tokenizer, out_dir: str, max_len: int) -> str | None:
     shutil.copyfile(tokenizer.path, os.path.join(staging, MODEL_FILE))
     found = mismatch(staging, tokenizer, probes(tokenizer.path))
     if found:
-      return f"{where} gives other ids through transformers: {found}; tokenize with sentencepiece"
+      return f"{where} is not matched by transformers: {found}; tokenize with sentencepiece"
     for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, MODEL_FILE):
       os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
     return None
