@@ -21,16 +21,17 @@ from diloco.train import tokenizers
 # Trainer settings of each model: both algorithms, with and without byte fallback, Gemma's
 # layout (ids, no dummy prefix, user-defined and extra control pieces) and one without BOS.
 MODELS = {
-    "unigram": dict(model_type="unigram", remove_extra_whitespaces=False),
-    "unigram_bytes": dict(model_type="unigram", byte_fallback=True, remove_extra_whitespaces=False),
-    "bpe": dict(model_type="bpe", remove_extra_whitespaces=False),
-    "bpe_gemma": dict(model_type="bpe", byte_fallback=True, remove_extra_whitespaces=False,
-                      add_dummy_prefix=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-                      user_defined_symbols=["<start_of_turn>", "<end_of_turn>", "\n\n", "▁▁"],
-                      control_symbols=["<mask>"]),
-    "unigram_no_bos": dict(model_type="unigram", bos_id=-1, eos_id=1, unk_id=0,
-                           user_defined_symbols=["<x>"], remove_extra_whitespaces=False,
-                           add_dummy_prefix=False),
+    "unigram": {"model_type": "unigram", "remove_extra_whitespaces": False},
+    "unigram_bytes": {"model_type": "unigram", "byte_fallback": True,
+                      "remove_extra_whitespaces": False},
+    "bpe": {"model_type": "bpe", "remove_extra_whitespaces": False},
+    "bpe_gemma": {"model_type": "bpe", "byte_fallback": True, "remove_extra_whitespaces": False,
+                  "add_dummy_prefix": False, "pad_id": 0, "eos_id": 1, "bos_id": 2, "unk_id": 3,
+                  "user_defined_symbols": ["<start_of_turn>", "<end_of_turn>", "\n\n", "▁▁"],
+                  "control_symbols": ["<mask>"]},
+    "unigram_no_bos": {"model_type": "unigram", "bos_id": -1, "eos_id": 1, "unk_id": 0,
+                       "user_defined_symbols": ["<x>"], "remove_extra_whitespaces": False,
+                       "add_dummy_prefix": False},
 }
 VOCAB = 640
 # Pieces of text that tokenizers treat specially: specials' and byte pieces' names, user-defined
@@ -51,8 +52,8 @@ def _lines():
 
 def _train(prefix, **settings_):
   import sentencepiece as spm
-  options = dict(vocab_size=VOCAB, character_coverage=1.0, normalization_rule_name="identity",
-                 minloglevel=2)
+  options = {"vocab_size": VOCAB, "character_coverage": 1.0,
+             "normalization_rule_name": "identity", "minloglevel": 2}
   options.update(settings_)
   spm.SentencePieceTrainer.train(sentence_iterator=iter(_lines()), model_prefix=str(prefix),
                                  **options)
@@ -146,7 +147,16 @@ def test_any_difference_on_a_probe_refuses(exported, tmp_path, monkeypatch):
   ours = exported["bpe"][0]
   real = ours.encode
   monkeypatch.setattr(ours, "encode", lambda data: list(real(data)) + (
-      [5] if data == "hello world".encode() else []))
+      [5] if data == b"hello world" else []))
   note = hf_tokenizer.write_sentencepiece(ours, str(tmp_path), 64)
-  assert note and "\n" not in note and "probe 'hello world' gives ids [] there where sentencepiece gives [5]" in note
+  assert note and "\n" not in note
+  assert "probe 'hello world' gives ids [] there where sentencepiece gives [5]" in note
+  assert os.listdir(tmp_path) == []
+
+
+def test_without_transformers_nothing_is_written(exported, tmp_path, monkeypatch):
+  import sys
+  monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+  note = hf_tokenizer.write_sentencepiece(exported["bpe"][0], str(tmp_path), 64)
+  assert note.startswith("tokenizer not written: ") and "needs transformers" in note
   assert os.listdir(tmp_path) == []

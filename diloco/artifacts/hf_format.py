@@ -2,9 +2,9 @@
 
 `write(export_folder, out_dir)` writes config.json, generation_config.json, the weights
 (model.safetensors, or shards and model.safetensors.index.json) and the tokenizer where it is
-exact (`hf_tokenizer`), so that `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` computes this
-project's logits. A model with any feature Gemma 3 lacks (`differences`) is refused whole:
-never exported approximately. The folder appears at once (written beside it, then renamed).
+exact (`hf_tokenizer`), so that `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`
+computes this project's logits. A model with any feature Gemma 3 lacks (`differences`) is
+refused whole: never exported approximately. The folder appears at once (written beside it, then renamed).
 """
 
 from __future__ import annotations

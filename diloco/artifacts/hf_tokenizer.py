@@ -62,8 +62,16 @@ def sentencepiece_tokenizer_json(model_path: str, bos_id: int) -> str:
   """The SentencePiece model at `model_path` as a `tokenizers` JSON document that puts the piece
   `bos_id` before a text. Its exactness is what `write_sentencepiece` checks."""
   # pylint: disable=import-outside-toplevel
-  from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
-                          pre_tokenizers, processors)
+  from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+  )
   proto = _proto(model_path)
   trainer, spec = proto.trainer_spec, proto.normalizer_spec
   if trainer.model_type not in (_UNIGRAM, _BPE):
@@ -184,10 +192,13 @@ def write_sentencepiece(tokenizer, out_dir: str, max_len: int) -> str | None:
   `tokenizer` in `out_dir`, once transformers gives its ids on every probe; None, or the one
   line that says why nothing was written."""
   where = f"tokenizer not written: the run's SentencePiece model ({tokenizer.path})"
-  try:
-    import transformers  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
-    return f"{where} is only written once transformers confirms its ids; pip install transformers"
+  try:  # pylint: disable=import-outside-toplevel,unused-import
+    import tokenizers  # noqa: F401
+    import transformers  # noqa: F401
+    from sentencepiece import sentencepiece_model_pb2  # noqa: F401  (needs protobuf)
+  except ImportError as e:
+    return (f"{where} is written only once transformers confirms its ids, which needs "
+            f"{e.name or e}; pip install transformers tokenizers protobuf")
   staging = tempfile.mkdtemp(dir=out_dir, prefix=".tokenizer.")
   try:
     try:
