@@ -1,10 +1,10 @@
 """An export as a Hugging Face transformers folder: Gemma 3 (`Gemma3ForCausalLM`), exactly.
 
 `write(export_folder, out_dir)` writes config.json, generation_config.json, the weights
-(model.safetensors, or shards and model.safetensors.index.json) and the tokenizer where it can
-be expressed, so that `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` computes this
-project's logits. A model with any feature Gemma 3 lacks (`differences`) is refused whole:
-never exported approximately. The folder appears at once (written beside it, then renamed).
+(model.safetensors, or shards and model.safetensors.index.json) and the tokenizer where it is
+exact (`hf_tokenizer`), so that `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`
+computes this project's logits. A model with any feature Gemma 3 lacks (`differences`) is
+refused whole: never exported approximately. The folder appears at once (written beside it, then renamed).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tempfile
 import numpy as np
 
 from diloco import fragments as fragments_lib
-from diloco.artifacts import export
+from diloco.artifacts import export, hf_tokenizer
 from diloco.errors import ConfigError
 from diloco.model.config import ModelConfig
 from diloco.train import tokenizers
@@ -237,7 +237,8 @@ def _tokenizer_config(bos: str | None, eos: str | None, pad: str | None, max_len
 
 def write_tokenizer(meta: dict, tokenizer, out_dir: str) -> str | None:
   """The files of the run's `tokenizer` (export.json: `meta`) in `out_dir`; None, or the one
-  line that says why none were written."""
+  line that says why none were written (a SentencePiece model is written only where
+  transformers gives its ids exactly: `hf_tokenizer.write_sentencepiece`)."""
   max_len = int(meta.get("data", {}).get("seq_len") or _DEFAULT_MAX_POSITIONS)
   if isinstance(tokenizer, tokenizers.ByteTokenizer):
     with open(os.path.join(out_dir, TOKENIZER_FILE), "w", encoding="utf-8") as f:
@@ -259,8 +260,7 @@ def write_tokenizer(meta: dict, tokenizer, out_dir: str) -> str | None:
           names.get(tokenizer.bos_id), names.get(tokenizer.eos_id), names.get(tokenizer.pad_id),
           max_len))
     return None
-  return (f"tokenizer not written: the run's SentencePiece model ({tokenizer.path}) is not "
-          "verified to give the same ids through transformers; tokenize with sentencepiece")
+  return hf_tokenizer.write_sentencepiece(tokenizer, out_dir, max_len)
 
 
 def _write_json(path: str, value) -> None:
