@@ -62,7 +62,8 @@ setup(
         # Scoring a run on lm-evaluation-harness tasks (`diloco evaluate --tasks=...`).
         "lm-eval": ["lm-eval>=0.4.9,<0.5"],
         # Loading an export written with `--format=hf` into transformers (needs PyTorch).
-        "transformers": ["transformers>=5,<6", "torch>=2.4"],
+        # protobuf: transformers' reader of a SentencePiece model, when the export converts one.
+        "transformers": ["transformers>=5,<6", "torch>=2.4", "protobuf>=3.20"],
         # viewing the event files every run writes (tensorboardX writes them)
         "tensorboard": ["tensorboard>=2.14,<3"],
         # log.wandb=True
