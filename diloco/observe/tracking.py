@@ -90,10 +90,10 @@ class _TorchUnwanted(importlib.abc.MetaPathFinder):
     self.thread = threading.get_ident()
 
   def find_spec(self, fullname, path=None, target=None):
+    """Raises for torch in the importing thread; else None (the next finder looks)."""
     del path, target
     if fullname == "torch" and threading.get_ident() == self.thread:
       raise ModuleNotFoundError("tensorboardX's scalars need no torch", name=fullname)
-    return None
 
 
 def _summary_writer():
