@@ -1,16 +1,19 @@
 """Corpus, tokenizers, per-learner shards, eval split, iterator state and prepared shards."""
 
 import dataclasses
+import glob
 import importlib
 import os
 import subprocess
 import sys
+import sysconfig
 
 import numpy as np
 import pytest
 from script_import import import_script
 
 from diloco.errors import ConfigError
+from diloco.train import corpus as corpus_lib
 from diloco.train import data, tokenizers
 from diloco.train.data import DataConfig
 
@@ -43,6 +46,26 @@ def test_default_corpus_is_real_python_source():
   text = bytes(streams["train"][:200_000][streams["train"][:200_000] < 256].astype(np.uint8))
   assert b"def " in text and b"import " in text
   assert len(streams["eval"]) > 10_000
+
+
+def _globbed(root):
+  """The standard library's listing as it was first written: a recursive glob, filtered."""
+  return sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                if "site-packages" not in f and "dist-packages" not in f)
+
+
+def test_stdlib_listing_is_the_recursive_globs(tmp_path):
+  assert data.stdlib_files() == _globbed(sysconfig.get_paths()["stdlib"])
+  for name in ("a.py", "b.txt", ".hidden.py", "pkg/c.py", "pkg/sub/d.py", ".git/e.py",
+               "site-packages/f.py", "my-dist-packages-g/h.py", "pkg/__pycache__/c.pyc",
+               "dir.py/i.py", "real/j.py"):
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("x = 1\n")
+  (tmp_path / "linked").symlink_to(tmp_path / "real", target_is_directory=True)
+  root = str(tmp_path)
+  assert list(corpus_lib._stdlib_files(root)) == _globbed(root)  # pylint: disable=protected-access
+  assert os.path.join(root, "linked", "j.py") in _globbed(root)
 
 
 def test_learner_shards_are_disjoint_and_cover_the_split(corpus):

@@ -2,8 +2,12 @@
 
 import json
 import os
+import subprocess
+import sys
 
 from diloco.observe import metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_writer_records_and_tensorboard(tmp_path):
@@ -16,6 +20,21 @@ def test_writer_records_and_tensorboard(tmp_path):
   assert json.loads(lines[1])["eval/loss"] == 2.5 and json.loads(lines[0])["role"] == "dp"
   events = [f for _, _, fs in os.walk(tmp_path / "tensorboard") for f in fs]
   assert any(f.startswith("events.out.tfevents") for f in events)
+
+
+def test_tensorboard_writer_leaves_torch_unloaded(tmp_path):
+  """tensorboardX is imported without torch (~1.5 s a process); later imports of torch are
+  left alone (no finder stays behind)."""
+  code = ("import sys\n"
+          "from diloco.observe import metrics\n"
+          f"w = metrics.MetricWriter({str(tmp_path)!r}, role='dp', tensorboard=True)\n"
+          "w.write(1, {'train/loss': 3.0}); w.close()\n"
+          "print('torch' in sys.modules)\n"
+          "print(sorted(type(f).__name__ for f in sys.meta_path if 'Torch' in type(f).__name__))\n")
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True)
+  assert out.stdout.split() == ["False", "[]"], out.stdout + out.stderr
 
 
 def test_torn_line_and_resumed_steps(tmp_path):

@@ -19,7 +19,7 @@ Every source also reads from URLs (`gs://bucket/corpus/*.jsonl.gz`) through `sto
 
 from __future__ import annotations
 
-import glob
+import functools
 import gzip
 import io
 import json
@@ -37,12 +37,28 @@ CORPUS_SOURCES = ("stdlib", "text") + RECORD_SOURCES
 _SUFFIXES = {"jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz"), "parquet": (".parquet",)}
 
 
+# Directories that hold no standard-library sources: not descended into.
+_NOT_STDLIB = ("site-packages", "dist-packages", "__pycache__")
+
+
 def stdlib_files() -> list[str]:
   """Sorted `.py` files of this interpreter's standard library (site-packages excluded)."""
-  root = sysconfig.get_paths()["stdlib"]
-  files = [f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-           if "site-packages" not in f and "dist-packages" not in f]
-  return sorted(files)
+  return list(_stdlib_files(sysconfig.get_paths()["stdlib"]))
+
+
+@functools.cache
+def _stdlib_files(root: str) -> tuple[str, ...]:
+  """`root/**/*.py` as `glob` finds it, listed once a process (preflight and data both ask).
+
+  A walk that skips installed packages reads ~2x fewer directories than the glob did; it
+  keeps the glob's rules: hidden names are skipped and linked directories are followed.
+  """
+  files = []
+  for top, dirs, names in os.walk(root, followlinks=True):
+    dirs[:] = [d for d in dirs if not d.startswith(".") and d not in _NOT_STDLIB]
+    files += [os.path.join(top, n) for n in names + dirs
+              if n.endswith(".py") and not n.startswith(".")]
+  return tuple(sorted(f for f in files if "site-packages" not in f and "dist-packages" not in f))
 
 
 def text_files(path: str, suffixes: tuple[str, ...] = ()) -> list[str]:
