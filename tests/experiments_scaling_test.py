@@ -772,3 +772,15 @@ def test_batch_and_period_tables_match_hand_computed_values(tmp_path):
   assert f"## `nano`, {NANO} steps: the synchronisation period H" in text and period in text
   # The size table reads nano at batch 32 only (one row per size): no second nano row.
   assert report.size_table(found) == ""
+
+
+def test_headline_keeps_to_the_comparisons_global_batch(tmp_path):
+  """The batch sweep's groups have their own tables; the top-level line names only the
+  groups at DP_BATCH, so the README's results cell does not grow with the sweep."""
+  outdir = str(tmp_path)
+  _nano_group(outdir, {("diloco", 2): 2.02})
+  steps64 = config.compute_optimal_steps("nano", 64)
+  _nano_group(outdir, {("diloco", 2): 2.5}, batch=64, steps=steps64, ref_scale=4.0)
+  line = report.headline(rows.collect(outdir))
+  assert f"nano {NANO} steps" in line and f"{steps64} steps" not in line
+  assert "synchronous M=2 +1.00%" in line

@@ -328,9 +328,13 @@ def section(model: str, steps: int, group: list[dict], folder: str,
 
 def headline(rows: list[dict]) -> str:
   """One line for the top-level results table: per (model, steps), each picked method's gap
-  to data-parallel per M (mean over seeds)."""
+  to data-parallel per M (mean over seeds), at the comparison's global batch only (the batch
+  sweep's groups have their own tables in the report)."""
   parts = []
+  full = rows_lib.full_batches(rows)
   for (model, steps), group in sorted(rows_lib.groups(rows).items()):
+    if full.get((model, steps), config.DP_BATCH) != config.DP_BATCH:
+      continue
     ps = picked_stats(group)
     dp = ps.get(("data-parallel", 0))
     if dp is None:
