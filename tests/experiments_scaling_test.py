@@ -649,6 +649,32 @@ def test_batch_stage_tunes_each_batchs_reference_then_runs_the_nano_picks(tmp_pa
     stages.stage_batch(rows.collect(outdir), NANO, "nano", (16,))
 
 
+def test_batch_stage_runs_the_batches_it_is_given(tmp_path):
+  outdir = str(tmp_path)
+  _nano_group(outdir, NANO_LOSSES)
+  planned = stages.stage_batch(rows.collect(outdir), NANO, "nano", (1, 2), batches=(4,))
+  assert len(planned) == len(config.SIZE_INNER_SCALES)
+  for r in planned:
+    o = dict(r.overrides)
+    assert (o["train.batch_size"], o["train.steps"]) == (4, config.compute_optimal_steps(
+        "nano", 4))
+    assert o["train.steps"] == 2908  # 20 x 37,216 tokens in steps of 4 x 64
+    assert (o["optim.warmup_steps"], o["train.eval_every"], o["train.eval_batches"]) == (
+        400, 800, config.EVAL_WINDOWS // 4)
+
+
+@pytest.mark.parametrize("values, learners, ok", [
+    (["4"], (1, 2), (4,)), (["4", "256"], (1, 2, 4), (4, 256)),
+    (["4"], (1, 2, 8), None), (["12"], (1,), None), (["0"], (1,), None),
+    (["four"], (1,), None), (["-8"], (1,), None)])
+def test_batches_flag_takes_powers_of_two_that_split_over_every_m(values, learners, ok):
+  if ok is not None:
+    assert run._batches(values, learners) == ok
+  else:
+    with pytest.raises(run.app.UsageError, match="^--batches: "):
+      run._batches(values, learners)
+
+
 def test_stage_two_of_a_batch_group_seeds_its_own_reference_and_picks(tmp_path):
   outdir = str(tmp_path)
   steps64 = config.compute_optimal_steps("nano", 64)

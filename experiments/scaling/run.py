@@ -45,6 +45,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("threads", 0, "Cores each run is pinned to (0: no pinning).")
   flags.DEFINE_string("machine_label", "", "Names this machine in each run's provenance.")
   flags.DEFINE_integer("seed", 0, "The seed of --stage=m8's runs.")
+  flags.DEFINE_list("batches", [str(b) for b in config.BATCH_SWEEP],
+                    "--stage=batch: the global batches beside config.DP_BATCH (powers of 2; "
+                    "each must split over every M of --learners).")
   flags.DEFINE_list("inner_scales", [str(s) for s in config.INNER_SCALES],
                     "--stage=inner: the factors on the reference's inner learning rate.")
   flags.DEFINE_bool("dry_run", False, "Print the runs the stage would start, run nothing.")
@@ -53,7 +56,7 @@ def define_flags() -> None:
 def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
                small_steps: int, found: list[dict] | None = None,
                seed: int = 0, inner_scales=config.INNER_SCALES,
-               preset: str = "tiny") -> list[harness.Run]:
+               preset: str = "tiny", batches=config.BATCH_SWEEP) -> list[harness.Run]:
   """The runs of `stage`, derived from `found` (default: the runs `outdir` holds now; the
   runner passes those plus the rows carried from the earlier results.json, `rows.merged`).
   `preset` (stages size, batch, period, inner, 2 and 3) names the model; stage size reads
@@ -73,7 +76,7 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
   if stage == "size":
     return stages.stage_size(found, steps, config.compute_optimal_steps(), preset, learners)
   if stage == "batch":
-    return stages.stage_batch(found, steps, preset, learners)
+    return stages.stage_batch(found, steps, preset, learners, batches)
   if stage == "period":
     return stages.stage_period(found, steps, preset)
   if stage == "2":
@@ -87,7 +90,7 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             small_steps: int = config.SMALL_STEPS, only=(), parallel: int = 1,
             threads: int = 0, label: str = "", folder: str = "", seed: int = 0,
             dry_run: bool = False, inner_scales=config.INNER_SCALES,
-            preset: str = "tiny") -> float:
+            preset: str = "tiny", batches=config.BATCH_SWEEP) -> float:
   """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous; "size" and
   "batch": twice, the second pass once the data-parallel references are known); returns the
   wall seconds spent. A run with a row in `folder`'s results.json (carried from another
@@ -100,11 +103,11 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
     found = rows_lib.merged(outdir, os.path.join(folder, "results.json") if folder else "")
     carried = {r["run"] for r in found if "carried_commit" in r}
     runs = [r for r in stage_runs(s, outdir, steps, learners, small_steps, found, seed,
-                                  inner_scales, preset)
+                                  inner_scales, preset, batches)
             if (not only or any(o in r.method for o in only)) and r.name not in carried]
     print(f"stage {s}: {len(runs)} runs", flush=True)
     if dry_run and s == "batch":
-      print("\n".join(stages.batch_plan(found, steps, preset, learners, runs)))
+      print("\n".join(stages.batch_plan(found, steps, preset, learners, runs, batches)))
     if dry_run:
       for r in runs:
         done = " (finished: skipped)" if harness.finished(os.path.join(outdir, r.name)) else ""
@@ -160,18 +163,32 @@ def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str =
   return results
 
 
+def _batches(values: list[str], learners: tuple[int, ...]) -> tuple[int, ...]:
+  """--batches as integers, each a power of 2 that every M of `learners` divides."""
+  try:
+    batches = tuple(int(b) for b in values)
+  except ValueError:
+    raise app.UsageError(f"--batches: {','.join(values)!r} is not a list of integers") from None
+  for b in batches:
+    if b < 1 or b & (b - 1) or any(b % m for m in learners):
+      raise app.UsageError(f"--batches: {b} is not a power of 2 that every M of --learners "
+                           f"({','.join(map(str, learners))}) divides")
+  return batches
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
   steps = f.steps or config.compute_optimal_steps(f.preset)
   learners = tuple(int(m) for m in f.learners)
+  batches = _batches(f.batches, learners) if f.stage == "batch" else config.BATCH_SWEEP
   wall = 0.0
   if not f.report_only and f.stage != "none":
     wall = execute(f.stage, f.outdir, steps, learners, small_steps=f.small_steps,
                    only=f.only, parallel=f.parallel, threads=f.threads,
                    label=f.machine_label, folder=f.results_dir, seed=f.seed,
                    dry_run=f.dry_run, inner_scales=tuple(float(s) for s in f.inner_scales),
-                   preset=f.preset)
+                   preset=f.preset, batches=batches)
     if f.dry_run:
       return
   write_report(f.outdir, f.results_dir, wall_s=wall)
