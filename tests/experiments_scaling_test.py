@@ -714,6 +714,56 @@ def test_period_stage_scales_fragments_with_h_and_names_it(tmp_path):
     stages.stage_period(rows.collect(outdir), NANO + 1, "nano")
 
 
+def test_period_stage_runs_another_receipt_at_every_h_and_its_reference(tmp_path):
+  outdir = str(tmp_path)
+  _nano_group(outdir, NANO_LOSSES)
+  planned = stages.stage_period(rows.collect(outdir), NANO, "nano",
+                                receipts=("overwrite", "keep_local"))
+  inner = config.inner_label(NANO_INNER * 8)
+  by_kind = {}
+  for r in planned:
+    by_kind.setdefault((dict(r.labels)["kind"], r.method.split(" outer")[0]), []).append(
+        stages.period_of(r.method))
+  for m in config.PERIOD_LEARNERS:
+    assert by_kind[("diloco", f"nano diloco M={m}")] == [8, 15]
+    assert by_kind[("decoupled", f"nano decoupled M={m} overwrite")] == [8, 15]
+    assert by_kind[("decoupled", f"nano decoupled M={m} keep_local")] == [8, 15, 30]
+  assert f"nano decoupled M=2 keep_local outer 1/0{inner}" in {r.method for r in planned}
+  assert len({r.name for r in planned}) == len(planned) == 14
+
+
+def test_outer_stage_runs_each_setting_at_the_groups_reference_and_batch(tmp_path):
+  outdir = str(tmp_path)
+  steps16 = config.compute_optimal_steps("nano", 16)
+  _nano_group(outdir, {}, batch=16, steps=steps16, ref_scale=4.0)
+  outers = ((0.8, 0.0), (0.4, 0.9))
+  planned = stages.stage_outer(rows.collect(outdir), steps16, "nano", (2, 4), outers,
+                               ("overwrite", "keep_local"))
+  assert len(planned) == 2 * 3 * 2  # M x (diloco, two receipts) x outers
+  inner = config.inner_label(NANO_INNER * 4)
+  assert planned[0].method == f"nano batch 16 diloco M=2 outer 0.8/0{inner}"
+  assert planned[-1].method == f"nano batch 16 decoupled M=4 keep_local outer 0.4/0.9{inner}"
+  for r in planned:
+    o = dict(r.overrides)
+    assert (o["train.steps"], o["train.batch_size"] * o["learners.count"]) == (steps16, 16)
+    assert (o["outer.learning_rate"], o["outer.momentum"]) in outers
+  with pytest.raises(ValueError, match="--stage=outer needs"):
+    stages.stage_outer(rows.collect(outdir), NANO, "nano")
+
+
+@pytest.mark.parametrize("flag, values, ok", [
+    ("outer", ["0.8/0", "0.4/0.9"], ((0.8, 0.0), (0.4, 0.9))), ("outer", ["0.8"], None),
+    ("outer", ["a/b"], None), ("receipts", ["keep_local"], ("keep_local",)),
+    ("receipts", ["keep"], None), ("receipts", [], None)])
+def test_outer_and_receipts_flags_parse_or_say_which_flag(flag, values, ok):
+  parse = run._outers if flag == "outer" else run._receipts
+  if ok is not None:
+    assert parse(values) == ok
+  else:
+    with pytest.raises(run.app.UsageError, match=f"^--{flag}: "):
+      parse(values)
+
+
 def test_describe_names_a_non_default_period_and_batch():
   setting = f"overwrite outer 1/0{config.inner_label(0.012)} H=15"
   cfg = _nano_cfg("decoupled", 4, setting, batch=128, steps=91)

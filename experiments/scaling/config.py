@@ -36,8 +36,10 @@ tuned anew), then both DiLoCo methods at that reference's inner rate, first at t
 setting each picked at batch 32, then at `SIZE_OUTER`. Each B is its own group (its steps
 differ), reported best against best: every method at data-parallel's best B, and each
 method and M at its own best B. Stage period: H at each of `PERIODS` beside 30 at M = 2 and
-4, both methods at their batch-32 picks, Decoupled with a fragment due every 5 steps; these
-runs name their H and never enter the picks.
+4, both methods at their batch-32 picks, Decoupled with a fragment due every 5 steps (and at
+each receipt of `--receipts`); these runs name their H and never enter the picks. Stage outer:
+both methods at each outer setting of `OUTER_BELOW` (or `--outer`) in one group; these runs
+join its picks.
 
 Targets: M = 1 at or below data-parallel; Decoupled M = 2 within 1.5 % and M = 4 within 3 %
 of data-parallel; Decoupled no worse than synchronous DiLoCo at the same M beyond the seeds'
@@ -129,6 +131,11 @@ BATCH_SWEEP = (8, 16, 64, 128)
 # the main group's picks (rows.groups).
 PERIODS = (8, 15)
 PERIOD_LEARNERS = (2, 4)
+# --stage=outer --preset=P [--steps]: both DiLoCo methods at each M of --learners at each outer
+# setting of --outer, at P's group: its global batch and its reference's inner rate. The
+# default goes below the lowest rate swept without momentum (1 / 0, picked at every M at nano)
+# and adds Nesterov at the low rate the study found best at M = 1.
+OUTER_BELOW = ((0.8, 0.0), (0.6, 0.0), (0.4, 0.9))
 FRAGMENT_STEPS = 5
 # The config preset of a model preset where the names differ: configs/diloco.py and
 # configs/decoupled.py call the `small` model's preset `cpu` (configs/dp.py has both).

@@ -21,7 +21,8 @@ from experiments import harness
 from experiments.scaling import config, pool, report, report_batch, rows as rows_lib, stages
 
 STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "m1", "size", "batch",
-          "period", "none")
+          "period", "outer", "none")
+RECEIPTS = ("overwrite", "keep_local")
 
 
 def define_flags() -> None:
@@ -32,7 +33,8 @@ def define_flags() -> None:
                     "and 2), inner (other inner learning rates, --inner_scales), cross (each method at "
                     "the other's pick), m1 (M = 1 controls, config.M1_RUNS), size (the "
                     "protocol at --preset, config.SIZE_*), batch (stage size at each global "
-                    "batch of config.BATCH_SWEEP), period (H at config.PERIODS), none.")
+                    "batch of --batches), period (H at config.PERIODS, Decoupled at each of "
+                    "--receipts), outer (the DiLoCo methods at each of --outer), none.")
   flags.DEFINE_enum("preset", "tiny", ("tiny", "nano"),
                     "The model of --stage=size, batch, period, inner, 2 and 3 (its steps: 20N "
                     "unless --steps).")
@@ -48,6 +50,10 @@ def define_flags() -> None:
   flags.DEFINE_list("batches", [str(b) for b in config.BATCH_SWEEP],
                     "--stage=batch: the global batches beside config.DP_BATCH (powers of 2; "
                     "each must split over every M of --learners).")
+  flags.DEFINE_list("outer", [f"{lr:g}/{mom:g}" for lr, mom in config.OUTER_BELOW],
+                    "--stage=outer: the outer settings, LR/MOMENTUM each.")
+  flags.DEFINE_list("receipts", ["overwrite"], "--stage=period and outer: Decoupled's "
+                    f"receipts ({', '.join(RECEIPTS)}).")
   flags.DEFINE_list("inner_scales", [str(s) for s in config.INNER_SCALES],
                     "--stage=inner: the factors on the reference's inner learning rate.")
   flags.DEFINE_bool("dry_run", False, "Print the runs the stage would start, run nothing.")
@@ -56,7 +62,8 @@ def define_flags() -> None:
 def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
                small_steps: int, found: list[dict] | None = None,
                seed: int = 0, inner_scales=config.INNER_SCALES,
-               preset: str = "tiny", batches=config.BATCH_SWEEP) -> list[harness.Run]:
+               preset: str = "tiny", batches=config.BATCH_SWEEP, outers=config.OUTER_BELOW,
+               receipts=("overwrite",)) -> list[harness.Run]:
   """The runs of `stage`, derived from `found` (default: the runs `outdir` holds now; the
   runner passes those plus the rows carried from the earlier results.json, `rows.merged`).
   `preset` (stages size, batch, period, inner, 2 and 3) names the model; stage size reads
@@ -78,7 +85,9 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
   if stage == "batch":
     return stages.stage_batch(found, steps, preset, learners, batches)
   if stage == "period":
-    return stages.stage_period(found, steps, preset)
+    return stages.stage_period(found, steps, preset, receipts=receipts)
+  if stage == "outer":
+    return stages.stage_outer(found, steps, preset, learners, outers, receipts)
   if stage == "2":
     return stages.stage_two(found, steps, learners, preset)
   if stage == "3":
@@ -90,7 +99,8 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             small_steps: int = config.SMALL_STEPS, only=(), parallel: int = 1,
             threads: int = 0, label: str = "", folder: str = "", seed: int = 0,
             dry_run: bool = False, inner_scales=config.INNER_SCALES,
-            preset: str = "tiny", batches=config.BATCH_SWEEP) -> float:
+            preset: str = "tiny", batches=config.BATCH_SWEEP, outers=config.OUTER_BELOW,
+            receipts=("overwrite",)) -> float:
   """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous; "size" and
   "batch": twice, the second pass once the data-parallel references are known); returns the
   wall seconds spent. A run with a row in `folder`'s results.json (carried from another
@@ -103,7 +113,7 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
     found = rows_lib.merged(outdir, os.path.join(folder, "results.json") if folder else "")
     carried = {r["run"] for r in found if "carried_commit" in r}
     runs = [r for r in stage_runs(s, outdir, steps, learners, small_steps, found, seed,
-                                  inner_scales, preset, batches)
+                                  inner_scales, preset, batches, outers, receipts)
             if (not only or any(o in r.method for o in only)) and r.name not in carried]
     print(f"stage {s}: {len(runs)} runs", flush=True)
     if dry_run and s == "batch":
@@ -176,6 +186,22 @@ def _batches(values: list[str], learners: tuple[int, ...]) -> tuple[int, ...]:
   return batches
 
 
+def _outers(values: list[str]) -> tuple[tuple[float, float], ...]:
+  """--outer as (rate, momentum) pairs."""
+  try:
+    return tuple(stages.parse_setting(f"outer {v}")[1] for v in values)
+  except ValueError:
+    raise app.UsageError(f"--outer: expected LR/MOMENTUM values, got {','.join(values)!r}") from None
+
+
+def _receipts(values: list[str]) -> tuple[str, ...]:
+  bad = [v for v in values if v not in RECEIPTS]
+  if bad or not values:
+    raise app.UsageError(f"--receipts: {','.join(bad) or 'empty'}: expected some of "
+                         f"{', '.join(RECEIPTS)}")
+  return tuple(values)
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
@@ -188,7 +214,8 @@ def main(argv):
                    only=f.only, parallel=f.parallel, threads=f.threads,
                    label=f.machine_label, folder=f.results_dir, seed=f.seed,
                    dry_run=f.dry_run, inner_scales=tuple(float(s) for s in f.inner_scales),
-                   preset=f.preset, batches=batches)
+                   preset=f.preset, batches=batches, outers=_outers(f.outer),
+                   receipts=_receipts(f.receipts))
     if f.dry_run:
       return
   write_report(f.outdir, f.results_dir, wall_s=wall)

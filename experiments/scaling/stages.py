@@ -326,20 +326,53 @@ def stage_batch(rows: list[dict], steps: int, preset: str, learners=config.SIZE_
   return runs
 
 
+def _setting(kind: str, receipt: str, outer: tuple[float, float], inner: float | None,
+             period: int = config.PERIOD) -> str:
+  """The setting string of a DiLoCo run (synchronous DiLoCo names no receipt)."""
+  return ((f"{receipt} " if kind == "decoupled" else "") + config.outer_label(*outer)
+          + (config.inner_label(inner) if inner is not None else "") + config.period_label(period))
+
+
 def stage_period(rows: list[dict], steps: int, preset: str, learners=config.PERIOD_LEARNERS,
-                 periods=config.PERIODS) -> list[Run]:
+                 periods=config.PERIODS, receipts=("overwrite",)) -> list[Run]:
   """Seed 0 of synchronous DiLoCo and Decoupled at each M of `learners` at their picks
-  (receipt, outer and inner rates) of `preset`'s group at `steps`, with H at each of
-  `periods` (Decoupled's fragments scaled with H, `config.fragments`)."""
+  (outer and inner rates) of `preset`'s group at `steps`, with H at each of `periods`
+  (Decoupled's fragments scaled with H, `config.fragments`), Decoupled at each receipt of
+  `receipts`; a receipt other than the pick's runs at the study's PERIOD too, its reference."""
   picked = rows_lib.picks(_tiny(rows, steps, preset))
   missing = [(kind, m) for m in learners for kind in ("diloco", "decoupled")
              if (kind, m) not in picked]
   if missing:
     raise ValueError(f"--stage=period needs the seed-0 runs of {missing} (kind, M) of the "
                      f"{preset} model at {steps} steps")
-  return [method_run(kind, m, picked[(kind, m)] + config.period_label(h), 0, steps, preset)
-          for h in periods if h != config.PERIOD for m in learners
-          for kind in ("diloco", "decoupled")]
+  runs = []
+  for h in (*periods, *(() if config.PERIOD in periods else (config.PERIOD,))):
+    for m in learners:
+      for kind in ("diloco", "decoupled"):
+        own, outer = parse_setting(picked[(kind, m)])
+        inner = inner_of(picked[(kind, m)])
+        runs += [method_run(kind, m, _setting(kind, receipt, outer, inner, h), 0, steps, preset)
+                 for receipt in (receipts if kind == "decoupled" else (own,))
+                 if h != config.PERIOD or receipt != own]
+  return runs
+
+
+def stage_outer(rows: list[dict], steps: int, preset: str, learners=config.PERIOD_LEARNERS,
+                outers=config.OUTER_BELOW, receipts=("overwrite",)) -> list[Run]:
+  """Seed 0 of synchronous DiLoCo and Decoupled (each receipt of `receipts`) at each M of
+  `learners` and each outer setting of `outers`, at `preset`'s group at `steps`: its global
+  batch and its data-parallel reference's inner rate. The runs join the group, so the picks
+  (and stages two and three) follow the rule over the wider grid."""
+  group = _tiny(rows, steps, preset)
+  reference = _reference(rows, steps, preset)
+  if not reference:
+    raise ValueError(f"--stage=outer needs the data-parallel runs of the {preset} model at "
+                     f"{steps} steps")
+  inner, batch = inner_of(reference), _batch(group)
+  return [method_run(kind, m, _setting(kind, receipt, outer, inner), 0, steps, preset, batch)
+          for m in learners for kind in ("diloco", "decoupled")
+          for receipt in (receipts if kind == "decoupled" else ("overwrite",))
+          for outer in outers]
 
 
 def batch_plan(rows: list[dict], steps: int, preset: str, learners, runs: list[Run],
