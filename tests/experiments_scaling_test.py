@@ -663,6 +663,16 @@ def test_batch_stage_runs_the_batches_it_is_given(tmp_path):
         400, 800, config.EVAL_WINDOWS // 4)
 
 
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_a_global_batch_below_the_devices_gets_one_device_per_sequence(m):
+  run_ = config.diloco("decoupled", m, (1.0, 0.0), 0, 10, dp_batch=4, named_batch=True)
+  devices = pool._devices(run_, config.DEVICES)
+  learner_batch = dict(run_.overrides)["train.batch_size"]
+  assert devices == 4 and learner_batch == 4 // m
+  assert learner_batch % (devices // m) == 0  # each learner's devices split its batch
+  assert pool._devices(config.diloco("diloco", m, (1.0, 0.0), 0, 10), config.DEVICES) == 8
+
+
 @pytest.mark.parametrize("values, learners, ok", [
     (["4"], (1, 2), (4,)), (["4", "256"], (1, 2, 4), (4, 256)),
     (["4"], (1, 2, 8), None), (["12"], (1,), None), (["0"], (1,), None),

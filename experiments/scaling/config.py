@@ -253,10 +253,13 @@ def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, step
     overrides += (("optim.learning_rate", inner_lr),)
     setting += inner_label(inner_lr)
   setting += period_label(period)
+  # Each learner's batch is split over its DEVICES / M devices: below DEVICES sequences in
+  # all, dp_batch devices (dp_batch / M each).
+  devices = (("devices", dp_batch),) if dp_batch < DEVICES else ()
   return Run(f"{preset}{batch_tag(dp_batch, named_batch)} {kind} M={learners} {setting}",
              f"configs/{kind}.py:{CONFIG_PRESET.get(preset, preset)}", seed,
              overrides + extra, labels=(("model", preset), ("kind", kind), ("M", learners),
-                                ("batch", batch), ("setting", setting)))
+                                ("batch", batch), ("setting", setting)) + devices)
 
 
 def stage_one(steps: int, learners=LEARNERS) -> list[Run]:
