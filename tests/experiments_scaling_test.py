@@ -844,18 +844,28 @@ def test_batch_and_period_tables_match_hand_computed_values(tmp_path):
   period = report_batch.period_table(main, rows.period_groups(found)[("nano", NANO)])
   assert period.splitlines()[0] == (f"| method | H = 8 ({NANO // 8} rounds) | H = 15 "
                                     f"({NANO // 15} rounds) | H = 30 ({NANO // 30} rounds) |")
+  # One row per setting run at another H; H = 30 is the same setting's run (none at inner4).
   assert period.splitlines()[2:] == [
-      "| synchronous DiLoCo M = 2 | — | 2.0400 (+2.00%) | 2.0200 (+1.00%) |",
-      "| synchronous DiLoCo M = 4 | — | — | — |",
-      "| Decoupled DiLoCo M = 2 | — | — | 2.0300 (+1.50%) |",
-      "| Decoupled DiLoCo M = 4 | 2.0700 (+3.50%) | — | 2.0600 (+3.00%) |",
+      f"| synchronous DiLoCo M = 2, outer 1/0{inner8} | — | 2.0400 (+2.00%) | 2.0200 (+1.00%) |",
+      f"| Decoupled DiLoCo M = 4, overwrite outer 1/0{inner4} | 2.0700 (+3.50%) | — | — |",
       "| data-parallel (the reference) | 2.0000 | | |"]
+  fake_run(outdir, "dec4_h30_keep", _nano_cfg("decoupled", 4, f"keep_local outer 1/0{inner4}"),
+           2.05)
+  fake_run(outdir, "dec4_h8_keep",
+           _nano_cfg("decoupled", 4, f"keep_local outer 1/0{inner4} H=8"), 2.01)
+  found2 = rows.collect(outdir)
+  period2 = report_batch.period_table(rows.groups(found2)[("nano", NANO)],
+                                      rows.period_groups(found2)[("nano", NANO)])
+  assert period2.splitlines()[3:5] == [
+      f"| Decoupled DiLoCo M = 4, keep_local outer 1/0{inner4} | 2.0100 (+0.50%) | — | "
+      "2.0500 (+2.50%) |",
+      f"| Decoupled DiLoCo M = 4, overwrite outer 1/0{inner4} | 2.0700 (+3.50%) | — | — |"]
   run.write_report(outdir, folder)
   with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
     text = f.read()
   assert "## `nano`: best against best over the global batch B" in text and own in text
   assert f"## `nano`, {steps64} steps per learner, global batch 64" in text
-  assert f"## `nano`, {NANO} steps: the synchronisation period H" in text and period in text
+  assert f"## `nano`, {NANO} steps: the synchronisation period H" in text and period2 in text
   # The size table reads nano at batch 32 only (one row per size): no second nano row.
   assert report.size_table(found) == ""
 

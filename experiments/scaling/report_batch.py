@@ -113,31 +113,35 @@ def batch_table(rows: list[dict], model: str, ms=config.SIZE_LEARNERS) -> str:
   return "\n".join(lines)
 
 
+def _without_period(setting: str) -> str:
+  """A setting without its " H=<H>" suffix: the same run at the study's H."""
+  return f" {setting}".partition(" H=")[0][1:]
+
+
 def period_table(main: list[dict], at_periods: list[dict]) -> str:
-  """Seed-0 loss and gap to the group's data-parallel reference of each method and M (rows)
-  at each H (columns: the study's H from `main`'s picks, the others from `at_periods`, the
-  same group's runs at another H), with the outer rounds each H makes of the steps."""
+  """Seed-0 loss and gap to the group's data-parallel reference of each (method, M, setting)
+  run at another H (rows), at each H (columns; the study's H is the same setting's run in
+  `main`, the group at the study's H), with the outer rounds each H makes of the steps. One
+  row per setting, so a receipt or rate other than the pick's gets a row of its own."""
   if not at_periods:
     return ""
-  base = seed0(main)
-  ref = base.get(REFERENCE)
+  ref = seed0(main).get(REFERENCE)
   steps = at_periods[0]["steps"]
   periods = sorted({r["period"] for r in at_periods} | {config.PERIOD})
-  ms = sorted({r["M"] for r in at_periods})
-  loss: dict[tuple[str, int, int], float] = {}
+  cells: dict[tuple[str, int, str], dict[int, float]] = {}
   for r in at_periods:
     if r["seed"] == 0:
-      key = (r["kind"], r["M"], r["period"])
-      loss[key] = min(loss.get(key, math.inf), r["eval_loss"])
-  for (kind, m), value in base.items():
-    if kind != "data-parallel":
-      loss[(kind, m, config.PERIOD)] = value
+      row = cells.setdefault((r["kind"], r["M"], _without_period(r["setting"])), {})
+      row[r["period"]] = min(row.get(r["period"], math.inf), r["eval_loss"])
+  for r in main:
+    key = (r["kind"], r["M"], r["setting"])
+    if r["seed"] == 0 and key in cells:
+      cells[key][config.PERIOD] = min(cells[key].get(config.PERIOD, math.inf), r["eval_loss"])
   lines = ["| method | " + " | ".join(f"H = {h} ({steps // h} rounds)" for h in periods)
            + " |", "|" + "---|" * (len(periods) + 1)]
-  for kind in KINDS:
-    for m in ms:
-      lines.append(f"| {report.KIND_NAMES[kind]} M = {m} | " + " | ".join(
-          _loss(loss.get((kind, m, h)), ref) for h in periods) + " |")
+  for kind, m, setting in sorted(cells, key=lambda k: (KINDS.index(k[0]), k[1], k[2])):
+    lines.append(f"| {report.KIND_NAMES[kind]} M = {m}, {setting} | " + " | ".join(
+        _loss(cells[(kind, m, setting)].get(h), ref) for h in periods) + " |")
   ref_cell = f"{ref:.4f}" if ref else MISSING
   return "\n".join(lines + [f"| data-parallel (the reference) | {ref_cell} |"
                             + " |" * (len(periods) - 1)])
@@ -169,9 +173,11 @@ def sections(rows: list[dict]) -> list[str]:
   for (model, steps), at_periods in sorted(rows_lib.period_groups(rows).items()):
     main = groups.get((model, steps), [])
     parts += [f"## `{model}`, {steps} steps: the synchronisation period H", "",
-              (f"Each method at its pick of the section `{model}`, {steps} steps (receipt, "
-               "outer and inner rates) with H changed (`--stage=period`; Decoupled keeps a "
-               f"fragment due every {config.FRAGMENT_STEPS} steps, tau = {config.TAU}). "
+              (f"Each method at a setting of the section `{model}`, {steps} steps (its pick's "
+               "receipt, outer and inner rates, or another receipt) with H changed "
+               "(`--stage=period`; Decoupled keeps a fragment due every "
+               f"{config.FRAGMENT_STEPS} steps, tau = {config.TAU}); H = {config.PERIOD} is "
+               "the same setting's run in that section. "
                "Seed-0 loss and gap to that section's data-parallel reference; the runs at "
                "another H never enter its picks. — = not run yet."), "",
               period_table(main, at_periods), "",
