@@ -1,5 +1,6 @@
 """A multi-process run under attack, against the same run left alone: does the trust boundary
-keep G on course? (docs/decisions.md "Trust boundary, second pass").
+keep G on course? (docs/decisions.md "How the trust boundary is tested: fuzzing, planted
+entries, a run under attack").
 
 While a 2-learner run trains (`configs/multiprocess.py:tiny`, no chaos), an attacker thread
 writes into the store, as learner 1's live incarnation, a delivery every half second that

@@ -1,4 +1,4 @@
-"""Documents read back from disk (docs/decisions.md "Trust boundary, third pass"): an export's
+"""Documents read back from disk (docs/decisions.md "Documents read back from disk"): an export's
 export.json and params/, a run's config.json and `--config_json`, a run checkpoint's meta, a
 tokenizer's tokenizer_config.json.
 
