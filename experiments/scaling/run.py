@@ -22,7 +22,6 @@ from experiments.scaling import config, pool, report, report_batch, rows as rows
 
 STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "m1", "size", "batch",
           "period", "outer", "none")
-RECEIPTS = ("overwrite", "keep_local")
 
 
 def define_flags() -> None:
@@ -30,8 +29,8 @@ def define_flags() -> None:
   harness.define_flags(config.NAME, os.path.dirname(os.path.abspath(__file__)))
   flags.DEFINE_enum("stage", "all", STAGES,
                     "1, 2, 3, all (1 then 2 then 3), small, m8 (M = 8 and 1 at picks from M = 4 "
-                    "and 2), inner (other inner learning rates, --inner_scales), cross (each method at "
-                    "the other's pick), m1 (M = 1 controls, config.M1_RUNS), size (the "
+                    "and 2), inner (other inner learning rates, --inner_scales), cross (each "
+                    "method at the other's pick), m1 (M = 1 controls, config.M1_RUNS), size (the "
                     "protocol at --preset, config.SIZE_*), batch (stage size at each global "
                     "batch of --batches), period (H at config.PERIODS, Decoupled at each of "
                     "--receipts), outer (the DiLoCo methods at each of --outer), none.")
@@ -53,7 +52,7 @@ def define_flags() -> None:
   flags.DEFINE_list("outer", [f"{lr:g}/{mom:g}" for lr, mom in config.OUTER_BELOW],
                     "--stage=outer: the outer settings, LR/MOMENTUM each.")
   flags.DEFINE_list("receipts", ["overwrite"], "--stage=period and outer: Decoupled's "
-                    f"receipts ({', '.join(RECEIPTS)}).")
+                    f"receipts ({', '.join(config.RECEIPTS)}).")
   flags.DEFINE_list("inner_scales", [str(s) for s in config.INNER_SCALES],
                     "--stage=inner: the factors on the reference's inner learning rate.")
   flags.DEFINE_bool("dry_run", False, "Print the runs the stage would start, run nothing.")
@@ -191,14 +190,15 @@ def _outers(values: list[str]) -> tuple[tuple[float, float], ...]:
   try:
     return tuple(stages.parse_setting(f"outer {v}")[1] for v in values)
   except ValueError:
-    raise app.UsageError(f"--outer: expected LR/MOMENTUM values, got {','.join(values)!r}") from None
+    raise app.UsageError(
+        f"--outer: expected LR/MOMENTUM values, got {','.join(values)!r}") from None
 
 
 def _receipts(values: list[str]) -> tuple[str, ...]:
-  bad = [v for v in values if v not in RECEIPTS]
+  bad = [v for v in values if v not in config.RECEIPTS]
   if bad or not values:
     raise app.UsageError(f"--receipts: {','.join(bad) or 'empty'}: expected some of "
-                         f"{', '.join(RECEIPTS)}")
+                         f"{', '.join(config.RECEIPTS)}")
   return tuple(values)
 
 
