@@ -840,6 +840,21 @@ def test_batch_and_period_tables_match_hand_computed_values(tmp_path):
   assert sweep[2:5] == ["| data-parallel | 2.0000 | 1.9600* |",
                         "| synchronous DiLoCo M = 2 | 2.0200 | 1.9800* |",
                         "| Decoupled DiLoCo M = 2 | 2.0300* | — |"]
+  assert report_batch.seeded_table(found, "nano").splitlines()[2].startswith(
+      "| synchronous DiLoCo, at data-parallel's best batch | 1.9600 (1 seed, B = 64) | — | "
+      "1.9800 (1 seed, +1.02%) |")
+  # Seed 1 of batch 64's reference and of its synchronous M = 2 pick: the seeded table
+  # averages them (the batches stay picked at seed 0).
+  seed1 = dict(batch=64, steps=steps64, seed=1)
+  fake_run(outdir, "dp64_s1", _nano_cfg("data-parallel", 1, inner4.strip(), **seed1), 1.98)
+  fake_run(outdir, "dil2_64_s1", _nano_cfg("diloco", 2, f"outer 1/0{inner4}", **seed1), 2.00)
+  seeded = report_batch.seeded_table(rows.collect(outdir), "nano").splitlines()
+  assert seeded[0] == "| method | data-parallel | M = 1 | M = 2 | M = 4 | M = 8 |"
+  assert seeded[2] == ("| synchronous DiLoCo, at data-parallel's best batch | 1.9700 ±0.010 "
+                       "(2 seeds, B = 64) | — | 1.9900 ±0.010 (2 seeds, +1.02%) | — | — |")
+  assert seeded[5] == ("| Decoupled DiLoCo, at its own best batch | 1.9700 ±0.010 (2 seeds, "
+                       "B = 64) | — | 2.0300 (1 seed, +3.05%, B = 32) | 2.0400 (1 seed, +3.55%, "
+                       "B = 64) | — |")
   main = rows.groups(found)[("nano", NANO)]
   period = report_batch.period_table(main, rows.period_groups(found)[("nano", NANO)])
   assert period.splitlines()[0] == (f"| method | H = 8 ({NANO // 8} rounds) | H = 15 "

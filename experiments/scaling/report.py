@@ -43,7 +43,8 @@ def picked_stats(group: list[dict]) -> dict[tuple[str, int], dict]:
   return out
 
 
-def _cell(s: dict | None, reference: float | None) -> str:
+def seed_cell(s: dict | None, reference: float | None) -> str:
+  """"mean ±half-spread (n seeds, gap%)" of a `picked_stats` entry; "" for none."""
   if s is None:
     return ""
   seeds = len(s["seeds"])
@@ -61,10 +62,10 @@ def table4(group: list[dict]) -> str:
   header = ["method", "data-parallel"] + [f"M = {m}" for m in ms]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for kind in ("diloco", "decoupled", "data-parallel"):
-    cells = [_cell(ps.get((kind, m)) if kind != "data-parallel" or m > 1 else None, ref)
+    cells = [seed_cell(ps.get((kind, m)) if kind != "data-parallel" or m > 1 else None, ref)
              for m in ms]
     if any(cells):
-      lines.append(f"| {ROW_NAMES[kind]} | {_cell(dp, None)} | " + " | ".join(cells) + " |")
+      lines.append(f"| {ROW_NAMES[kind]} | {seed_cell(dp, None)} | " + " | ".join(cells) + " |")
   study = config.STUDY_35M
   lines.append(f"| DiLoCo, study 35M | {study['data-parallel']:.3f} | " + " | ".join(
       f"{study[m]:.3f} ({gap(study[m], study['data-parallel']):+.2f}%)" if m in study else ""

@@ -2,8 +2,9 @@
 global batch and at its own (the study's Table 4 compares best against best), the seed-0 loss
 at every batch, and the gap to data-parallel against the synchronisation period H.
 
-Every figure is a seed-0 eval loss (the sweeps run seed 0 only; the main section's tables give
-the seed means); a run that has no row yet shows as "—".
+The picks (of setting and of batch) are made at seed 0, and the tables give seed-0 losses,
+but for `seeded_table`: the same two comparisons over whatever seeds the picks have (stages 2
+and 3 with `--steps` of a batch's group). A run that has no row yet shows as "—".
 """
 
 from __future__ import annotations
@@ -89,6 +90,40 @@ def best_tables(rows: list[dict], model: str, ms=config.SIZE_LEARNERS) -> tuple[
   return "\n".join(at_best), "\n".join(own)
 
 
+def _with_batch(cell: str, batch: int) -> str:
+  """A `report.seed_cell` with its global batch added inside the bracket."""
+  return f"{cell[:-1]}, B = {batch})" if cell.endswith(")") else cell
+
+
+def seeded_table(rows: list[dict], model: str, ms=config.SIZE_LEARNERS) -> str:
+  """The two comparisons of `best_tables` over the seeds: each batch is picked at seed 0 (as
+  there), then each cell is the mean (± half the spread) over the seeds its pick has, the
+  gap to data-parallel's mean at its best batch; "" without a data-parallel reference."""
+  groups = batch_groups(rows, model)
+  by_batch = {b: seed0(g) for b, g in groups.items()}
+  dps = {b: s[REFERENCE] for b, s in by_batch.items() if REFERENCE in s}
+  if not dps:
+    return ""
+  best_b = min(dps, key=lambda b: (dps[b], b))
+  stats = {b: report.picked_stats(g) for b, g in groups.items()}
+  dp = stats[best_b].get(REFERENCE)
+  ref = dp["mean"] if dp else None
+  lines = _header(["method", "data-parallel"], ms)
+  for own in (False, True):
+    for kind in KINDS:
+      cells = []
+      for m in ms:
+        found = {b: s[(kind, m)] for b, s in by_batch.items() if (kind, m) in s}
+        b = (min(found, key=lambda b: (found[b], b)) if found else None) if own else best_b
+        cell = report.seed_cell(stats[b].get((kind, m)), ref) if b in stats else ""
+        cells.append(_with_batch(cell, b) if cell and own else cell or MISSING)
+      where = "its own best batch" if own else "data-parallel's best batch"
+      lines.append(f"| {report.KIND_NAMES[kind]}, at {where} | "
+                   f"{_with_batch(report.seed_cell(dp, None), best_b)} | "
+                   + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def batch_table(rows: list[dict], model: str, ms=config.SIZE_LEARNERS) -> str:
   """The sweep itself: the seed-0 loss of data-parallel and of each method's pick per M
   (rows) at each global batch (columns); * marks a row's lowest."""
@@ -168,6 +203,10 @@ def sections(rows: list[dict]) -> list[str]:
                 "", (f"The study's rows cite {config.STUDY_CITATION} and its fitted laws "
                      "(Table 7) at tiny's N; its losses are on another corpus and tokenizer, "
                      "so only its gaps compare with ours."), ""]
+    seeded = seeded_table(rows, model)
+    if seeded:
+      parts += ["### The same over the seeds (batches picked at seed 0; mean ± half the "
+                "seeds' spread)", "", seeded, ""]
     parts += ["### Seed-0 loss at each batch (* = the row's lowest)", "", sweep, ""]
   groups = rows_lib.groups(rows)
   for (model, steps), at_periods in sorted(rows_lib.period_groups(rows).items()):
