@@ -173,3 +173,34 @@ def test_cli_tiny_run_learns(tmp_path):
   assert "done: {" not in proc.stdout and "{" not in "\n".join(table)
   tokens = int(table[2].split("(")[1].split()[0].replace(",", ""))
   assert tokens == 60 * 16 * 64 == config["train"]["steps"] * 16 * config["data"]["seq_len"]
+
+
+def test_eval_losses_are_read_one_program_at_a_time_and_averaged_as_before():
+  """`mean_eval_loss` reads each batch's loss before dispatching the next (independent
+  evaluation programs dispatched together can starve a CPU collective past its deadline),
+  and gives the mean that reading them all at the end gave."""
+  dispatched, read = [], []
+
+  class Loss:  # a device value that records when it is read
+    def __init__(self, i, value):
+      self.i, self.value = i, value
+
+    def __array__(self, dtype=None, copy=None):
+      read.append(self.i)
+      return np.asarray(self.value, dtype=dtype)
+
+  values = np.random.default_rng(0).uniform(1.0, 3.0, 37).astype(np.float32)
+
+  def eval_fn(params, batch):
+    assert read == dispatched, "a batch was dispatched before the previous loss was read"
+    dispatched.append(batch)
+    return Loss(batch, values[batch] * params)
+
+  got = train_step.mean_eval_loss(eval_fn, np.float32(1.0), range(37), place=lambda b: b)
+  assert read == list(range(37))
+  assert got == float(np.mean(list(values)))  # the float32 mean of the same 0-d values
+  # On devices: the same value as the jitted loss of each batch averaged at the end.
+  fn = jax.jit(lambda p, x: jnp.mean((x - p) ** 2))
+  batches = [jnp.arange(8.0) * k for k in range(5)]
+  assert train_step.mean_eval_loss(fn, jnp.float32(1.5), batches) == float(
+      np.mean(jax.device_get([fn(jnp.float32(1.5), b) for b in batches])))

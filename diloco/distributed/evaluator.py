@@ -32,7 +32,6 @@ import threading
 import time
 
 import jax
-import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
@@ -83,7 +82,7 @@ class Evaluator:
     params = jax.device_put(fragments_lib.unflatten_tree(flat_params),
                             self.spec.shardings["params"])
     with jax.set_mesh(self.spec.mesh):
-      loss = float(np.mean(jax.device_get([self.eval_fn(params, b) for b in self.batches])))
+      loss = train_step.mean_eval_loss(self.eval_fn, params, self.batches)
     if not math.isfinite(loss):
       raise FloatingPointError(f"global eval/loss is {loss} at t={now:.1f}s")
     self.writer.write(step, {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50)),

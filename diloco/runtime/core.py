@@ -311,12 +311,12 @@ class Runtime:
     clock: learners keep their memory and their devices' time), else on learner 0's mesh."""
     if self.eval_device is not None:
       params = jax.device_put(self.global_params(), self.eval_device)
-      losses = [self.eval_fn(params, jax.device_put(b, self.eval_device)) for b in batches]
-      return float(np.mean(jax.device_get(losses)))
+      return train_step.mean_eval_loss(self.eval_fn, params, batches,
+                                       lambda b: jax.device_put(b, self.eval_device))
     spec = self.slots[0].spec
     params = jax.device_put(self.global_params(), spec.shardings["params"])
     with jax.set_mesh(spec.mesh):
-      return float(np.mean(jax.device_get([self.eval_fn(params, b) for b in batches])))
+      return train_step.mean_eval_loss(self.eval_fn, params, batches)
 
 
 def _eval_device(cfg: Config, devices, groups):

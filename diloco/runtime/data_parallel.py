@@ -15,7 +15,6 @@ import os
 import time
 
 import jax
-import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
@@ -60,8 +59,7 @@ def _device_params(params, spec: train_state.StateSpec):
 
 
 def evaluate(eval_fn, params, batches) -> dict[str, float]:
-  losses = [eval_fn(params, b) for b in batches]
-  loss = float(np.mean(jax.device_get(losses)))
+  loss = train_step.mean_eval_loss(eval_fn, params, batches)
   return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
 
