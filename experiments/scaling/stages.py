@@ -214,8 +214,7 @@ def stage_cross(rows: list[dict], steps: int, learners=config.LEARNERS) -> list[
     for kind, other in (("diloco", "decoupled"), ("decoupled", "diloco")):
       _, outer = parse_setting(pair[other])
       inner = inner_of(pair[other])
-      setting = ("overwrite " if kind == "decoupled" else "") + config.outer_label(*outer) + (
-          config.inner_label(inner) if inner is not None else "")
+      setting = _setting(kind, "overwrite", outer, inner)
       if f"{kind} M={m} {setting}" not in names:
         runs.append(method_run(kind, m, setting, 0, steps))
   return runs
@@ -230,8 +229,7 @@ def stage_m1(rows: list[dict], steps: int, settings=config.M1_RUNS) -> list[Run]
   names = {r["method"] for r in _tiny(rows, steps)}
   runs = []
   for kind, receipt, outer in settings:
-    setting = (f"{receipt} " if kind == "decoupled" else "") + config.outer_label(*outer) + (
-        config.inner_label(inner) if inner is not None else "")
+    setting = _setting(kind, receipt, outer, inner)
     if f"{kind} M=1 {setting}" not in names:
       runs.append(method_run(kind, 1, setting, 0, steps))
   return runs
