@@ -663,6 +663,44 @@ def test_batch_stage_runs_the_batches_it_is_given(tmp_path):
         400, 800, config.EVAL_WINDOWS // 4)
 
 
+
+def test_batch_stage_tunes_over_the_scales_it_is_given_then_runs_the_methods(tmp_path):
+  outdir = str(tmp_path)
+  _nano_group(outdir, NANO_LOSSES)
+  scales = (1.0, 2.0, 4.0)
+  planned = stages.stage_batch(rows.collect(outdir), NANO, "nano", (2,), batches=(64,),
+                               scales=scales)
+  rates = sorted(dict(r.overrides).get("optim.learning_rate", NANO_INNER) for r in planned)
+  assert rates == pytest.approx([NANO_INNER * s for s in scales])
+  # With rows at only those three rates (none at 8x, the full grid's reference), the
+  # reference is picked among them and the DiLoCo runs follow at its rate.
+  steps64 = config.compute_optimal_steps("nano", 64)
+  for scale in scales:
+    setting = "" if scale == 1 else config.inner_label(NANO_INNER * scale).strip()
+    fake_run(outdir, f"n64_{scale}", _nano_cfg("data-parallel", 1, setting, batch=64,
+                                                steps=steps64), 2.0 if scale == 2 else 2.1)
+  planned = stages.stage_batch(rows.collect(outdir), NANO, "nano", (2,), batches=(64,),
+                               scales=scales)
+  methods = [r.method for r in planned[len(scales):]]
+  inner = config.inner_label(NANO_INNER * 2)
+  assert methods[:2] == [f"nano batch 64 diloco M=2 outer 1/0{inner}",
+                         f"nano batch 64 decoupled M=2 overwrite outer 1/0{inner}"]
+  assert len(methods) == 2 * len(config.SIZE_OUTER)
+  # The full grid would still ask for its other rates first.
+  assert all(dict(r.labels)["kind"] == "data-parallel" for r in stages.stage_batch(
+      rows.collect(outdir), NANO, "nano", (2,), batches=(64,)))
+
+
+@pytest.mark.parametrize("values, ok", [
+    (["0.5", "1", "8"], (0.5, 1.0, 8.0)), (["2"], (2.0,)), ([], None), (["0"], None),
+    (["-1"], None), (["x"], None)])
+def test_size_scales_flag_takes_positive_factors(values, ok):
+  if ok is not None:
+    assert run._scales(values) == ok
+  else:
+    with pytest.raises(run.app.UsageError, match="^--size_scales: "):
+      run._scales(values)
+
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_a_global_batch_below_the_devices_gets_one_device_per_sequence(m):
   run_ = config.diloco("decoupled", m, (1.0, 0.0), 0, 10, dp_batch=4, named_batch=True)

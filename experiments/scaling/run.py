@@ -55,6 +55,9 @@ def define_flags() -> None:
                     f"receipts ({', '.join(config.RECEIPTS)}).")
   flags.DEFINE_list("inner_scales", [str(s) for s in config.INNER_SCALES],
                     "--stage=inner: the factors on the reference's inner learning rate.")
+  flags.DEFINE_list("size_scales", [f"{s:g}" for s in config.SIZE_INNER_SCALES],
+                    "--stage=size and batch: data-parallel's inner rates, as factors on the "
+                    "preset's.")
   flags.DEFINE_bool("dry_run", False, "Print the runs the stage would start, run nothing.")
 
 
@@ -62,7 +65,8 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
                small_steps: int, found: list[dict] | None = None,
                seed: int = 0, inner_scales=config.INNER_SCALES,
                preset: str = "tiny", batches=config.BATCH_SWEEP, outers=config.OUTER_BELOW,
-               receipts=("overwrite",)) -> list[harness.Run]:
+               receipts=("overwrite",),
+               size_scales=config.SIZE_INNER_SCALES) -> list[harness.Run]:
   """The runs of `stage`, derived from `found` (default: the runs `outdir` holds now; the
   runner passes those plus the rows carried from the earlier results.json, `rows.merged`).
   `preset` (stages size, batch, period, inner, 2 and 3) names the model; stage size reads
@@ -80,9 +84,10 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
   if stage == "m1":
     return stages.stage_m1(found, steps)
   if stage == "size":
-    return stages.stage_size(found, steps, config.compute_optimal_steps(), preset, learners)
+    return stages.stage_size(found, steps, config.compute_optimal_steps(), preset, learners,
+                             scales=size_scales)
   if stage == "batch":
-    return stages.stage_batch(found, steps, preset, learners, batches)
+    return stages.stage_batch(found, steps, preset, learners, batches, size_scales)
   if stage == "period":
     return stages.stage_period(found, steps, preset, receipts=receipts)
   if stage == "outer":
@@ -99,7 +104,7 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             threads: int = 0, label: str = "", folder: str = "", seed: int = 0,
             dry_run: bool = False, inner_scales=config.INNER_SCALES,
             preset: str = "tiny", batches=config.BATCH_SWEEP, outers=config.OUTER_BELOW,
-            receipts=("overwrite",)) -> float:
+            receipts=("overwrite",), size_scales=config.SIZE_INNER_SCALES) -> float:
   """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous; "size" and
   "batch": twice, the second pass once the data-parallel references are known); returns the
   wall seconds spent. A run with a row in `folder`'s results.json (carried from another
@@ -112,7 +117,8 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
     found = rows_lib.merged(outdir, os.path.join(folder, "results.json") if folder else "")
     carried = {r["run"] for r in found if "carried_commit" in r}
     runs = [r for r in stage_runs(s, outdir, steps, learners, small_steps, found, seed,
-                                  inner_scales, preset, batches, outers, receipts)
+                                  inner_scales, preset, batches, outers, receipts,
+                                  size_scales)
             if (not only or any(o in r.method for o in only)) and r.name not in carried]
     print(f"stage {s}: {len(runs)} runs", flush=True)
     if dry_run and s == "batch":
@@ -194,6 +200,17 @@ def _outers(values: list[str]) -> tuple[tuple[float, float], ...]:
         f"--outer: expected LR/MOMENTUM values, got {','.join(values)!r}") from None
 
 
+def _scales(values: list[str]) -> tuple[float, ...]:
+  """--size_scales as positive factors."""
+  try:
+    scales = tuple(float(v) for v in values)
+  except ValueError:
+    scales = ()
+  if not scales or any(s <= 0 for s in scales):
+    raise app.UsageError(f"--size_scales: {','.join(values)!r}: expected positive factors")
+  return scales
+
+
 def _receipts(values: list[str]) -> tuple[str, ...]:
   bad = [v for v in values if v not in config.RECEIPTS]
   if bad or not values:
@@ -215,7 +232,7 @@ def main(argv):
                    label=f.machine_label, folder=f.results_dir, seed=f.seed,
                    dry_run=f.dry_run, inner_scales=tuple(float(s) for s in f.inner_scales),
                    preset=f.preset, batches=batches, outers=_outers(f.outer),
-                   receipts=_receipts(f.receipts))
+                   receipts=_receipts(f.receipts), size_scales=_scales(f.size_scales))
     if f.dry_run:
       return
   write_report(f.outdir, f.results_dir, wall_s=wall)

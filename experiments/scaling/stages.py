@@ -254,21 +254,21 @@ def stage_small(rows: list[dict], steps: int, small_steps: int) -> list[Run]:
 
 def stage_size(rows: list[dict], steps: int, pick_steps: int, preset: str,
                learners=config.SIZE_LEARNERS, *, batch: int = config.DP_BATCH,
-               pick_preset: str = "tiny") -> list[Run]:
+               pick_preset: str = "tiny", scales=config.SIZE_INNER_SCALES) -> list[Run]:
   """Seed 0 of the protocol at `preset` and global batch `batch` (`steps`: its 20N):
-  data-parallel at each inner rate of `config.SIZE_INNER_SCALES`; once all of them have rows,
+  data-parallel at the preset's inner rate times each of `scales`; once all of them have rows,
   synchronous DiLoCo and Decoupled (overwrite) at each M of `learners` at the reference's
   inner rate (`size_methods`)."""
   base = config.PRESET_INNER_LR[preset]
   runs = [config.dp(0, steps, batch, preset=preset,
                     inner_lr=None if scale == 1 else base * scale, **config.batch_shape(batch))
-          for scale in config.SIZE_INNER_SCALES]
+          for scale in scales]
   group = _tiny(rows, steps, preset)
   # A row's method names the tuned rate "data-parallel": match the rates by setting instead.
   done = {r["setting"] for r in group
           if r["kind"] == "data-parallel" and r["seed"] == 0 and r["batch"] == batch}
   if any(("" if scale == 1 else config.inner_label(base * scale).strip()) not in done
-         for scale in config.SIZE_INNER_SCALES):
+         for scale in scales):
     return runs  # the reference is picked from all of them first
   reference = _reference(rows, steps, preset)
   inner = inner_of(reference) if reference else None
@@ -307,10 +307,10 @@ def batch_steps(preset: str, batch: int, steps: int) -> int:
 
 
 def stage_batch(rows: list[dict], steps: int, preset: str, learners=config.SIZE_LEARNERS,
-                batches=config.BATCH_SWEEP) -> list[Run]:
+                batches=config.BATCH_SWEEP, scales=config.SIZE_INNER_SCALES) -> list[Run]:
   """Stage size at each global batch of `batches` at the tokens of `steps` x DP_BATCH: each
-  batch its own (preset, steps) group, its data-parallel inner rate tuned anew, its DiLoCo
-  runs first at the outer settings picked in `preset`'s DP_BATCH group at `steps`."""
+  batch its own (preset, steps) group, its data-parallel inner rate tuned anew over `scales`,
+  its DiLoCo runs first at the outer settings picked in `preset`'s DP_BATCH group at `steps`."""
   main = _tiny(rows, steps, preset)
   missing = [(kind, m) for m in learners for kind in ("diloco", "decoupled")
              if (kind, "overwrite") not in mode_picks(main, m)]
@@ -320,7 +320,7 @@ def stage_batch(rows: list[dict], steps: int, preset: str, learners=config.SIZE_
   runs = []
   for batch in batches:
     runs += stage_size(rows, batch_steps(preset, batch, steps), steps, preset, learners,
-                       batch=batch, pick_preset=preset)
+                       batch=batch, pick_preset=preset, scales=scales)
   return runs
 
 
