@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from experiments.scaling import config, pool, report, report_batch, rows, run, stages
+from experiments.scaling import (config, figures, pool, report, report_batch, rows, run,
+                                 stages)
 
 STEPS = 40
 
@@ -357,7 +358,6 @@ def test_execute_counts_a_carried_run_as_done(tmp_path, capsys):
 
 
 def test_curves_fall_back_to_a_seed_with_a_curve_and_name_what_is_missing(tmp_path):
-  from experiments.scaling import figures
   _stage_one(str(tmp_path), LOSSES)
   fake_run(str(tmp_path), "dp_s1", _cfg("data-parallel", 1, seed=1), 2.03)
   group = rows.collect(str(tmp_path))
@@ -571,6 +571,14 @@ def test_size_table_puts_each_20n_size_beside_the_study(tmp_path):
   assert lines[3].startswith(f"| synchronous DiLoCo | tiny | {config.params('tiny'):,} | ")
   assert "+1.00% (1)" in lines[3] and len(lines) == 6  # two study rows, no Decoupled rows
   assert "+0.66%" in lines[4] and f"+{config.STUDY_LAW_AT_TINY[2]:.2f}%" in lines[5]
+  found = rows.collect(str(tmp_path))
+  assert [(n, model) for n, model, _ in report.size_points(found)] == [
+      (config.params("nano"), "nano"), (config.params("tiny"), "tiny")]
+  path = str(tmp_path / "gap_n.png")
+  assert figures.size_plot(found, path) and os.path.getsize(path) > 0
+  one_size = [r for r in found if r["model"] == "tiny"]
+  assert not figures.size_plot(one_size, str(tmp_path / "none.png"))
+  assert not os.path.exists(tmp_path / "none.png")
 
 
 NANO = config.compute_optimal_steps("nano")

@@ -1,5 +1,6 @@
 """The scaling experiment's plots: the gap to data-parallel against M, and eval loss against
-tokens of each picked method, one file per (model, steps) group."""
+tokens of each picked method, one file per (model, steps) group; the gap against N over the
+model sizes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments import harness  # noqa: E402
 from experiments.scaling import config  # noqa: E402
-from experiments.scaling.report import KIND_NAMES, gap, picked_stats  # noqa: E402
+from experiments.scaling.report import KIND_NAMES, gap, picked_stats, size_points  # noqa: E402
 
 
 def gap_plot(group: list[dict], path: str, title: str) -> bool:
@@ -43,6 +44,48 @@ def gap_plot(group: list[dict], path: str, title: str) -> bool:
   ax.set_title(title, fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+# The study's smallest model, where its rows start (its Table 4 names it 35M).
+STUDY_SMALLEST_N = 35e6
+
+
+def size_plot(rows: list[dict], path: str) -> bool:
+  """Gap (percent, seed means) against N per M: our sizes at 20N joined per method, the study's
+  35M row, and its fitted laws' values at tiny's N (their coefficients are not here, so no law
+  is drawn as a line). False (nothing written) with fewer than two of our sizes."""
+  sizes = size_points(rows)
+  if len(sizes) < 2:
+    return False
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  study = config.STUDY_35M
+  for i, m in enumerate(config.SIZE_LEARNERS):
+    color = f"C{i}"
+    for kind, marker, style in (("diloco", "o", "-"), ("decoupled", "s", ":")):
+      points = [(n, gap(ps[(kind, m)]["mean"], ps[("data-parallel", 0)]["mean"]))
+                for n, _, ps in sizes if (kind, m) in ps]
+      if points:
+        ax.plot(*zip(*points), marker + style, color=color, ms=5,
+                label=f"{KIND_NAMES[kind]} M = {m}")
+    if m in study:
+      ax.plot([STUDY_SMALLEST_N], [gap(study[m], study["data-parallel"])], "^", color=color,
+              ms=8, mec="k")
+    if m in config.STUDY_LAW_AT_TINY:
+      ax.plot([config.params("tiny")], [config.STUDY_LAW_AT_TINY[m]], "x", color=color, ms=9,
+              mew=2)
+  ax.plot([], [], "k^", label="study, 35M (Table 4)")
+  ax.plot([], [], "kx", label="study's laws at tiny's N (Table 7)")
+  ax.axhline(0, color="grey", lw=0.8)
+  ax.set_xscale("log")
+  ax.set_xlabel("N (parameters)")
+  ax.set_ylabel("eval-loss gap to data-parallel (%)")
+  ax.set_title("gap against N at 20N tokens, batch 32, H = 30", fontsize=9)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=6, ncol=2)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

@@ -194,11 +194,10 @@ def trend_table(rows: list[dict]) -> str:
                              "data-parallel", "decoupled M=4", "setting", "gap_pct"))
 
 
-def size_table(rows: list[dict]) -> str:
-  """The gap to data-parallel per M (picked settings, mean over seeds) of each method at every
-  model size trained at 20N, smallest N first, with the study's 35M row and its fitted laws at
-  tiny's N beside: does the gap shrink with N at every M? A size swept over the global batch
-  is read at DP_BATCH here (the sweep: `report_batch`)."""
+def size_points(rows: list[dict]) -> list[tuple[int, str, dict]]:
+  """(N, model, `picked_stats`) of every model size trained at 20N with a data-parallel
+  reference, smallest N first; a size swept over the global batch is read at DP_BATCH (the
+  sweep: `report_batch`)."""
   sizes, at_dp_batch = [], set()
   for (model, _), group in rows_lib.groups(rows).items():
     n = config.params(model)
@@ -209,15 +208,22 @@ def size_table(rows: list[dict]) -> str:
     at_dp_batch |= {model} if batch == config.DP_BATCH else set()
     if ("data-parallel", 0) in ps:
       sizes.append((n, model, batch, ps))
-  sizes = [(n, model, ps) for n, model, batch, ps in sizes
-           if batch == config.DP_BATCH or model not in at_dp_batch]
+  return sorted(((n, model, ps) for n, model, batch, ps in sizes
+                 if batch == config.DP_BATCH or model not in at_dp_batch), key=lambda t: t[:2])
+
+
+def size_table(rows: list[dict]) -> str:
+  """The gap to data-parallel per M (picked settings, mean over seeds) of each method at every
+  model size trained at 20N (`size_points`), with the study's 35M row and its fitted laws at
+  tiny's N beside: does the gap shrink with N at every M?"""
+  sizes = size_points(rows)
   if len(sizes) < 2:
     return ""
   ms = config.SIZE_LEARNERS
   header = ["method", "model", "N", "data-parallel"] + [f"M = {m}" for m in ms]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for kind in ("diloco", "decoupled"):
-    for n, model, ps in sorted(sizes):
+    for n, model, ps in sizes:
       ref = ps[("data-parallel", 0)]
       cells = [f"{gap(ps[(kind, m)]['mean'], ref['mean']):+.2f}% ({len(ps[(kind, m)]['seeds'])})"
                if (kind, m) in ps else "" for m in ms]

@@ -18,7 +18,8 @@ import os
 from absl import app, flags
 
 from experiments import harness
-from experiments.scaling import config, pool, report, report_batch, rows as rows_lib, stages
+from experiments.scaling import (config, figures, pool, report, report_batch, rows as rows_lib,
+                                 stages)
 
 STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "m1", "size", "batch",
           "period", "outer", "none")
@@ -164,6 +165,8 @@ def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str =
               "rows are on another corpus and tokenizer: only gaps compare; its fitted laws are "
               "quoted at tiny's N only (extrapolated 2.4 decades below its smallest model).", "",
               by_size, ""]
+    if figures.size_plot(found, os.path.join(folder, f"{prefix}_gap_against_n.png")):
+      parts += [f"![gap against N]({prefix}_gap_against_n.png)", ""]
   parts += report_batch.sections(found)
   for extra in ("usage.md", "gpu35m.md") if prefix == config.NAME else ():
     path = os.path.join(folder, extra)
