@@ -83,7 +83,8 @@ def size_plot(rows: list[dict], path: str) -> bool:
   ax.set_xscale("log")
   ax.set_xlabel("N (parameters)")
   ax.set_ylabel("eval-loss gap to data-parallel (%)")
-  ax.set_title("gap against N at 20N tokens, batch 32, H = 30", fontsize=9)
+  ax.set_title(f"gap against N at 20N tokens, batch {config.DP_BATCH}, H = {config.PERIOD}",
+               fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=6, ncol=2)
   fig.tight_layout()
