@@ -6,7 +6,8 @@ Run (4 learners x 2 emulated CPU devices, small model, about 10 minutes on 2 cor
 Expect: a live status per learner and for the syncer, the global eval/loss falling
 like the data-parallel run's, and runs/decoupled_cpu/{loss,timeline}.png plus
 accounting.json (goodput, uptime, bandwidth ledger).
-Presets: tiny (tests, < 2 min), nano (tiny's run, ~4x fewer parameters), cpu (above), m35 (~35.6M parameters, every learner on
+Presets: tiny (tests, < 2 min), nano (tiny's run, ~4x fewer parameters), mini (tiny's run, ~4x
+more), cpu (above), m35 (~35.6M parameters, every learner on
 one GPU: experiments/scaling/gpu35m.py), and TPU-sized gemma_2b / gemma_5b /
 gemma_9b / moe_2_8b / moe_3_8b with 8 learners, one slice each (devices are grouped
 by slice_index), reading pre-tokenised shards (`--config.data.path=gs://...`).
@@ -18,9 +19,9 @@ _TPU = ("gemma_2b", "gemma_5b", "gemma_9b", "moe_2_8b", "moe_3_8b")
 
 
 def get_config(preset: str = "cpu"):
-  if preset not in ("tiny", "nano", "cpu", "m35") + _TPU:
+  if preset not in ("tiny", "nano", "mini", "cpu", "m35") + _TPU:
     raise ValueError(f"configs/decoupled.py: unknown preset {preset!r}; allowed: "
-                     f"{['tiny', 'nano', 'cpu', 'm35', *_TPU]}")
+                     f"{['tiny', 'nano', 'mini', 'cpu', 'm35', *_TPU]}")
   cfg = config_lib.base_config({"tiny": "tiny", "cpu": "small"}.get(preset, preset))
   cfg.learners.count = 4
   # Learners need no train-state checkpoints here (a restarted learner keeps its resume point
@@ -30,7 +31,7 @@ def get_config(preset: str = "cpu"):
   cfg.checkpoint.every_rounds = 32
   # Receipt: the paper's overwrite (config default). keep_local throws no work away but, with
   # learners of unequal speed under K = 1, trained far worse (docs/design.md 5.1).
-  if preset in ("tiny", "nano"):  # nano: tiny's run at ~4x fewer parameters
+  if preset in ("tiny", "nano", "mini"):  # nano, mini: tiny's run at ~4x fewer, more parameters
     cfg.data.seq_len = 64
     cfg.train.batch_size = 8
     cfg.train.steps = 64

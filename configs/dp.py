@@ -16,6 +16,8 @@ _CPU = {
     "tiny": dict(seq_len=64, batch_size=16, steps=60, eval_every=30, lr=3e-3, warmup=10),
     # About 4x fewer parameters than tiny: the smaller size of experiments/scaling/.
     "nano": dict(seq_len=64, batch_size=16, steps=60, eval_every=30, lr=3e-3, warmup=10),
+    # About 4x the parameters of tiny: the larger size of experiments/scaling/.
+    "mini": dict(seq_len=64, batch_size=16, steps=60, eval_every=30, lr=3e-3, warmup=10),
     "small": dict(seq_len=128, batch_size=16, steps=200, eval_every=50, lr=3e-3, warmup=20),
     # The data-parallel reference for configs/decoupled.py:cpu: the same model, the same
     # tokens per step (4 learners x 8 sequences) and steps.

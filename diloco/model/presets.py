@@ -2,8 +2,8 @@
 
 The dense Gemma-style sizes follow Gemma 2/3 shapes (head_dim 256, GQA with half as many
 KV heads, 5 local : 1 global attention, soft-capped logits) with Gemma 3's 262,144-token
-SentencePiece vocabulary. `nano`, `tiny` and `small` use the byte tokenizer (259 ids, padded to 384
-so that the vocabulary splits over up to 128 tensor-parallel shards).
+SentencePiece vocabulary. `nano`, `tiny`, `mini` and `small` use the byte tokenizer (259 ids,
+padded to 384 so that the vocabulary splits over up to 128 tensor-parallel shards).
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ _PRESETS: dict[str, ModelConfig] = {
     "nano": ModelConfig(
         vocab_size=_BYTE_VOCAB, embed_dim=32, num_layers=2, num_heads=2, num_kv_heads=1,
         head_dim=16, mlp_dim=96, attention_pattern="LG", sliding_window=32,
+        final_logit_softcap=30.0),
+    # About 4x the parameters of `tiny` (twice the width, a 4.5x MLP, same depth, vocabulary
+    # and attention pattern): the third size of the compute-optimal comparison, whose 20N
+    # runs cost about sixteen times tiny's.
+    "mini": ModelConfig(
+        vocab_size=_BYTE_VOCAB, embed_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=32, mlp_dim=576, attention_pattern="LG", sliding_window=32,
         final_logit_softcap=30.0),
     "tiny_moe": ModelConfig(
         vocab_size=_BYTE_VOCAB, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -96,7 +96,7 @@ M1_RUNS = (("diloco", "overwrite", (1.0, 0.0)), ("decoupled", "overwrite", (1.0,
            ("diloco", "overwrite", (0.4, 0.95)))
 # The inner AdamW peak learning rate each preset's configs set (tests/experiments_scaling_test.py
 # checks them against configs/); a run at another one has " inner LR" in its setting.
-PRESET_INNER_LR = {"nano": 3e-3, "tiny": 3e-3, "small": 3e-3, "m35": 2e-3}
+PRESET_INNER_LR = {"nano": 3e-3, "tiny": 3e-3, "mini": 3e-3, "small": 3e-3, "m35": 2e-3}
 # --stage=inner: at M = INNER_M, each method's pick with the inner learning rate scaled down,
 # by the square-root (0.5) and the linear (0.25) rule for a batch INNER_M times smaller, and
 # up (2.0); data-parallel gets every scale above 1 as well, so the reference is offered the

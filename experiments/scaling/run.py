@@ -35,7 +35,7 @@ def define_flags() -> None:
                     "protocol at --preset, config.SIZE_*), batch (stage size at each global "
                     "batch of --batches), period (H at config.PERIODS, Decoupled at each of "
                     "--receipts), outer (the DiLoCo methods at each of --outer), none.")
-  flags.DEFINE_enum("preset", "tiny", ("tiny", "nano"),
+  flags.DEFINE_enum("preset", "tiny", ("tiny", "nano", "mini"),
                     "The model of --stage=size, batch, period, inner, 2 and 3 (its steps: 20N "
                     "unless --steps).")
   flags.DEFINE_integer("steps", 0, "Steps per run of --preset's model; 0: 20N tokens.")
