@@ -35,7 +35,8 @@ def expected_counts(c):
 # Rough size classes promised by the preset names (billions of total parameters).
 SIZE_CLASS = {"gemma_2b": (2.0, 3.0), "gemma_5b": (4.5, 6.0), "gemma_9b": (8.5, 10.0),
               "moe_2_8b": (2.6, 3.0), "moe_3_8b": (3.6, 4.0), "small": (0.005, 0.02),
-              "m35": (0.034, 0.037), "nano": (0.000035, 0.000040)}
+              "m35": (0.034, 0.037), "nano": (0.000035, 0.000040),
+              "mini": (0.00057, 0.00061)}
 
 
 @pytest.mark.parametrize("name", model_presets.NAMES)
@@ -52,9 +53,11 @@ def test_preset_parameter_counts(name):
     assert counts["active"] < counts["total"]
 
 
-def test_nano_is_about_four_times_smaller_than_tiny():
-  ratio = (model.param_counts(model_presets.get("tiny"))["total"]
-           / model.param_counts(model_presets.get("nano"))["total"])
+@pytest.mark.parametrize("smaller,larger", [("nano", "tiny"), ("tiny", "mini")])
+def test_scaling_sizes_are_about_four_times_apart(smaller, larger):
+  """experiments/scaling/ reads the gap's trend over nano, tiny and mini: 4x steps in N."""
+  ratio = (model.param_counts(model_presets.get(larger))["total"]
+           / model.param_counts(model_presets.get(smaller))["total"])
   assert 3.8 <= ratio <= 4.2
 
 

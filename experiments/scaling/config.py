@@ -26,8 +26,9 @@ machinery), Decoupled with the overlap at 1 / 0, keep_local, and outer momenta b
 study's 0.4 / 0.9; its rows join the M = 1 sweep, so stages two and three seed a new pick. The
 second model size (`small`, one seed): data-parallel at the tuned reference's inner rate
 against Decoupled M = 4 at its tiny pick (receipt, outer and inner rates), for
-`--small_steps` steps. Stage size (`--preset=nano`, about 4x fewer parameters than tiny, at
-20N): the same protocol at another size (`SIZE_*` below), then stages 2 and 3 at that preset.
+`--small_steps` steps. Stage size (`--preset=nano` or `mini`, about 4x fewer or more
+parameters than tiny, at 20N): the same protocol at another size (`SIZE_*` below), then stages
+2 and 3 at that preset.
 Stage batch (`--preset=nano`; the study tuned the global batch per method and M): stage size
 at each global batch B of `BATCH_SWEEP` beside 32, at the same 20N tokens (20N / (B x 64)
 steps), warmup and evaluations at the same tokens as at 32 (`batch_shape`), each learner on
