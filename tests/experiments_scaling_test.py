@@ -7,6 +7,7 @@ short runs: experiments_scaling_runner_test.py.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -569,8 +570,12 @@ def test_size_table_puts_each_20n_size_beside_the_study(tmp_path):
   assert lines[2].startswith(f"| synchronous DiLoCo | nano | {config.params('nano'):,} | "
                              "2.0000 (1) |  | +2.00% (1) |")
   assert lines[3].startswith(f"| synchronous DiLoCo | tiny | {config.params('tiny'):,} | ")
-  assert "+1.00% (1)" in lines[3] and len(lines) == 6  # two study rows, no Decoupled rows
-  assert "+0.66%" in lines[4] and f"+{config.STUDY_LAW_AT_TINY[2]:.2f}%" in lines[5]
+  assert "+1.00% (1)" in lines[3] and len(lines) == 7  # two study rows, no Decoupled rows
+  # The gap halves over 4x N: gap ~ N^a with a = log(1/2) / log(4x) = -0.5, at M = 2 only.
+  ratio = config.params("tiny") / config.params("nano")
+  assert f"a = {math.log(0.5) / math.log(ratio):+.2f} |" in lines[4]
+  assert lines[4].count("a = ") == 1
+  assert "+0.66%" in lines[5] and f"+{config.STUDY_LAW_AT_TINY[2]:.2f}%" in lines[6]
   found = rows.collect(str(tmp_path))
   assert [(n, model) for n, model, _ in report.size_points(found)] == [
       (config.params("nano"), "nano"), (config.params("tiny"), "tiny")]
@@ -579,6 +584,24 @@ def test_size_table_puts_each_20n_size_beside_the_study(tmp_path):
   one_size = [r for r in found if r["model"] == "tiny"]
   assert not figures.size_plot(one_size, str(tmp_path / "none.png"))
   assert not os.path.exists(tmp_path / "none.png")
+
+
+def test_gap_exponents_recover_a_power_law_and_skip_a_non_positive_gap():
+  """Three sizes whose M = 4 gap is exactly 8% x (N / 1e5)^-0.4: the fit returns -0.4; M = 2
+  has a negative gap at one size and M = 8 a missing size, so neither gets an exponent."""
+  sizes = []
+  for i, n in enumerate((40_000, 150_000, 600_000)):
+    ref = 2.0
+    ps = {("data-parallel", 0): {"mean": ref},
+          ("diloco", 4): {"mean": ref * (1 + 0.08 * (n / 1e5) ** -0.4)},
+          ("diloco", 2): {"mean": ref * (0.99 if i == 1 else 1.02)}}
+    if i:
+      ps[("diloco", 8)] = {"mean": ref * 1.1}
+    sizes.append((n, f"size{i}", ps))
+  exponents = report.gap_exponents(sizes, "diloco")
+  assert set(exponents) == {4}
+  assert exponents[4] == pytest.approx(-0.4, abs=1e-9)
+  assert report.gap_exponents(sizes, "decoupled") == {}
 
 
 NANO = config.compute_optimal_steps("nano")

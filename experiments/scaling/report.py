@@ -5,13 +5,16 @@ to data-parallel per M, the study's 35M row beside it), the targets marked met o
 from the numbers, the outer sweep per M, goodput per run, and plots of the gap against M
 and of eval loss against tokens. A last table puts the Decoupled M = 4 gap of every model
 size side by side (the trend with N), and `size_table` every method's gap per M at each size
-trained at 20N (at the global batch DP_BATCH), beside the study's. The batch and period
+trained at 20N (at the global batch DP_BATCH), with its power law in N fitted over the sizes,
+beside the study's. The batch and period
 sweeps' tables: `report_batch`.
 """
 
 from __future__ import annotations
 
 import collections
+
+import numpy as np
 
 from experiments import harness
 from experiments.scaling import config, rows as rows_lib, stages
@@ -212,6 +215,19 @@ def size_points(rows: list[dict]) -> list[tuple[int, str, dict]]:
                  if batch == config.DP_BATCH or model not in at_dp_batch), key=lambda t: t[:2])
 
 
+def gap_exponents(sizes: list[tuple[int, str, dict]], kind: str) -> dict[int, float]:
+  """Per M, the exponent a of gap = c N^a fitted by least squares in log-log over `sizes`
+  (`size_points`), for each M whose gap is positive at every size (at least two)."""
+  out = {}
+  for m in config.SIZE_LEARNERS:
+    points = [(n, gap(ps[(kind, m)]["mean"], ps[("data-parallel", 0)]["mean"]))
+              for n, _, ps in sizes if (kind, m) in ps]
+    if len(points) == len(sizes) >= 2 and all(g > 0 for _, g in points):
+      out[m] = float(np.polyfit(np.log([n for n, _ in points]),
+                                np.log([g for _, g in points]), 1)[0])
+  return out
+
+
 def size_table(rows: list[dict]) -> str:
   """The gap to data-parallel per M (picked settings, mean over seeds) of each method at every
   model size trained at 20N (`size_points`), with the study's 35M row and its fitted laws at
@@ -230,6 +246,11 @@ def size_table(rows: list[dict]) -> str:
       if any(cells):
         lines.append(f"| {KIND_NAMES[kind]} | {model} | {n:,} | {ref['mean']:.4f} "
                      f"({len(ref['seeds'])}) | " + " | ".join(cells) + " |")
+    exponents = gap_exponents(sizes, kind)
+    if exponents:
+      lines.append(f"| {KIND_NAMES[kind]}: gap ~ N^a, fitted over the {len(sizes)} sizes |  |  "
+                   "|  | " + " | ".join(f"a = {exponents[m]:+.2f}" if m in exponents else ""
+                                        for m in ms) + " |")
   study = config.STUDY_35M
   lines.append("| DiLoCo, study (Table 4) | 35M | about 35M | " f"{study['data-parallel']:.3f} | "
                + " | ".join(f"{gap(study[m], study['data-parallel']):+.2f}%" if m in study

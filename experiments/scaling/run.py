@@ -163,7 +163,9 @@ def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str =
               "Gap to each size's own data-parallel reference (picked settings, mean over the "
               "seeds in brackets); only sizes trained at 20 tokens per parameter. The study's "
               "rows are on another corpus and tokenizer: only gaps compare; its fitted laws are "
-              "quoted at tiny's N only (extrapolated 2.4 decades below its smallest model).", "",
+              "quoted at tiny's N only (extrapolated 2.4 decades below its smallest model). Each "
+              "method's last row: the exponent a of gap ~ N^a, a least-squares line in "
+              "log-log over the sizes, at each M whose gap is positive at every size.", "",
               by_size, ""]
     if figures.size_plot(found, os.path.join(folder, f"{prefix}_gap_against_n.png")):
       parts += [f"![gap against N]({prefix}_gap_against_n.png)", ""]
