@@ -588,13 +588,15 @@ def test_size_table_puts_each_20n_size_beside_the_study(tmp_path):
 
 def test_gap_exponents_recover_a_power_law_and_skip_a_non_positive_gap():
   """Three sizes whose M = 4 gap is exactly 8% x (N / 1e5)^-0.4: the fit returns -0.4; M = 2
-  has a negative gap at one size and M = 8 a missing size, so neither gets an exponent."""
+  has a negative gap at one size, M = 8 a missing size and M = 1 a gap of float rounding, so
+  none of them gets an exponent."""
   sizes = []
   for i, n in enumerate((40_000, 150_000, 600_000)):
     ref = 2.0
     ps = {("data-parallel", 0): {"mean": ref},
           ("diloco", 4): {"mean": ref * (1 + 0.08 * (n / 1e5) ** -0.4)},
-          ("diloco", 2): {"mean": ref * (0.99 if i == 1 else 1.02)}}
+          ("diloco", 2): {"mean": ref * (0.99 if i == 1 else 1.02)},
+          ("diloco", 1): {"mean": ref * (1 + 1e-7)}}  # float rounding: no law
     if i:
       ps[("diloco", 8)] = {"mean": ref * 1.1}
     sizes.append((n, f"size{i}", ps))

@@ -215,14 +215,19 @@ def size_points(rows: list[dict]) -> list[tuple[int, str, dict]]:
                  if batch == config.DP_BATCH or model not in at_dp_batch), key=lambda t: t[:2])
 
 
+# The smallest gap (percent) a power-law fit takes: the tables' precision.
+MIN_FIT_GAP_PCT = 0.01
+
+
 def gap_exponents(sizes: list[tuple[int, str, dict]], kind: str) -> dict[int, float]:
   """Per M, the exponent a of gap = c N^a fitted by least squares in log-log over `sizes`
-  (`size_points`), for each M whose gap is positive at every size (at least two)."""
+  (`size_points`), for each M whose gap is at least MIN_FIT_GAP_PCT at every size (at least
+  two): a gap of float rounding (synchronous M = 1 is data-parallel) has no power law."""
   out = {}
   for m in config.SIZE_LEARNERS:
     points = [(n, gap(ps[(kind, m)]["mean"], ps[("data-parallel", 0)]["mean"]))
               for n, _, ps in sizes if (kind, m) in ps]
-    if len(points) == len(sizes) >= 2 and all(g > 0 for _, g in points):
+    if len(points) == len(sizes) >= 2 and all(g >= MIN_FIT_GAP_PCT for _, g in points):
       out[m] = float(np.polyfit(np.log([n for n, _ in points]),
                                 np.log([g for _, g in points]), 1)[0])
   return out

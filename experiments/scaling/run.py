@@ -165,7 +165,7 @@ def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str =
               "rows are on another corpus and tokenizer: only gaps compare; its fitted laws are "
               "quoted at tiny's N only (extrapolated 2.4 decades below its smallest model). Each "
               "method's last row: the exponent a of gap ~ N^a, a least-squares line in "
-              "log-log over the sizes, at each M whose gap is positive at every size.", "",
+              "log-log over the sizes, at each M whose gap is at least 0.01% at every size.", "",
               by_size, ""]
     if figures.size_plot(found, os.path.join(folder, f"{prefix}_gap_against_n.png")):
       parts += [f"![gap against N]({prefix}_gap_against_n.png)", ""]
