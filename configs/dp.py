@@ -3,7 +3,7 @@
 Run (8 emulated CPU devices, about 5 minutes on 2 cores):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python -m diloco.main --config=configs/dp.py:small --workdir=runs/dp_small
-Presets: tiny (tests, < 1 min), nano (tiny's shape at ~4x fewer parameters), small (CPU, ~6M parameters), cpu (the same model with
+Presets: tiny (tests, < 1 min), nano and mini (tiny's shape at ~4x fewer and ~4x more parameters), small (CPU, ~6M parameters), cpu (the same model with
 the token budget of configs/decoupled.py:cpu, for comparison), m35 (~35.6M parameters,
 one GPU), and TPU-sized
 gemma_2b / gemma_5b / gemma_9b / moe_2_8b / moe_3_8b, which expect pre-tokenised
