@@ -146,9 +146,11 @@ def test_planted_bad_entries_are_quarantined_while_training_goes_on(tmp_path):
     counted = json.load(f)["rejected"]
   for reason in set(planted.values()):
     assert counted.get(reason, 0) >= 1, (reason, counted)
-  # The replay is refused (`replayed`; `departed` or `wrong_incarnation` when the chaos
-  # schedule restarted its learner meanwhile) and merged exactly once in the whole run.
-  assert sum(counted.get(r, 0) for r in ("replayed", "departed", "wrong_incarnation")) >= 1
+  # The replay is refused as `replayed` whatever its learner is doing when it is read (dead
+  # or restarted by the chaos schedule), or as `departed` once a newer incarnation of that
+  # learner merged (the ledger then drops the old incarnation's entries), and is merged
+  # exactly once in the whole run.
+  assert counted.get("replayed", 0) + counted.get("departed", 0) >= 1, counted
   assert replayed not in os.listdir(os.path.join(store_root, "payloads"))
   merges = [(r["fragment"], a["learner"], a["incarnation"], a["local_step"])
             for r in tape for a in r["admitted"]]

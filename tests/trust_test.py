@@ -145,6 +145,26 @@ def test_the_same_delivery_in_a_later_round_is_rejected_as_replayed():
   assert [m.version for m in merged] == [2] and "replayed" in _reasons(records)
 
 
+@pytest.mark.parametrize("state", ["alive", "dead", "restarted", "stale_base"])
+def test_a_replay_is_refused_as_replayed_whatever_its_learner_is_doing_now(state):
+  """The ledger is asked before the liveness and staleness checks: a merged identity written
+  again is `replayed` whether its learner is alive, dead (no heartbeat for a timeout),
+  restarted (a newer incarnation registered, none of it merged yet) or moved on so far that
+  the replay's base is stale. (A live multi-process run met the dead case: the replay of a
+  killed learner was refused as `learner_dead`, and nothing said it was a replay.)"""
+  s, _ = _syncer(timeout=5.0, max_staleness=0 if state == "stale_base" else 8)
+  s.tick(0.0, [_beat(0.0)], ())
+  merged, _ = s.tick(1.0, [_beat(1.0)], [_delivery(step=8)])
+  assert [m.version for m in merged] == [1]
+  before = s.global_params()
+  now, beats = {"alive": (2.0, [_beat(2.0)]), "dead": (9.0, []),
+                "restarted": (2.0, [_beat(2.0, incarnation=1)]),
+                "stale_base": (2.0, [_beat(2.0)])}[state]
+  merged, _ = s.tick(now, beats, [_delivery(step=8)])  # base 0, as when it first merged
+  assert merged == [] and _unchanged(s, before) and s.versions == [1]
+  assert dict(s.rejections) == {"replayed": 1}
+
+
 def test_an_older_delivery_never_replaces_a_newer_one_waiting_in_its_round():
   s, records = _syncer(quorum=2)
   s.tick(0.0, [_beat(0.0, 0), _beat(0.0, 1)], ())
@@ -230,6 +250,35 @@ def test_a_delivery_rewritten_after_a_syncer_restart_is_rejected_as_replayed(tmp
   link.close()
   assert again.versions == [3] and again.rejections["replayed"] == 1
   assert _unchanged(again, before)
+
+
+def test_an_entry_left_behind_by_a_syncer_crash_is_counted_as_replayed_and_deleted(tmp_path):
+  """The syncer died after committing a round and before deleting its entries: the restarted
+  syncer finds the entry, which a kept marker names, and refuses it unread. It is counted as
+  `replayed` (as the ledger counts the same identity when read) and deleted, not quarantined:
+  nothing is wrong with it, G already holds it."""
+  store, s, records, link = _store_syncer(tmp_path)
+  _beat_record(store, 1)
+  store.payloads.put(_delivery(step=8))
+  syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=1.0)
+  link.close()
+  assert s.versions == [1]
+  store.payloads.put(_delivery(step=8))  # as if the delete never happened
+  again, records2 = _syncer()
+  ok, merged_keys, _ = syncer_process.recover(store, again, 1, 8)
+  assert ok and (0, 0, 0, 8) in merged_keys
+  before = again.global_params()
+  link = SyncerStoreLink(store, EXPECTED, merged_keys, fresh_s=60)
+  try:
+    _beat_record(store, 2)
+    link.poll(2.0)
+    syncer_process.sync_once(store, again, link, records2, io.StringIO(), keep=3, now=2.5)
+    link.flush()
+    assert dict(again.rejections) == {"replayed": 1} and again.versions == [1]
+    assert store.payloads.committed() == [] and store.payloads.quarantined() == {}
+    assert _unchanged(again, before)
+  finally:
+    link.close()
 
 
 # 3. Every record is typed before it is used.

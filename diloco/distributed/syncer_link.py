@@ -1,7 +1,8 @@
 """The syncer's side of the store transport: the store turned into the syncer's messages.
 
 `SyncerStoreLink` lists the store and returns new heartbeats, readable payloads and
-rejections of unreadable ones (quarantined, never read again), and releases payload entries
+rejections of unreadable ones (quarantined, never read again) and of ones a round committed
+before a syncer restart already merged (`replayed`, deleted unread), and releases payload entries
 and old merged versions once the syncer is done with them, on a background deleter thread.
 The learner's side is `store_transport.LearnerStoreLink`.
 """
@@ -20,6 +21,7 @@ from diloco.distributed.entry_check import StoreError
 from diloco.distributed.learner_registry import DONE, RETIRED, beat_fields
 from diloco.distributed.store import Store
 from diloco.distributed.store_names import GONE, parse_payload_name
+from diloco.sync.intake import REJECT_REPLAYED
 from diloco.transport import Heartbeat
 
 # An entry whose read raised something other than a StoreError (a poison pill): quarantined.
@@ -27,7 +29,7 @@ READ_ERROR = "read_error"
 
 @dataclasses.dataclass(frozen=True)
 class Rejected:
-  """A store entry the syncer could not read as a payload."""
+  """A store entry the syncer could not read as a payload, or refused unread (a replay)."""
   name: str
   fragment: int
   learner: int
@@ -157,7 +159,9 @@ class SyncerStoreLink:
       if name in self._held:
         continue
       ids = parse_payload_name(name)
-      if ids in self._done:  # merged by a round committed before a syncer restart
+      if ids in self._done:  # merged by a round committed before a syncer restart: G holds it
+        rejected.append(Rejected(name, ids[0], ids[1], ids[2], REJECT_REPLAYED,
+                                 self.store.payloads.nbytes(name)))
         self._remove_payload(name)
         continue
       try:

@@ -208,6 +208,10 @@ class Syncer:
     if self.ledger.departed(payload.learner, payload.incarnation):
       self.rejected.delivery(payload, intake.REJECT_DEPARTED, now)  # it left, or a newer one merged
       return
+    # Before the liveness checks: a replay is a property of the delivery's identity, refused as
+    # `replayed` whatever its learner's state is now (dead, restarted, stale base).
+    if self._replayed(payload, now):
+      return
     if not (_is_duration(payload.transit_s) and _is_duration(payload.lead_s)):
       self.ignored[intake.IGNORED_TIME] += 1  # left out of the EMAs where they are used
     if not self.state.knows_base(p, payload.base_version):
@@ -218,8 +222,6 @@ class Syncer:
                                        config=self.policy)
     if not ok:
       self.rejected.delivery(payload, reason, now)
-      return
-    if self._replayed(payload, now):
       return
     if not self._pending[p]:
       self._opened_at[p] = now
