@@ -358,6 +358,16 @@ def test_execute_counts_a_carried_run_as_done(tmp_path, capsys):
   assert config.dp(1, STEPS, 16).name + ":" in listed
 
 
+def test_execute_starts_the_runs_in_the_order_only_names_them(tmp_path, capsys):
+  _stage_one(str(tmp_path), LOSSES)
+  only = ("M=4", "data-parallel B=8", "M=2")
+  run.execute("2", str(tmp_path), STEPS, (1, 2, 4), only=only, dry_run=True)
+  names = [line.split(":")[0].strip() for line in capsys.readouterr().out.splitlines()
+           if line.startswith("  ")]
+  firsts = [next(i for i, o in enumerate(only) if o in n.replace("_", " ")) for n in names]
+  assert len(set(firsts)) == 3 and firsts == sorted(firsts), names
+
+
 def test_curves_fall_back_to_a_seed_with_a_curve_and_name_what_is_missing(tmp_path):
   _stage_one(str(tmp_path), LOSSES)
   fake_run(str(tmp_path), "dp_s1", _cfg("data-parallel", 1, seed=1), 2.03)

@@ -42,7 +42,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("small_steps", config.SMALL_STEPS, "Steps of the `small` runs.")
   flags.DEFINE_list("learners", [str(m) for m in config.LEARNERS], "The values of M.")
   flags.DEFINE_list("only", [], "Run only the runs whose method contains one of these "
-                    "(e.g. 'tiny data-parallel,M=4 keep_local'); empty: all.")
+                    "(e.g. 'tiny data-parallel,M=4 keep_local'), in that order; empty: all.")
   flags.DEFINE_integer("parallel", 1, "Runs at a time.")
   flags.DEFINE_integer("threads", 0, "Cores each run is pinned to (0: no pinning).")
   flags.DEFINE_string("machine_label", "", "Names this machine in each run's provenance.")
@@ -121,6 +121,8 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
                                   inner_scales, preset, batches, outers, receipts,
                                   size_scales)
             if (not only or any(o in r.method for o in only)) and r.name not in carried]
+    # In `only`'s order (the first entry a run matches), so a queue starts with what matters.
+    runs.sort(key=lambda r: next((i for i, o in enumerate(only) if o in r.method), 0))
     print(f"stage {s}: {len(runs)} runs", flush=True)
     if dry_run and s == "batch":
       print("\n".join(stages.batch_plan(found, steps, preset, learners, runs, batches)))
