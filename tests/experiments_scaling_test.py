@@ -976,3 +976,37 @@ def test_headline_keeps_to_the_comparisons_global_batch(tmp_path):
   line = report.headline(rows.collect(outdir))
   assert f"nano {NANO} steps" in line and f"{steps64} steps" not in line
   assert "synchronous M=2 +1.00%" in line
+
+
+def test_period_stage_runs_other_seeds_and_the_report_averages_them(tmp_path):
+  """Seed 1 at another H: the period section gains a table over the seeds, each cell the mean
+  (± half the spread) of the seeds that setting has at that H, H = 30 from the main group."""
+  outdir = str(tmp_path)
+  _nano_group(outdir, NANO_LOSSES)
+  planned = stages.stage_period(rows.collect(outdir), NANO, "nano", seed=1)
+  assert {r.seed for r in planned} == {1} and len(planned) == 8
+  assert [r.method for r in planned] == [
+      r.method for r in stages.stage_period(rows.collect(outdir), NANO, "nano")]
+  inner8 = config.inner_label(NANO_INNER * 8)
+  found = rows.collect(outdir)
+  main = rows.groups(found)[("nano", NANO)]
+  fake_run(outdir, "dil2_h8", _nano_cfg("diloco", 2, f"outer 1/0{inner8} H=8"), 2.00)
+  assert report_batch.period_seeded_table(main, rows.period_groups(rows.collect(outdir))[
+      ("nano", NANO)]) == ""  # seed 0 alone: the seed-0 table says it all
+  seed1 = dict(seed=1)
+  fake_run(outdir, "dil2_h8_s1", _nano_cfg("diloco", 2, f"outer 1/0{inner8} H=8", **seed1), 2.06)
+  fake_run(outdir, "dil2_h15", _nano_cfg("diloco", 2, f"outer 1/0{inner8} H=15"), 2.01)
+  fake_run(outdir, "dil2_s1", _nano_cfg("diloco", 2, f"outer 1/0{inner8}", **seed1), 2.04)
+  fake_run(outdir, "dp_s1", _nano_cfg("data-parallel", 1, inner8.strip(), **seed1), 2.02)
+  found = rows.collect(outdir)
+  main = rows.groups(found)[("nano", NANO)]
+  table = report_batch.period_seeded_table(main, rows.period_groups(found)[("nano", NANO)])
+  # Data-parallel 2.00 and 2.02: mean 2.01. H = 8: 2.00 and 2.06, mean 2.03 (+1.00%);
+  # H = 15: seed 0 alone; H = 30: 2.02 and 2.04, mean 2.03.
+  assert table.splitlines() == [
+      "| method | H = 8 | H = 15 | H = 30 |", "|---|---|---|---|",
+      f"| synchronous DiLoCo M = 2, outer 1/0{inner8} | 2.0300 ±0.030 (2 seeds, +1.00%) | "
+      "2.0100 (1 seed, +0.00%) | 2.0300 ±0.010 (2 seeds, +1.00%) |",
+      "| data-parallel (the reference) | 2.0100 ±0.010 (2 seeds) | | |"]
+  assert "### The same over the seeds (mean ± half the seeds' spread)" in "\n".join(
+      report_batch.sections(found))

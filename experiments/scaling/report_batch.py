@@ -182,6 +182,44 @@ def period_table(main: list[dict], at_periods: list[dict]) -> str:
                             + " |" * (len(periods) - 1)])
 
 
+def period_seeded_table(main: list[dict], at_periods: list[dict]) -> str:
+  """`period_table` over the seeds, once a run at another H has a seed other than 0: each
+  cell the mean (± half the spread) over the seeds that (method, M, setting) has at that H
+  (H = 30: its runs in `main`, stages 2 and 3's seeds included), the gap to data-parallel's
+  mean over its seeds; "" while every run at another H is seed 0."""
+  if all(r["seed"] == 0 for r in at_periods):
+    return ""
+  dp = report.picked_stats(main).get(REFERENCE)
+  ref = dp["mean"] if dp else None
+  periods = sorted({r["period"] for r in at_periods} | {config.PERIOD})
+  losses: dict[tuple[str, int, str], dict[int, dict[int, float]]] = {}
+  for r in at_periods:
+    by_seed = losses.setdefault((r["kind"], r["M"], _without_period(r["setting"])), {}
+                                ).setdefault(r["period"], {})
+    by_seed[r["seed"]] = min(by_seed.get(r["seed"], math.inf), r["eval_loss"])
+  for r in main:
+    key = (r["kind"], r["M"], r["setting"])
+    if key in losses:
+      by_seed = losses[key].setdefault(config.PERIOD, {})
+      by_seed[r["seed"]] = min(by_seed.get(r["seed"], math.inf), r["eval_loss"])
+
+  def cell(by_seed: dict[int, float] | None) -> str:
+    if not by_seed:
+      return MISSING
+    values = list(by_seed.values())
+    return report.seed_cell({"mean": sum(values) / len(values), "seeds": sorted(by_seed),
+                             "spread": max(values) - min(values)}, ref)
+
+  lines = ["| method | " + " | ".join(f"H = {h}" for h in periods) + " |",
+           "|" + "---|" * (len(periods) + 1)]
+  for kind, m, setting in sorted(losses, key=lambda k: (KINDS.index(k[0]), k[1], k[2])):
+    lines.append(f"| {report.KIND_NAMES[kind]} M = {m}, {setting} | " + " | ".join(
+        cell(losses[(kind, m, setting)].get(h)) for h in periods) + " |")
+  dp_cell = report.seed_cell(dp, None) or MISSING
+  return "\n".join(lines + [f"| data-parallel (the reference) | {dp_cell} |"
+                            + " |" * (len(periods) - 1)])
+
+
 def sections(rows: list[dict]) -> list[str]:
   """The markdown of the batch sweep (per model with two or more batches at 20N) and of the
   period sweep (per group with runs at another H); none without such rows."""
@@ -219,7 +257,10 @@ def sections(rows: list[dict]) -> list[str]:
                "the same setting's run in that section. "
                "Seed-0 loss and gap to that section's data-parallel reference; the runs at "
                "another H never enter its picks. — = not run yet."), "",
-              period_table(main, at_periods), "",
-              report.goodput_table(at_periods + [r for r in main
+              period_table(main, at_periods), ""]
+    seeded = period_seeded_table(main, at_periods)
+    if seeded:
+      parts += ["### The same over the seeds (mean ± half the seeds' spread)", "", seeded, ""]
+    parts += [report.goodput_table(at_periods + [r for r in main
                                                  if r["method"] == "data-parallel"]), ""]
   return parts

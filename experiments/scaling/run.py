@@ -46,7 +46,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("parallel", 1, "Runs at a time.")
   flags.DEFINE_integer("threads", 0, "Cores each run is pinned to (0: no pinning).")
   flags.DEFINE_string("machine_label", "", "Names this machine in each run's provenance.")
-  flags.DEFINE_integer("seed", 0, "The seed of --stage=m8's runs.")
+  flags.DEFINE_integer("seed", 0, "The seed of --stage=m8's and --stage=period's runs.")
   flags.DEFINE_list("batches", [str(b) for b in config.BATCH_SWEEP],
                     "--stage=batch: the global batches beside config.DP_BATCH (powers of 2; "
                     "each must split over every M of --learners).")
@@ -90,7 +90,7 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
   if stage == "batch":
     return stages.stage_batch(found, steps, preset, learners, batches, size_scales)
   if stage == "period":
-    return stages.stage_period(found, steps, preset, receipts=receipts)
+    return stages.stage_period(found, steps, preset, receipts=receipts, seed=seed)
   if stage == "outer":
     return stages.stage_outer(found, steps, preset, learners, outers, receipts)
   if stage == "2":
