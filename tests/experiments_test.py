@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 import pytest
 from absl import flags
@@ -79,20 +78,24 @@ class _ScriptRun(harness.Run):
     return [sys.executable, "-c", self.script, workdir]
 
 
-_FINISH = ("import json, os, sys, time; time.sleep(1.0); "
-           "json.dump({}, open(os.path.join(sys.argv[1], 'final.json'), 'w'))")
+# Each run records when its process slept, so the test reads the overlap from the runs
+# themselves rather than from a wall-clock bound a loaded machine could miss.
+_FINISH = ("import json, os, sys, time; start = time.time(); time.sleep(1.0); "
+           "json.dump({'start': start, 'end': time.time()}, "
+           "open(os.path.join(sys.argv[1], 'final.json'), 'w'))")
 
 
 def test_run_all_runs_jobs_at_a_time_and_reuses_finished_runs(tmp_path):
   runs = [_ScriptRun(f"r{i}", "unused", script=_FINISH) for i in range(2)]
-  start = time.monotonic()
   wall = harness.run_all(runs, str(tmp_path), jobs=2)
-  assert time.monotonic() - start < 1.9  # both slept their second at once
   assert wall >= 1.0
+  slept = [json.load(open(tmp_path / run.name / "final.json")) for run in runs]
+  assert max(s["start"] for s in slept) < min(s["end"] for s in slept)  # both slept at once
   for run in runs:
     assert harness.finished(str(tmp_path / run.name))
     assert json.load(open(tmp_path / run.name / harness.HARNESS_FILE))["wall_s"] >= 1.0
-  assert harness.run_all(runs, str(tmp_path), jobs=2) < 0.5  # nothing left to run
+  harness.run_all(runs, str(tmp_path), jobs=2)  # nothing left to run: neither runs again
+  assert [json.load(open(tmp_path / run.name / "final.json")) for run in runs] == slept
 
 
 def test_run_all_names_the_failed_run_and_starts_no_later_one(tmp_path):
