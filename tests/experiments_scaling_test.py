@@ -821,6 +821,10 @@ def test_period_stage_runs_another_receipt_at_every_h_and_its_reference(tmp_path
     assert by_kind[("decoupled", f"nano decoupled M={m} keep_local")] == [8, 15, 30]
   assert f"nano decoupled M=2 keep_local outer 1/0{inner}" in {r.method for r in planned}
   assert len({r.name for r in planned}) == len(planned) == 14
+  # Another M (--learners): the same runs at that M only.
+  at_one = stages.stage_period(rows.collect(outdir), NANO, "nano", learners=(4,),
+                               receipts=("overwrite", "keep_local"))
+  assert sorted(r.name for r in at_one) == sorted(r.name for r in planned if "M=4" in r.method)
 
 
 def test_outer_stage_runs_each_setting_at_the_groups_reference_and_batch(tmp_path):

@@ -40,7 +40,8 @@ def define_flags() -> None:
                     "unless --steps).")
   flags.DEFINE_integer("steps", 0, "Steps per run of --preset's model; 0: 20N tokens.")
   flags.DEFINE_integer("small_steps", config.SMALL_STEPS, "Steps of the `small` runs.")
-  flags.DEFINE_list("learners", [str(m) for m in config.LEARNERS], "The values of M.")
+  flags.DEFINE_list("learners", [str(m) for m in config.LEARNERS], "The values of M "
+                    "(--stage=period: config.PERIOD_LEARNERS unless given).")
   flags.DEFINE_list("only", [], "Run only the runs whose method contains one of these "
                     "(e.g. 'tiny data-parallel,M=4 keep_local'), in that order; empty: all.")
   flags.DEFINE_integer("parallel", 1, "Runs at a time.")
@@ -90,7 +91,7 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
   if stage == "batch":
     return stages.stage_batch(found, steps, preset, learners, batches, size_scales)
   if stage == "period":
-    return stages.stage_period(found, steps, preset, receipts=receipts, seed=seed)
+    return stages.stage_period(found, steps, preset, learners, receipts=receipts, seed=seed)
   if stage == "outer":
     return stages.stage_outer(found, steps, preset, learners, outers, receipts)
   if stage == "2":
@@ -231,6 +232,8 @@ def main(argv):
   f = flags.FLAGS
   steps = f.steps or config.compute_optimal_steps(f.preset)
   learners = tuple(int(m) for m in f.learners)
+  if f.stage == "period" and not f["learners"].present:
+    learners = config.PERIOD_LEARNERS
   batches = _batches(f.batches, learners) if f.stage == "batch" else config.BATCH_SWEEP
   wall = 0.0
   if not f.report_only and f.stage != "none":
