@@ -8,6 +8,9 @@ learner and syncer processes (all devices of one process).
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import jax
 import numpy as np
 
@@ -48,11 +51,39 @@ def build_learner(cfg: LearnerConfig, devices, index: int):
   batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32,
                                sharding=batch_sharding(spec.mesh))
   key = jax.eval_shape(lambda: jax.random.key(0))
+  init_fn, step_fn = shared_programs(cfg, spec, schedule)
   with jax.set_mesh(spec.mesh):
-    init = train_state.make_init(cfg.model, spec).lower(key).compile()
-    step = train_step.make_train_step(spec, cfg.optim, schedule).lower(
-        spec.abstract, batch).compile()
+    init = init_fn.lower(key).compile()
+    step = step_fn.lower(spec.abstract, batch).compile()
   return spec, init, step
+
+
+# The jitted init and train step of each recent learner configuration, shared by every learner
+# built with it: JAX traces and lowers a shared program once per mesh shape and compiles it per
+# device set (its outputs are placed by PartitionSpecs, resolved on the mesh it is lowered
+# under), and in one process a learner rebuilt on the same devices reuses the executable.
+# M learners of one run used to trace and lower M copies of the same program.
+_SHARED_MAX = 8
+_shared: collections.OrderedDict = collections.OrderedDict()
+_shared_lock = threading.Lock()
+
+
+def shared_programs(cfg: LearnerConfig, spec: train_state.StateSpec, schedule):
+  """(init, step) jitted for `cfg`'s model, inner optimiser and length, with mesh-free output
+  placements; the same objects for every learner of that configuration (the last
+  `_SHARED_MAX` configurations are kept)."""
+  key = (cfg.model, registry.get(cfg.model), cfg.optim, cfg.train.steps, spec.mesh.axis_names)
+  with _shared_lock:
+    if key in _shared:
+      _shared.move_to_end(key)
+      return _shared[key]
+    specs = train_state.partition_specs(spec)
+    programs = (train_state.make_init(cfg.model, spec, out_shardings=specs),
+                train_step.make_train_step(spec, cfg.optim, schedule, out_shardings=specs))
+    _shared[key] = programs
+    while len(_shared) > _SHARED_MAX:
+      _shared.popitem(last=False)
+    return programs
 
 
 def fragment_plan(cfg: LearnerConfig, spec: train_state.StateSpec) -> fragments_lib.FragmentPlan:

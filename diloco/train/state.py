@@ -84,15 +84,24 @@ def make_spec(cfg: ModelConfig, tx: optax.GradientTransformation,
   return StateSpec(graphdef=graphdef, tx=tx, mesh=mesh, abstract=abstract, shardings=shardings)
 
 
-def make_init(cfg: ModelConfig, spec: StateSpec):
-  """A jitted `init(key) -> state` that materialises the state with its shardings."""
+def partition_specs(spec: StateSpec) -> PyTree:
+  """The state's PartitionSpecs: its shardings without their devices. A program whose outputs
+  are placed by these resolves them on the mesh it is lowered under (`jax.set_mesh`), so one
+  traced program serves every mesh of the same axes (`island.build_learner`)."""
+  return jax.tree.map(lambda s: s.spec, spec.shardings)
+
+
+def make_init(cfg: ModelConfig, spec: StateSpec, out_shardings: PyTree = None):
+  """A jitted `init(key) -> state` that materialises the state with its shardings
+  (`out_shardings`: `partition_specs(spec)` for a program lowered under any mesh of spec's
+  axes)."""
 
   def init(key):
     params = nnx.to_pure_dict(nnx.state(_new_model(cfg, key)))
     return {"params": params, "opt_state": spec.tx.init(params),
             "step": jnp.zeros((), jnp.int32)}
 
-  return jax.jit(init, out_shardings=spec.shardings)
+  return jax.jit(init, out_shardings=spec.shardings if out_shardings is None else out_shardings)
 
 
 def create(cfg: ModelConfig, spec: StateSpec, key: jax.Array) -> PyTree:

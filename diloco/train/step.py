@@ -97,9 +97,11 @@ def _forward(graphdef, params, tokens_BL1):
   return jnp.mean(ce_BL), jnp.mean(z_BL), aux
 
 
-def make_train_step(spec: StateSpec, optim: OptimConfig,
-                    schedule: optax.Schedule) -> Callable[[PyTree, jax.Array], tuple]:
-  """A jitted `step(state, tokens_BL1) -> (state, metrics)`; `state` is donated."""
+def make_train_step(spec: StateSpec, optim: OptimConfig, schedule: optax.Schedule,
+                    out_shardings: PyTree = None) -> Callable[[PyTree, jax.Array], tuple]:
+  """A jitted `step(state, tokens_BL1) -> (state, metrics)`; `state` is donated. Its new state
+  is placed by spec's shardings, or by `out_shardings` (`state.partition_specs(spec)` for a
+  program lowered under any mesh of spec's axes)."""
 
   def loss_fn(params, tokens_BL1):
     ce, z_loss, aux = _forward(spec.graphdef, params, tokens_BL1)
@@ -120,7 +122,8 @@ def make_train_step(spec: StateSpec, optim: OptimConfig,
     }
     return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-  return jax.jit(step, donate_argnums=0, out_shardings=(spec.shardings, None))
+  placed = spec.shardings if out_shardings is None else out_shardings
+  return jax.jit(step, donate_argnums=0, out_shardings=(placed, None))
 
 
 def mean_eval_loss(eval_fn: Callable[[PyTree, Any], Any], params: PyTree, batches,
