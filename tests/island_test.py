@@ -48,11 +48,20 @@ def test_learners_of_one_configuration_trace_their_step_once(monkeypatch):
     assert _devices_of(init.output_shardings) == own
     assert _devices_of(step.input_shardings) == own
     assert _devices_of(step.output_shardings[0]) == own
-  # Another length is another schedule, so another program.
+  # Another length with the same schedule (its decay set apart from the length) is the same
+  # program; another schedule is another.
   spec = built[0][0]
-  other = _cfg(train__steps=cfg.train.steps + 1)
-  assert island.shared_programs(other, spec, optim.lr_schedule(other.optim, other.train.steps)
-                                ) != island.shared_programs(cfg, spec, None)
+
+  def programs(**dotted):
+    other = _cfg(**dotted)
+    return island.shared_programs(other, spec, optim.lr_schedule(other.optim,
+                                                                 other.train.steps))
+
+  decay, first = cfg.optim.decay_steps, programs()
+  assert len(island._shared) == 1 and len(traces) == 1
+  assert programs(train__steps=cfg.train.steps + 5, optim__decay_steps=decay) == first
+  assert programs(optim__decay_steps=decay + 1) != first
+  assert programs(optim__decay_steps=0, train__steps=decay + 1) != first
 
 
 def test_the_shared_step_is_the_program_a_learner_compiles_alone():
@@ -88,10 +97,10 @@ def test_the_shared_step_is_the_program_a_learner_compiles_alone():
 def test_the_shared_programs_keep_the_latest_configurations(monkeypatch):
   monkeypatch.setattr(island, "_shared", type(island._shared)())
   extra = 3
-  cfgs = [_cfg(train__steps=20 + i) for i in range(island._SHARED_MAX + extra)]
+  cfgs = [_cfg(optim__decay_steps=20 + i) for i in range(island._SHARED_MAX + extra)]
   for cfg in cfgs:
     tx = optim.inner_optimizer(cfg.optim, cfg.train.steps)
     spec = train_state.make_spec(cfg.model, tx,
                                  mesh_lib.learner_mesh(jax.devices()[:2], cfg.mesh))
     island.shared_programs(cfg, spec, optim.lr_schedule(cfg.optim, cfg.train.steps))
-  assert [key[3] for key in island._shared] == [c.train.steps for c in cfgs[extra:]]
+  assert [key[3] for key in island._shared] == [c.optim.decay_steps for c in cfgs[extra:]]

@@ -1,6 +1,6 @@
 """Config presets as the runtime tests use them: quiet, one eval batch, no periodic eval
-(unless asked), with `group__field=value` overrides (a key without `__` sets a top-level
-field such as `seed`)."""
+(unless asked), the preset's learning-rate schedule at any length, with `group__field=value`
+overrides (a key without `__` sets a top-level field such as `seed`)."""
 
 import os
 
@@ -13,6 +13,10 @@ def load(spec: str = "decoupled.py:tiny", *, periodic_eval: bool = False,
          **dotted) -> config_lib.Config:
   """`configs/<spec>` (file:preset) with the overrides, validated and frozen."""
   cfg = config_lib.load(os.path.join(REPO, "configs", spec))
+  # The learning rate warms up and decays over the preset's length whatever `train.steps` a
+  # test sets (unless it sets `optim__decay_steps`): the compiled step depends on the schedule,
+  # not on the length, so tests of many lengths share the preset's programs and compile cache.
+  cfg.optim.decay_steps = cfg.optim.decay_steps or cfg.train.steps
   if not periodic_eval:
     cfg.train.eval_every = 0
   cfg.train.eval_batches = 1

@@ -69,10 +69,11 @@ _shared_lock = threading.Lock()
 
 
 def shared_programs(cfg: LearnerConfig, spec: train_state.StateSpec, schedule):
-  """(init, step) jitted for `cfg`'s model, inner optimiser and length, with mesh-free output
+  """(init, step) jitted for `cfg`'s model, inner optimiser and schedule, with mesh-free output
   placements; the same objects for every learner of that configuration (the last
   `_SHARED_MAX` configurations are kept)."""
-  key = (cfg.model, registry.get(cfg.model), cfg.optim, cfg.train.steps, spec.mesh.axis_names)
+  key = (cfg.model, registry.get(cfg.model), cfg.optim,
+         optim.decay_length(cfg.optim, cfg.train.steps), spec.mesh.axis_names)
   with _shared_lock:
     if key in _shared:
       _shared.move_to_end(key)

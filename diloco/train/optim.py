@@ -29,8 +29,14 @@ class OptimConfig:
   z_loss_weight: float = setting(1e-4, NON_NEGATIVE)
 
 
+def decay_length(cfg: OptimConfig, total_steps: int) -> int:
+  """The steps the schedule warms up and decays over: `decay_steps`, or all `total_steps`.
+  With the rest of `cfg`, it is all of the run's length that the compiled step depends on."""
+  return max(cfg.decay_steps or total_steps, cfg.warmup_steps + 1)
+
+
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-  decay_steps = max(cfg.decay_steps or total_steps, cfg.warmup_steps + 1)
+  decay_steps = decay_length(cfg, total_steps)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
       decay_steps=decay_steps, end_value=cfg.learning_rate * cfg.end_lr_fraction)
