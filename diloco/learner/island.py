@@ -61,7 +61,8 @@ def build_learner(cfg: LearnerConfig, devices, index: int):
 # The jitted init and train step of each recent learner configuration, shared by every learner
 # built with it: JAX traces and lowers a shared program once per mesh shape and compiles it per
 # device set (its outputs are placed by PartitionSpecs, resolved on the mesh it is lowered
-# under), and in one process a learner rebuilt on the same devices reuses the executable.
+# under; meshes of another shape get their own), and in one process a learner rebuilt on the
+# same devices reuses the executable.
 # M learners of one run used to trace and lower M copies of the same program.
 _SHARED_MAX = 8
 _shared: collections.OrderedDict = collections.OrderedDict()
@@ -73,7 +74,7 @@ def shared_programs(cfg: LearnerConfig, spec: train_state.StateSpec, schedule):
   placements; the same objects for every learner of that configuration (the last
   `_SHARED_MAX` configurations are kept)."""
   key = (cfg.model, registry.get(cfg.model), cfg.optim,
-         optim.decay_length(cfg.optim, cfg.train.steps), spec.mesh.axis_names)
+         optim.decay_length(cfg.optim, cfg.train.steps), tuple(spec.mesh.shape.items()))
   with _shared_lock:
     if key in _shared:
       _shared.move_to_end(key)
