@@ -827,6 +827,38 @@ def test_period_stage_runs_another_receipt_at_every_h_and_its_reference(tmp_path
   assert sorted(r.name for r in at_one) == sorted(r.name for r in planned if "M=4" in r.method)
 
 
+def test_period_stage_runs_given_outer_settings_in_place_of_the_picks(tmp_path):
+  """--stage=period --outer=...: each method at each given outer setting at every H, and at
+  the study's H = 30 where the setting is not the method's pick there (its reference)."""
+  outdir = str(tmp_path)
+  _nano_group(outdir, NANO_LOSSES)
+  found = rows.collect(outdir)
+  picked = rows.picks(rows.groups(found)[("nano", NANO)])
+  assert {stages.parse_setting(picked[(k, 2)])[1] for k in ("diloco", "decoupled")} == {
+      (1.0, 0.0)}
+  planned = stages.stage_period(found, NANO, "nano", learners=(2,), outers=((1.0, 0.0),
+                                                                            (1.4, 0.0)))
+  inner = config.inner_label(NANO_INNER * 8)
+  periods = {}
+  for r in planned:
+    periods.setdefault(r.method.split(f"{inner}")[0], []).append(stages.period_of(r.method))
+    assert dict(r.overrides)["outer.learning_rate"] == stages.parse_setting(r.method)[1][0]
+  assert periods == {"nano diloco M=2 outer 1/0": [8, 15],
+                     "nano diloco M=2 outer 1.4/0": [8, 15, 30],
+                     "nano decoupled M=2 overwrite outer 1/0": [8, 15],
+                     "nano decoupled M=2 overwrite outer 1.4/0": [8, 15, 30]}
+  # The picks' own setting alone is the default plan, and the runner passes --outer to the
+  # period stage only when it is given (stage outer keeps its OUTER_BELOW default).
+  default = [r.name for r in stages.stage_period(found, NANO, "nano", learners=(2,))]
+  assert [r.name for r in stages.stage_period(found, NANO, "nano", learners=(2,),
+                                              outers=((1.0, 0.0),))] == default
+  assert [r.name for r in run.stage_runs("period", outdir, NANO, (2,), 100, found,
+                                         preset="nano")] == default
+  assert [r.name for r in run.stage_runs("outer", outdir, NANO, (2,), 100, found,
+                                         preset="nano")] == [
+      r.name for r in stages.stage_outer(found, NANO, "nano", (2,), config.OUTER_BELOW)]
+
+
 def test_outer_stage_runs_each_setting_at_the_groups_reference_and_batch(tmp_path):
   outdir = str(tmp_path)
   steps16 = config.compute_optimal_steps("nano", 16)

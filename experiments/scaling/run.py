@@ -52,7 +52,8 @@ def define_flags() -> None:
                     "--stage=batch: the global batches beside config.DP_BATCH (powers of 2; "
                     "each must split over every M of --learners).")
   flags.DEFINE_list("outer", [f"{lr:g}/{mom:g}" for lr, mom in config.OUTER_BELOW],
-                    "--stage=outer: the outer settings, LR/MOMENTUM each.")
+                    "--stage=outer: the outer settings, LR/MOMENTUM each; --stage=period: "
+                    "each method at these instead of its pick's (only when given).")
   flags.DEFINE_list("receipts", ["overwrite"], "--stage=period and outer: Decoupled's "
                     f"receipts ({', '.join(config.RECEIPTS)}).")
   flags.DEFINE_list("inner_scales", [str(s) for s in config.INNER_SCALES],
@@ -66,13 +67,15 @@ def define_flags() -> None:
 def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
                small_steps: int, found: list[dict] | None = None,
                seed: int = 0, inner_scales=config.INNER_SCALES,
-               preset: str = "tiny", batches=config.BATCH_SWEEP, outers=config.OUTER_BELOW,
+               preset: str = "tiny", batches=config.BATCH_SWEEP, outers=None,
                receipts=("overwrite",),
                size_scales=config.SIZE_INNER_SCALES) -> list[harness.Run]:
   """The runs of `stage`, derived from `found` (default: the runs `outdir` holds now; the
   runner passes those plus the rows carried from the earlier results.json, `rows.merged`).
   `preset` (stages size, batch, period, inner, 2 and 3) names the model; stage size reads
-  tiny's picks at 20N, stages batch and period `preset`'s own at `steps`."""
+  tiny's picks at 20N, stages batch and period `preset`'s own at `steps`. `outers`: stage
+  outer's settings (default `config.OUTER_BELOW`), or stage period's in place of each method's
+  pick (default: the picks')."""
   if found is None:
     found = rows_lib.collect(outdir)
   if stage == "1":
@@ -91,9 +94,11 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
   if stage == "batch":
     return stages.stage_batch(found, steps, preset, learners, batches, size_scales)
   if stage == "period":
-    return stages.stage_period(found, steps, preset, learners, receipts=receipts, seed=seed)
+    return stages.stage_period(found, steps, preset, learners, receipts=receipts, seed=seed,
+                               outers=outers)
   if stage == "outer":
-    return stages.stage_outer(found, steps, preset, learners, outers, receipts)
+    return stages.stage_outer(found, steps, preset, learners, outers or config.OUTER_BELOW,
+                              receipts)
   if stage == "2":
     return stages.stage_two(found, steps, learners, preset)
   if stage == "3":
@@ -105,7 +110,7 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             small_steps: int = config.SMALL_STEPS, only=(), parallel: int = 1,
             threads: int = 0, label: str = "", folder: str = "", seed: int = 0,
             dry_run: bool = False, inner_scales=config.INNER_SCALES,
-            preset: str = "tiny", batches=config.BATCH_SWEEP, outers=config.OUTER_BELOW,
+            preset: str = "tiny", batches=config.BATCH_SWEEP, outers=None,
             receipts=("overwrite",), size_scales=config.SIZE_INNER_SCALES) -> float:
   """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous; "size" and
   "batch": twice, the second pass once the data-parallel references are known); returns the
@@ -241,7 +246,8 @@ def main(argv):
                    only=f.only, parallel=f.parallel, threads=f.threads,
                    label=f.machine_label, folder=f.results_dir, seed=f.seed,
                    dry_run=f.dry_run, inner_scales=tuple(float(s) for s in f.inner_scales),
-                   preset=f.preset, batches=batches, outers=_outers(f.outer),
+                   preset=f.preset, batches=batches,
+                   outers=_outers(f.outer) if f["outer"].present else None,
                    receipts=_receipts(f.receipts), size_scales=_scales(f.size_scales))
     if f.dry_run:
       return

@@ -332,12 +332,15 @@ def _setting(kind: str, receipt: str, outer: tuple[float, float], inner: float |
 
 
 def stage_period(rows: list[dict], steps: int, preset: str, learners=config.PERIOD_LEARNERS,
-                 periods=config.PERIODS, receipts=("overwrite",), seed: int = 0) -> list[Run]:
+                 periods=config.PERIODS, receipts=("overwrite",), seed: int = 0,
+                 outers=None) -> list[Run]:
   """Seed `seed` of synchronous DiLoCo and Decoupled at each M of `learners` at their picks
   (outer and inner rates, picked at seed 0) of `preset`'s group at `steps`, with H at each of
   `periods` (Decoupled's fragments scaled with H, `config.fragments`), Decoupled at each
-  receipt of `receipts`; a receipt other than the pick's runs at the study's PERIOD too, its
-  reference (the pick's own run there is the group's, seeds 1 and 2 from stages 2 and 3)."""
+  receipt of `receipts`, and each method at each (rate, momentum) of `outers` in place of its
+  pick's outer setting when given. A receipt or outer setting other than the pick's runs at
+  the study's PERIOD too, its reference (the pick's own run there is the group's, seeds 1 and
+  2 from stages 2 and 3)."""
   picked = rows_lib.picks(_tiny(rows, steps, preset))
   missing = [(kind, m) for m in learners for kind in ("diloco", "decoupled")
              if (kind, m) not in picked]
@@ -348,12 +351,13 @@ def stage_period(rows: list[dict], steps: int, preset: str, learners=config.PERI
   for h in (*periods, *(() if config.PERIOD in periods else (config.PERIOD,))):
     for m in learners:
       for kind in ("diloco", "decoupled"):
-        own, outer = parse_setting(picked[(kind, m)])
+        own, picked_outer = parse_setting(picked[(kind, m)])
         inner = inner_of(picked[(kind, m)])
         runs += [method_run(kind, m, _setting(kind, receipt, outer, inner, h), seed, steps,
                             preset)
+                 for outer in (outers or (picked_outer,))
                  for receipt in (receipts if kind == "decoupled" else (own,))
-                 if h != config.PERIOD or receipt != own]
+                 if h != config.PERIOD or receipt != own or outer != picked_outer]
   return runs
 
 
