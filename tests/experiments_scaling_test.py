@@ -854,6 +854,13 @@ def test_period_stage_runs_given_outer_settings_in_place_of_the_picks(tmp_path):
                                               outers=((1.0, 0.0),))] == default
   assert [r.name for r in run.stage_runs("period", outdir, NANO, (2,), 100, found,
                                          preset="nano")] == default
+  # --periods: the given H values and the study's H = 30 reference of the outer settings.
+  shorter = run.stage_runs("period", outdir, NANO, (2,), 100, found, preset="nano",
+                           outers=((1.0, 0.0),), receipts=("keep_local",), periods=(4, 3))
+  assert sorted((r.method.split(" outer")[0], stages.period_of(r.method)) for r in shorter) == [
+      ("nano decoupled M=2 keep_local", h) for h in (3, 4, 30)] + [
+      ("nano diloco M=2", h) for h in (3, 4)]
+  assert all(dict(r.overrides)["sync.period"] == stages.period_of(r.method) for r in shorter)
   assert [r.name for r in run.stage_runs("outer", outdir, NANO, (2,), 100, found,
                                          preset="nano")] == [
       r.name for r in stages.stage_outer(found, NANO, "nano", (2,), config.OUTER_BELOW)]
@@ -881,9 +888,11 @@ def test_outer_stage_runs_each_setting_at_the_groups_reference_and_batch(tmp_pat
 @pytest.mark.parametrize("flag, values, ok", [
     ("outer", ["0.8/0", "0.4/0.9"], ((0.8, 0.0), (0.4, 0.9))), ("outer", ["0.8"], None),
     ("outer", ["a/b"], None), ("receipts", ["keep_local"], ("keep_local",)),
-    ("receipts", ["keep"], None), ("receipts", [], None)])
-def test_outer_and_receipts_flags_parse_or_say_which_flag(flag, values, ok):
-  parse = run._outers if flag == "outer" else run._receipts
+    ("receipts", ["keep"], None), ("receipts", [], None),
+    ("periods", ["4", "3"], (4, 3)), ("periods", [str(config.TAU)], None),
+    ("periods", ["0"], None), ("periods", ["4.5"], None), ("periods", [], None)])
+def test_outer_receipts_and_periods_flags_parse_or_say_which_flag(flag, values, ok):
+  parse = {"outer": run._outers, "receipts": run._receipts, "periods": run._periods}[flag]
   if ok is not None:
     assert parse(values) == ok
   else:

@@ -33,7 +33,7 @@ def define_flags() -> None:
                     "and 2), inner (other inner learning rates, --inner_scales), cross (each "
                     "method at the other's pick), m1 (M = 1 controls, config.M1_RUNS), size (the "
                     "protocol at --preset, config.SIZE_*), batch (stage size at each global "
-                    "batch of --batches), period (H at config.PERIODS, Decoupled at each of "
+                    "batch of --batches), period (H at each of --periods, Decoupled at each of "
                     "--receipts), outer (the DiLoCo methods at each of --outer), none.")
   flags.DEFINE_enum("preset", "tiny", ("tiny", "nano", "mini"),
                     "The model of --stage=size, batch, period, inner, 2 and 3 (its steps: 20N "
@@ -54,6 +54,9 @@ def define_flags() -> None:
   flags.DEFINE_list("outer", [f"{lr:g}/{mom:g}" for lr, mom in config.OUTER_BELOW],
                     "--stage=outer: the outer settings, LR/MOMENTUM each; --stage=period: "
                     "each method at these instead of its pick's (only when given).")
+  flags.DEFINE_list("periods", [str(h) for h in config.PERIODS],
+                    "--stage=period: the periods H beside the study's 30 (each above "
+                    f"Decoupled's tau = {config.TAU}).")
   flags.DEFINE_list("receipts", ["overwrite"], "--stage=period and outer: Decoupled's "
                     f"receipts ({', '.join(config.RECEIPTS)}).")
   flags.DEFINE_list("inner_scales", [str(s) for s in config.INNER_SCALES],
@@ -69,13 +72,14 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
                seed: int = 0, inner_scales=config.INNER_SCALES,
                preset: str = "tiny", batches=config.BATCH_SWEEP, outers=None,
                receipts=("overwrite",),
-               size_scales=config.SIZE_INNER_SCALES) -> list[harness.Run]:
+               size_scales=config.SIZE_INNER_SCALES,
+               periods=config.PERIODS) -> list[harness.Run]:
   """The runs of `stage`, derived from `found` (default: the runs `outdir` holds now; the
   runner passes those plus the rows carried from the earlier results.json, `rows.merged`).
   `preset` (stages size, batch, period, inner, 2 and 3) names the model; stage size reads
   tiny's picks at 20N, stages batch and period `preset`'s own at `steps`. `outers`: stage
   outer's settings (default `config.OUTER_BELOW`), or stage period's in place of each method's
-  pick (default: the picks')."""
+  pick (default: the picks'). `periods`: stage period's H values beside the study's."""
   if found is None:
     found = rows_lib.collect(outdir)
   if stage == "1":
@@ -94,8 +98,8 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
   if stage == "batch":
     return stages.stage_batch(found, steps, preset, learners, batches, size_scales)
   if stage == "period":
-    return stages.stage_period(found, steps, preset, learners, receipts=receipts, seed=seed,
-                               outers=outers)
+    return stages.stage_period(found, steps, preset, learners, periods, receipts=receipts,
+                               seed=seed, outers=outers)
   if stage == "outer":
     return stages.stage_outer(found, steps, preset, learners, outers or config.OUTER_BELOW,
                               receipts)
@@ -111,7 +115,8 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             threads: int = 0, label: str = "", folder: str = "", seed: int = 0,
             dry_run: bool = False, inner_scales=config.INNER_SCALES,
             preset: str = "tiny", batches=config.BATCH_SWEEP, outers=None,
-            receipts=("overwrite",), size_scales=config.SIZE_INNER_SCALES) -> float:
+            receipts=("overwrite",), size_scales=config.SIZE_INNER_SCALES,
+            periods=config.PERIODS) -> float:
   """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous; "size" and
   "batch": twice, the second pass once the data-parallel references are known); returns the
   wall seconds spent. A run with a row in `folder`'s results.json (carried from another
@@ -125,7 +130,7 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
     carried = {r["run"] for r in found if "carried_commit" in r}
     runs = [r for r in stage_runs(s, outdir, steps, learners, small_steps, found, seed,
                                   inner_scales, preset, batches, outers, receipts,
-                                  size_scales)
+                                  size_scales, periods)
             if (not only or any(o in r.method for o in only)) and r.name not in carried]
     # In `only`'s order (the first entry a run matches), so a queue starts with what matters.
     runs.sort(key=lambda r: next((i for i, o in enumerate(only) if o in r.method), 0))
@@ -224,6 +229,19 @@ def _scales(values: list[str]) -> tuple[float, ...]:
   return scales
 
 
+def _periods(values: list[str]) -> tuple[int, ...]:
+  """--periods as integers, each above Decoupled's tau (a learner must see its receipt before
+  its next delivery, docs/design.md 2.3)."""
+  try:
+    periods = tuple(int(v) for v in values)
+  except ValueError:
+    periods = ()
+  if not periods or any(h <= config.TAU for h in periods):
+    raise app.UsageError(f"--periods: {','.join(values)!r}: expected integers above "
+                         f"Decoupled's tau = {config.TAU}")
+  return periods
+
+
 def _receipts(values: list[str]) -> tuple[str, ...]:
   bad = [v for v in values if v not in config.RECEIPTS]
   if bad or not values:
@@ -248,7 +266,8 @@ def main(argv):
                    dry_run=f.dry_run, inner_scales=tuple(float(s) for s in f.inner_scales),
                    preset=f.preset, batches=batches,
                    outers=_outers(f.outer) if f["outer"].present else None,
-                   receipts=_receipts(f.receipts), size_scales=_scales(f.size_scales))
+                   receipts=_receipts(f.receipts), size_scales=_scales(f.size_scales),
+                   periods=_periods(f.periods))
     if f.dry_run:
       return
   write_report(f.outdir, f.results_dir, wall_s=wall)
