@@ -7,12 +7,12 @@ Presets as in configs/decoupled.py.
 
 import os
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 
 
 def get_config(preset: str = "cpu"):
-  cfg = config_lib.load(os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
-  cfg.sync.quorum = config_lib.ALL_LEARNERS  # K = M, whatever --config.learners.count says
+  cfg = run_config.load(os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
+  cfg.sync.quorum = run_config.ALL_LEARNERS  # K = M, whatever --config.learners.count says
   cfg.sync.gamma = 0.0
   cfg.sync.receipt = "mix"
   cfg.sync.mixing_alpha = 0.5

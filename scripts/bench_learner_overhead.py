@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.model.sharding import batch_sharding
 from diloco.runtime.core import Runtime
 from diloco.runtime.threaded_driver import ThreadedDriver
@@ -72,18 +72,18 @@ def load_preset(model: str):
     model = "decoupled:cpu"  # the name this bench always gave decoupled.py's CPU preset
   if ":" in model:
     name, preset = model.split(":", 1)
-    return config_lib.load(os.path.join(_REPO, "configs", name.removesuffix(".py") + ".py")
+    return run_config.load(os.path.join(_REPO, "configs", name.removesuffix(".py") + ".py")
                            + ":" + preset)
   errors = []
   for name in ("decoupled", "dp"):
     try:
-      return config_lib.load(os.path.join(_REPO, "configs", name + ".py") + ":" + model)
+      return run_config.load(os.path.join(_REPO, "configs", name + ".py") + ":" + model)
     except ValueError as e:  # an unknown preset of that file
       errors.append(str(e))
   raise app.UsageError(f"--model={model!r}: " + "; ".join(errors))
 
 
-def make_config(warmup: int) -> config_lib.Config:
+def make_config(warmup: int) -> run_config.Config:
   cd = load_preset(_MODEL.value)
   num_devices = _DEVICES.value or len(jax.devices())
   cd.learners.count = 1
@@ -105,10 +105,10 @@ def make_config(warmup: int) -> config_lib.Config:
     cd.data.seq_len = _SEQ.value
   if _DTYPE.value:
     cd.model.dtype = _DTYPE.value
-  return config_lib.from_config_dict(cd)
+  return run_config.from_config_dict(cd)
 
 
-def runtime_tokens_per_s(cfg: config_lib.Config, warmup: int, step_fn
+def runtime_tokens_per_s(cfg: run_config.Config, warmup: int, step_fn
                          ) -> tuple[float, Runtime, dict[str, float]]:
   """One learner + syncer under `ThreadedDriver` (`VirtualDriver` on the virtual clock);
   tokens/s over the steps after `warmup`, and where the learner's other time went."""
@@ -167,7 +167,7 @@ def runtime_tokens_per_s(cfg: config_lib.Config, warmup: int, step_fn
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def bare_tokens_per_s(cfg: config_lib.Config, warmup: int, spec: train_state.StateSpec,
+def bare_tokens_per_s(cfg: run_config.Config, warmup: int, spec: train_state.StateSpec,
                       step_fn) -> float:
   """The bare loop: batch, device_put, step, metrics read one step late."""
   state = train_state.create(cfg.model, spec, jax.random.key(cfg.seed))

@@ -44,7 +44,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from diloco import fragments
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.delivery import Delivery
 from diloco.distributed import learner_registry, store_names
 from diloco.distributed import store as store_lib
@@ -76,11 +76,11 @@ def _overrides(shards: int) -> list[str]:
           "--config.store.poll_s=0.02"]
 
 
-def _config() -> config_lib.Config:
+def _config() -> run_config.Config:
   """The run config as given: its model's shapes, batch and sequence length (the syncer
   processes get the same file with `_overrides`)."""
   spec = FLAGS.config
-  return config_lib.from_config_dict(config_lib.load(
+  return run_config.from_config_dict(run_config.load(
       spec if os.path.isabs(spec) else os.path.join(ROOT, spec)))
 
 

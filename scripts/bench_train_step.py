@@ -48,7 +48,7 @@ from absl import app, flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.errors import ConfigError
 from diloco.model.config import ModelConfig
 from diloco.model.sharding import batch_sharding
@@ -181,18 +181,18 @@ def variant_name(variant: dict) -> str:
   return ",".join(f"{k}={v}" for k, v in variant.items())
 
 
-def make_config(variant: dict | None = None) -> config_lib.Config:
+def make_config(variant: dict | None = None) -> run_config.Config:
   """The dp.py preset with the command line's speed switches, then `variant`'s; data checks
   do not apply (the bench feeds its own tokens)."""
   variant = variant or {}
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cd = config_lib.load(os.path.join(repo, "configs", "dp.py") + ":" + _PRESET.value)
+  cd = run_config.load(os.path.join(repo, "configs", "dp.py") + ":" + _PRESET.value)
   accelerator = jax.default_backend() != "cpu"
   seq_len = variant.get("seq_len", _SEQ.value)
   batch_size = variant.get("batch_size", _BATCH.value)
   mesh = variant.get("mesh", _MESH.value)
   with cd.unlocked():
-    cd.data.source = config_lib.base_config("tiny").data.source  # the bench feeds the tokens
+    cd.data.source = run_config.base_config("tiny").data.source  # the bench feeds the tokens
     cd.data.path = ""
     cd.data.seq_len = seq_len or (2048 if accelerator else cd.data.seq_len)
     if batch_size:
@@ -211,17 +211,17 @@ def make_config(variant: dict | None = None) -> config_lib.Config:
       cd.model.num_layers = _LAYERS.value
     num_devices = len(jax.devices())
     if mesh:
-      cd.mesh.data, cd.mesh.fsdp, cd.mesh.tensor = config_lib.parse_ints(mesh, "--mesh")
+      cd.mesh.data, cd.mesh.fsdp, cd.mesh.tensor = run_config.parse_ints(mesh, "--mesh")
     else:
       try:
-        mesh_lib.resolve_shape(config_lib.MeshConfig(**cd.mesh.to_dict()), num_devices)
+        mesh_lib.resolve_shape(run_config.MeshConfig(**cd.mesh.to_dict()), num_devices)
       except ConfigError:
         cd.mesh.data, cd.mesh.fsdp, cd.mesh.tensor = 1, -1, 1
-  cfg = config_lib.from_config_dict(cd)
+  cfg = run_config.from_config_dict(cd)
   fields = {k: v for k, v in variant.items() if k not in BENCH_KEYS}
   if fields:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **fields))
-    config_lib.validate(cfg)
+    run_config.validate(cfg)
   return cfg
 
 

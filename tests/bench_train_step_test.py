@@ -10,7 +10,7 @@ import sys
 import pytest
 from script_import import import_script
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.errors import ConfigError
 from diloco.train import flops
 
@@ -26,10 +26,10 @@ def _bench(*args):
 
 
 def _tiny_model(**fields):
-  cd = config_lib.load(os.path.join(REPO, "configs", "dp.py") + ":tiny")
+  cd = run_config.load(os.path.join(REPO, "configs", "dp.py") + ":tiny")
   with cd.unlocked():
     cd.model.update(fields)
-  return config_lib.from_config_dict(cd).model
+  return run_config.from_config_dict(cd).model
 
 
 @pytest.mark.parametrize("seq_len,window", [(1, None), (7, None), (32, 8), (8, 8), (5, 9)])

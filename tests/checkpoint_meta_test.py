@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import run_config
+import runtime_configs
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,7 +25,7 @@ from diloco.train import checkpoint as checkpoint_lib
 PROPERTY = settings(max_examples=60, deadline=5000, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
-CFG = run_config.load("dp.py:tiny")
+CFG = runtime_configs.load("dp.py:tiny")
 # What a learner process (`learner_process._identity`) and a data-parallel run expect.
 LEARNER = {"model": dataclasses.asdict(CFG.model), "seed": CFG.seed,
            "data_source": CFG.data.source, "seq_len": CFG.data.seq_len}

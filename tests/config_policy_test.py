@@ -4,11 +4,11 @@
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given, settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from diloco import settings as config_rules
-from diloco.config import run_config as config_lib
+from diloco import settings
+from diloco.config import run_config
 from diloco.errors import ConfigError
 from diloco.sync import policy
 from diloco.sync.policy import SyncConfig
@@ -18,7 +18,7 @@ def _config_accepts(field, value):
   """Whether the config takes `sync.<field> = value`: its type check, then the sync group's
   rules (the field's own and those across the group's fields)."""
   try:
-    config_lib.check_group("sync", config_lib.group_from_dict("sync", {field: value}))
+    run_config.check_group("sync", run_config.group_from_dict("sync", {field: value}))
   except ConfigError:
     return False
   return True
@@ -48,12 +48,12 @@ def _values(bound):
 
 @pytest.mark.parametrize("field", sorted(policy.SYNC_BOUNDS))
 def test_sync_fields_declare_the_policy_bound(field):
-  assert config_rules.rule_of(SyncConfig, field) is policy.SYNC_BOUNDS[field]
+  assert settings.rule_of(SyncConfig, field) is policy.SYNC_BOUNDS[field]
 
 
 @pytest.mark.parametrize("field", sorted(policy.SYNC_BOUNDS))
 def test_config_and_policy_accept_the_same_values(field):
-  @settings(max_examples=300, deadline=None, derandomize=True)
+  @hypothesis_settings(max_examples=300, deadline=None, derandomize=True)
   @given(_values(policy.SYNC_BOUNDS[field]))
   def both_or_neither(value):
     assert _config_accepts(field, value) == _policy_accepts(field, value), (field, value)
@@ -89,12 +89,12 @@ def test_the_syncer_and_the_simulator_build_the_policy_from_the_same_defaults():
 
 
 def test_range_semantics():
-  half_open = config_rules.Range(low=0, high=1, high_open=True)
+  half_open = settings.Range(low=0, high=1, high_open=True)
   assert [half_open.admits(v) for v in (0, 0.5, 1, -0.0, math.nan, True)] == [
       True, True, False, True, False, False]
   assert half_open.describe() == "in [0, 1)"
-  assert config_rules.POSITIVE.describe() == "> 0" and not config_rules.POSITIVE.admits(0)
-  finite = config_rules.Range(low=0, finite=True)
+  assert settings.POSITIVE.describe() == "> 0" and not settings.POSITIVE.admits(0)
+  finite = settings.Range(low=0, finite=True)
   assert finite.admits(1e300) and not finite.admits(math.inf)
-  choice = config_rules.OneOf((0, 16, 8))
+  choice = settings.OneOf((0, 16, 8))
   assert choice.admits(16) and not choice.admits(16.0) and not choice.admits(False)

@@ -8,10 +8,10 @@ import jax
 import pytest
 
 from configs import dp
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
-from diloco.runtime import data_parallel as train
+from diloco.runtime import data_parallel
 from diloco.train import mesh as mesh_lib
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -71,12 +71,12 @@ def _with(preset="tiny", **dotted):
 ])
 def test_invalid_values_name_the_field(dotted, message):
   with pytest.raises(ConfigError, match=message):
-    config_lib.from_config_dict(_with(**dotted))
+    run_config.from_config_dict(_with(**dotted))
 
 
 @pytest.mark.parametrize("bits", [2, 1])
 def test_two_and_one_bit_payloads_are_accepted(bits):
-  cfg = config_lib.from_config_dict(_with(outer__quantize_bits=bits, outer__error_feedback=True))
+  cfg = run_config.from_config_dict(_with(outer__quantize_bits=bits, outer__error_feedback=True))
   assert cfg.outer.quantize_bits == bits
 
 
@@ -84,11 +84,11 @@ def test_wrong_type_and_unknown_field():
   cfg = dp.get_config("tiny").to_dict()
   cfg["train"]["steps"] = "many"
   with pytest.raises(ConfigError, match=r"train.steps must be int, got 'many'"):
-    config_lib.from_config_dict(cfg)
+    run_config.from_config_dict(cfg)
   cfg = dp.get_config("tiny").to_dict()
   cfg["optim"]["lr"] = 0.1
   with pytest.raises(ConfigError, match=r"unknown field optim.lr; allowed: .*learning_rate"):
-    config_lib.from_config_dict(cfg)
+    run_config.from_config_dict(cfg)
 
 
 def test_unknown_presets_list_the_allowed_ones():
@@ -103,14 +103,14 @@ def test_batch_not_divisible_by_data_parallel_width(tiny_config, replace):
   mesh = mesh_lib.learner_mesh(jax.devices(), cfg.mesh)
   with pytest.raises(ConfigError, match=r"train.batch_size=6 must be divisible by mesh data x "
                                         r"fsdp = 8"):
-    train.check_batch(cfg, mesh)
+    data_parallel.check_batch(cfg, mesh)
 
 
 def test_vocab_smaller_than_tokenizer(tiny_config, replace):
   cfg = replace(tiny_config, "model", vocab_size=200)
   with pytest.raises(ConfigError, match=r"model.vocab_size=200 is smaller than the tokenizer's "
                                         r"258 ids"):
-    train.check_vocab(cfg)
+    data_parallel.check_vocab(cfg)
 
 
 def test_cli_reports_config_errors(tmp_path):
@@ -131,10 +131,10 @@ def test_cli_reports_config_errors(tmp_path):
 
 
 def test_load_config_file_by_path():
-  loaded = config_lib.load(os.path.join(REPO, "configs", "dp.py") + ":tiny")
+  loaded = run_config.load(os.path.join(REPO, "configs", "dp.py") + ":tiny")
   assert loaded.to_dict() == dp.get_config("tiny").to_dict()
   with pytest.raises(ConfigError, match="config file 'nope.py' does not exist"):
-    config_lib.load("nope.py:tiny")
+    run_config.load("nope.py:tiny")
 
 
 def test_fault_schedules_parse_and_bad_events_name_the_field():
@@ -164,7 +164,7 @@ def test_launcher_refuses_retire_events_when_sigterm_means_restart(tmp_path):
   cfg.launch.chaos, cfg.launch.chaos_faults = "retire:1@5", 0
   cfg.store.on_sigterm = "restart"
   with pytest.raises(ConfigError, match=r"launch.chaos: retire events .*store.on_sigterm"):
-    launcher.Launcher(config_lib.from_config_dict(cfg), str(tmp_path), "unused.json")
+    launcher.Launcher(run_config.from_config_dict(cfg), str(tmp_path), "unused.json")
   cfg.store.on_sigterm = "retire"
-  events = launcher.Launcher(config_lib.from_config_dict(cfg), str(tmp_path), "unused.json").events
+  events = launcher.Launcher(run_config.from_config_dict(cfg), str(tmp_path), "unused.json").events
   assert [e.kind for e in events] == ["retire"]

@@ -29,8 +29,8 @@ flags.FLAGS.mark_as_parsed()
 def tiny_config():
   """The tiny data-parallel config as frozen dataclasses (fast: 2 layers, seq 64)."""
   from configs import dp
-  from diloco.config import run_config as config_lib
-  return config_lib.from_config_dict(dp.get_config("tiny"))
+  from diloco.config import run_config
+  return run_config.from_config_dict(dp.get_config("tiny"))
 
 
 @pytest.fixture

@@ -284,9 +284,9 @@ def test_vocab_check_names_model_and_tokenizer(tiny_config, replace, tmp_path):
   data_parallel.check_vocab(replace(cfg, "model", vocab_size=300))
   # The multi-process launcher checks before it starts any process.
   from configs import multiprocess
-  from diloco.config import run_config as config_lib
+  from diloco.config import run_config
   from diloco.distributed import launcher
-  mp = config_lib.from_config_dict(multiprocess.get_config("tiny"))
+  mp = run_config.from_config_dict(multiprocess.get_config("tiny"))
   mp = replace(replace(mp, "data", tokenizer=path), "model", vocab_size=299)
   with pytest.raises(ConfigError, match=r"model.vocab_size=299 is smaller .* 300 ids"):
     launcher.run(mp, str(tmp_path / "mp"))
@@ -459,17 +459,17 @@ def test_record_source_errors_name_the_field(records, tmp_path):
 
 
 def test_config_validation_of_record_sources(tiny_config, replace, records):
-  from diloco.config import run_config as config_lib
+  from diloco.config import run_config
   with pytest.raises(ConfigError, match=r"data.path: is required when data.source='jsonl'"):
-    config_lib.validate(replace(tiny_config, "data", source="jsonl"))
+    run_config.validate(replace(tiny_config, "data", source="jsonl"))
   with pytest.raises(ConfigError, match=r"data.text_key: must name"):
-    config_lib.validate(replace(tiny_config, "data", source="jsonl",
+    run_config.validate(replace(tiny_config, "data", source="jsonl",
                                 path=str(records / "jsonl"), text_key=""))
   with pytest.raises(ConfigError, match=r"data.tokenizer: must be 'byte' or .* \(no such file\)"):
-    config_lib.validate(replace(tiny_config, "data", tokenizer="/nonexistent/tokenizer.json"))
+    run_config.validate(replace(tiny_config, "data", tokenizer="/nonexistent/tokenizer.json"))
   with pytest.raises(ConfigError, match=r"data.source: must be one of"):
-    config_lib.validate(replace(tiny_config, "data", source="hub"))
-  config_lib.validate(replace(tiny_config, "data", source="datasets",
+    run_config.validate(replace(tiny_config, "data", source="hub"))
+  run_config.validate(replace(tiny_config, "data", source="datasets",
                               path=str(records / "dsdict"), text_key="body", split="test"))
 
 

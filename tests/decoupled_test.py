@@ -13,19 +13,19 @@ from diloco.model.sharding import batch_sharding
 from diloco.runtime import decoupled
 from diloco.runtime.core import Recorder
 from diloco.train import data as data_lib
-from diloco.runtime import data_parallel as train
+from diloco.runtime import data_parallel
 from diloco.learner import island
 from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step
 
-import run_config
+import runtime_configs
 
 pytestmark = pytest.mark.slow
 
 
 def _config(preset="tiny", **dotted):
-  return run_config.load(f"decoupled.py:{preset}", **{"learners__virtual_clock": True, **dotted})
+  return runtime_configs.load(f"decoupled.py:{preset}", **{"learners__virtual_clock": True, **dotted})
 
 
 def _tape(workdir):
@@ -39,7 +39,7 @@ def test_one_learner_reduces_to_data_parallel(tmp_path):
                 outer__merge="mean", train__steps=6)
   rt, _ = decoupled.run_with_runtime(cfg, str(tmp_path / "diloco"))
   dp_cfg = _config(learners__count=0, train__steps=6, checkpoint__every_steps=6)
-  train.run(dp_cfg, str(tmp_path / "dp"))
+  data_parallel.run(dp_cfg, str(tmp_path / "dp"))
   from orbax import checkpoint as ocp
   dp = ocp.PyTreeCheckpointer().restore(str(tmp_path / "dp" / "checkpoints" / "6" / "state"))
   dp_flat = fragments.flatten_tree(dp["params"])

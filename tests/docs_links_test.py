@@ -152,3 +152,97 @@ def test_one_install_story_every_extra_named_exists():
   assert named >= 10
   assert INSTALL.findall('pip install -e ".[cuda,gcs]" and pip install ".[tpu]"') == [
       "cuda,gcs", "tpu"]
+
+
+# `module.name` in a code span names something of the project's: a module's basename (diloco's,
+# experiments' or scripts') and a name defined at its top level. Spans whose first word is a
+# config group (`sync.period`) or whose second is a file suffix (`config.json`) are not modules.
+REF = re.compile(r"([a-z_][a-z0-9_]*)\.([A-Za-z_]\w*)(?=$|[\s(.,\[=])")
+SUFFIXES = {"json", "jsonl", "md", "png", "py", "yaml", "txt", "gz", "csv", "safetensors", "npz",
+            "npy", "sh", "model", "log", "out", "toml"}
+
+
+def _top_level_names(path: pathlib.Path) -> set[str]:
+  import ast
+  names = set()
+  for node in ast.parse(path.read_text(encoding="utf-8")).body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      names.update(a.asname or a.name.split(".")[0] for a in node.names)
+  return names
+
+
+def _module_references(text: str, modules: set[str], groups: set[str]) -> list[tuple[str, str]]:
+  found = []
+  for span in CODE.findall(text):
+    m = REF.match(span)
+    if m and m.group(1) in modules and m.group(1) not in groups and m.group(2) not in SUFFIXES:
+      found.append(m.group(1, 2))
+  return found
+
+
+def _project_modules() -> dict[str, list[pathlib.Path]]:
+  modules = {}
+  for top in ("diloco", "experiments", "scripts", "tests"):
+    for path in (REPO / top).rglob("*.py"):
+      if path.name not in ("__init__.py", "__main__.py"):
+        modules.setdefault(path.stem, []).append(path)
+  return modules
+
+
+def _config_groups() -> set[str]:
+  import dataclasses
+
+  from diloco.config import run_config
+  return {f.name for f in dataclasses.fields(run_config.Config)}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_named_module_attributes_exist(doc):
+  """`ownership.assign`, `merge.MERGE_METHODS`: a rename cannot leave the old name in a doc."""
+  modules, groups = _project_modules(), _config_groups()
+  bad = [f"{module}.{name}" for module, name in _module_references(
+      doc.read_text(encoding="utf-8"), set(modules), groups)
+         if not any(name in _top_level_names(p) for p in modules[module])]
+  assert not bad, f"{doc.name}: module attributes that do not exist: {bad}"
+
+
+DOTTED = re.compile(r"diloco(?:\.[A-Za-z_]\w*)+(?=$|[\s(,\[=])")
+
+
+def _resolves(dotted: str) -> bool:
+  """`diloco.sync.ownership.assign`: the longest importable prefix, then attributes."""
+  import importlib
+  parts = dotted.split(".")
+  for cut in range(len(parts), 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:cut]))
+    except ImportError:
+      continue
+    for name in parts[cut:]:
+      if not hasattr(obj, name):
+        return False
+      obj = getattr(obj, name)
+    return True
+  return False
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_dotted_names_of_the_package_resolve(doc):
+  spans = [m.group(0) for span in CODE.findall(doc.read_text(encoding="utf-8"))
+           if (m := DOTTED.match(span)) and m.group(0).rsplit(".", 1)[1] not in SUFFIXES]
+  bad = [s for s in spans if not _resolves(s)]
+  assert not bad, f"{doc.name}: dotted names of the package that do not resolve: {bad}"
+
+
+def test_the_module_reference_check_finds_what_it_should():
+  text = "`ownership.assign`, `sync.period`, `config.json`, `syncer.Syncer.tick(...)`, `a b`, `syncer.x-y`"
+  assert _module_references(text, {"ownership", "syncer", "config"}, {"sync"}) == [
+      ("ownership", "assign"), ("syncer", "Syncer")]
+  assert "assign" in _top_level_names(REPO / "diloco" / "sync" / "ownership.py")
+  assert _resolves("diloco.sync.ownership.assign") and not _resolves("diloco.sync.syncer_shards")
+  assert not _resolves("diloco.sync.ownership.gone")

@@ -27,13 +27,13 @@ from hypothesis import strategies as st
 from diloco import documents
 from diloco.artifacts import export, trained
 from diloco.cli import evaluate, sample, to_safetensors
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.errors import ConfigError, DocumentError
 from diloco.model import registry
 from diloco.runtime import run_checkpoint
 from diloco.train import tokenizers
 
-import run_config
+import runtime_configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROPERTY = settings(max_examples=60, deadline=5000, derandomize=True, database=None,
@@ -100,7 +100,7 @@ def _write(path, text):
 def run(tmp_path_factory):
   """A finished run's workdir (config.json, export/) holding a random tiny model."""
   root = tmp_path_factory.mktemp("documents")
-  cfg = run_config.load("dp.py:tiny")
+  cfg = runtime_configs.load("dp.py:tiny")
   with nnx.use_eager_sharding(False):
     model = registry.build(cfg.model, nnx.Rngs(0))
   params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
@@ -133,7 +133,7 @@ def test_the_readers_take_the_documents_their_writers_wrote(run):
   assert math.isnan(meta["eval/loss"])  # a logged loss may be NaN; a field a reader uses not
   assert export.read_model(meta["model"], "export.json") == cfg.model
   assert trained.read_run_config(os.path.join(workdir, "config.json")).data == cfg.data
-  assert config_lib.read_file(os.path.join(workdir, "config.json")) == cfg
+  assert run_config.read_file(os.path.join(workdir, "config.json")) == cfg
 
 
 @PROPERTY
@@ -163,7 +163,7 @@ def test_mutated_export_json_loads_or_fails_in_one_clear_error(run, data):
 def test_mutated_run_config_reads_or_fails_in_one_clear_error(run, tmp_path_factory, data):
   path = str(tmp_path_factory.mktemp("config") / "config.json")
   _write(path, data.draw(_mutated(_read(os.path.join(run[0], "config.json")))))
-  for read in (config_lib.read_file, trained.read_run_config):
+  for read in (run_config.read_file, trained.read_run_config):
     try:
       read(path)
     except ConfigError:
@@ -181,7 +181,7 @@ def _valid_meta(cfg):
 @PROPERTY
 @given(data=st.data())
 def test_mutated_checkpoint_meta_passes_or_fails_in_one_clear_error(data):
-  cfg = run_config.load("decoupled.py:tiny")
+  cfg = runtime_configs.load("decoupled.py:tiny")
   text = data.draw(_mutated(_valid_meta(cfg)))
   try:
     meta = run_checkpoint.check_meta(documents.parse(text, "meta"), "meta")
@@ -357,7 +357,7 @@ def test_config_json_is_one_document_error(tmp_path, doc, names):
   path = str(tmp_path / "config.json")
   _write(path, doc)
   with pytest.raises(DocumentError) as e:
-    config_lib.read_file(path)
+    run_config.read_file(path)
   assert f"--config_json={path}" in str(e.value)
   for name in names:
     assert name in str(e.value)
@@ -388,7 +388,7 @@ def test_sample_through_a_subprocess_prints_one_line(copy_of):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
   """A run checkpoint saved by the real RunCheckpointer, with a valid meta."""
-  cfg = run_config.load("decoupled.py:tiny")
+  cfg = runtime_configs.load("decoupled.py:tiny")
   workdir = str(tmp_path_factory.mktemp("ckpt"))
   ckpt = run_checkpoint.RunCheckpointer(workdir, cfg)
   tensors = {"layers/0/w": np.ones((2, 2), np.float32)}
@@ -434,7 +434,7 @@ def test_a_checkpoint_that_does_not_fit_the_runtime_is_refused_before_restoring(
   """`restore` checks the meta against the runtime first: a version per fragment, every
   tensor of the plan, slot indexes that exist (the syncer is never touched)."""
   from types import SimpleNamespace
-  cfg = run_config.load("decoupled.py:tiny")
+  cfg = runtime_configs.load("decoupled.py:tiny")
   rt = SimpleNamespace(plan=SimpleNamespace(fragments=[["a"], ["b"]]), slots=[None], syncer=None)
   tensors = {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
   meta = _valid_meta(cfg)

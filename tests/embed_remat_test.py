@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.errors import ConfigError
 from diloco.model import config as model_config
 from diloco.model import presets as model_presets
 from diloco.model import tied_table
-from diloco.model import transformer as model
+from diloco.model import transformer
 from diloco.train import program_digest
 
 _IMPLS = ("gather", "gather_f32", "one_hot", "auto")
@@ -39,7 +39,7 @@ def _embed_fn(impl, dtype, tokens, upstream_BLD):
   """(state, f): f(state) = (sum(embedding * upstream), embedding) of the tiny model."""
   cfg = dataclasses.replace(model_presets.get("tiny"), embed_impl=impl, dtype=dtype)
   with nnx.use_eager_sharding(False):
-    graphdef, state = nnx.split(model.Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
 
   def f(state):
     x_BLD = nnx.merge(graphdef, state)._embed(tokens)
@@ -166,7 +166,7 @@ def test_bad_embed_impl_names_the_field_and_is_a_speed_switch():
   raw = dp.get_config("tiny").to_dict()
   raw["model"]["embed_impl"] = "scatter"
   with pytest.raises(ConfigError, match=r"model.embed_impl: must be one of \('auto', 'gather'"):
-    config_lib.from_config_dict(raw)
+    run_config.from_config_dict(raw)
   # A run may resume with another embedding path: the parameters are the same.
   fields = dataclasses.asdict(model_presets.get("tiny"))
   assert model_config.layout(fields) == model_config.layout({**fields, "embed_impl": "gather"})
@@ -186,7 +186,7 @@ def _loss_and_grads(cfg):
   """Next-token cross-entropy (float32) on fixed tokens and its gradients, flat."""
   tokens = _tokens(2, 20, seed=3)
   with nnx.use_eager_sharding(False):
-    graphdef, params = nnx.split(model.Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
 
   def loss_fn(p):
     logits, aux = nnx.merge(graphdef, p)(tokens[:, :-1])
@@ -217,7 +217,7 @@ def _saved_residuals(remat, **overrides):
   cfg = _cfg(remat=remat, **overrides)
   tokens = _tokens(2, 20)
   with nnx.use_eager_sharding(False):
-    graphdef, params = nnx.split(model.Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     jax.ad_checkpoint.print_saved_residuals(

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.runtime import decoupled
 from diloco.runtime import data_parallel
 
-import run_config
+import runtime_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,25 +26,25 @@ def _jsonl(path):
 
 
 def test_eval_mode_is_validated():
-  with pytest.raises(config_lib.ConfigError, match="train.eval_mode"):
-    run_config.load(train__eval_mode="sometimes")
+  with pytest.raises(run_config.ConfigError, match="train.eval_mode"):
+    runtime_configs.load(train__eval_mode="sometimes")
 
 
 @pytest.mark.parametrize("runtime", ["decoupled", "dp"])
 def test_process_eval_needs_the_multi_process_runtime(tmp_path, runtime):
   if runtime == "dp":
-    cfg = run_config.load("dp.py:tiny", train__eval_mode="process")
+    cfg = runtime_configs.load("dp.py:tiny", train__eval_mode="process")
     run = data_parallel.run
   else:
-    cfg = run_config.load(train__eval_mode="process")
+    cfg = runtime_configs.load(train__eval_mode="process")
     run = decoupled.run
-  with pytest.raises(config_lib.ConfigError, match="train.eval_mode.*--role=launch"):
+  with pytest.raises(run_config.ConfigError, match="train.eval_mode.*--role=launch"):
     run(cfg, str(tmp_path))
 
 
 @pytest.mark.slow
 def test_eval_off_trains_without_any_global_evaluation(tmp_path):
-  cfg = run_config.load(learners__virtual_clock=True, train__steps=16, train__eval_every=4,
+  cfg = runtime_configs.load(learners__virtual_clock=True, train__steps=16, train__eval_every=4,
                         train__eval_mode="off")
   summary = decoupled.run(cfg, str(tmp_path))
   assert summary["eval/loss"] is None and summary["eval/initial_loss"] is None

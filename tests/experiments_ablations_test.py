@@ -7,7 +7,7 @@ import os
 import pytest
 
 from configs import decoupled
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from experiments import harness
 from experiments.ablations import config, figures, run
 
@@ -44,7 +44,7 @@ def test_run_list_covers_every_factor_level_once_per_seed():
   assert varied["anchor"] == [{"outer.anchor": "base"}]
   assert varied["receipt"] == [{"sync.receipt": "mix", "sync.mixing_alpha": 0.5}]
   # The baseline is the preset's defaults, so each factor's baseline level is what it says.
-  base = config_lib.from_config_dict(decoupled.get_config("tiny"))
+  base = run_config.from_config_dict(decoupled.get_config("tiny"))
   assert (base.outer.merge, base.learners.count, base.outer.quantize_bits, base.sync.scheme,
           base.outer.anchor, base.sync.mixing_alpha, base.sync.tau) == (
               "rda", 4, 0, "balanced", "syncer", 0.0, 2)
@@ -52,7 +52,7 @@ def test_run_list_covers_every_factor_level_once_per_seed():
 
 def test_every_run_is_a_valid_config():
   for r in config.runs(seeds=(0,)):
-    config_lib.from_config_dict(_override(decoupled.get_config("tiny"), r.overrides))
+    run_config.from_config_dict(_override(decoupled.get_config("tiny"), r.overrides))
 
 
 def test_factor_tables_put_the_baseline_first_and_compare_with_it(tmp_path):

@@ -187,12 +187,12 @@ def test_slots_pin_distinct_cores():
 
 
 def test_share_devices_refuses_a_device_list():
-  from diloco.config import run_config as config_lib
+  from diloco.config import run_config
   from diloco.errors import ConfigError
-  raw = config_lib.load("configs/decoupled.py:tiny").to_dict()
+  raw = run_config.load("configs/decoupled.py:tiny").to_dict()
   raw["learners"].update(share_devices=True, devices="1,1,1,1")
   with pytest.raises(ConfigError, match="learners.share_devices"):
-    config_lib.from_config_dict(raw)
+    run_config.from_config_dict(raw)
 
 
 def test_gpu35m_budget_and_runs():

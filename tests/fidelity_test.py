@@ -23,12 +23,12 @@ from diloco.observe import fidelity
 from diloco.runtime import decoupled
 from diloco.transport import Heartbeat
 
-import run_config
+import runtime_configs
 
 
 
 def _config(**dotted):
-  return run_config.load(**dotted)
+  return runtime_configs.load(**dotted)
 
 
 def _tape(workdir):

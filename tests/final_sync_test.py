@@ -13,14 +13,14 @@ from diloco import transport
 from diloco.observe import accounting
 from diloco.runtime import decoupled
 
-import run_config
+import runtime_configs
 
 STEPS = 24  # tiny: H = 8 over P = 8 fragments, so at step 24 only fragment 0 is due
 
 
 def _run(tmp_path, **dotted):
   """A run of 2 learners (unless overridden); returns its runtime, summary and tape."""
-  cfg = run_config.load(**{"learners__count": 2, "learners__devices": "2,2",
+  cfg = runtime_configs.load(**{"learners__count": 2, "learners__devices": "2,2",
                            "train__steps": STEPS, **dotted})
   rt, summary = decoupled.run_with_runtime(cfg, str(tmp_path))
   return rt, summary, accounting.read_jsonl(os.path.join(str(tmp_path), "tape.jsonl"))

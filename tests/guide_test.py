@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(REPO, "docs", "guide.md")
@@ -54,7 +54,7 @@ def test_commands_joins_continuations_and_drops_comments():
 def _shortened(argv: list[str]) -> list[str]:
   """A training command with an eighth of its steps (the preset's, or its own override)."""
   spec = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
-  steps = config_lib.load(os.path.join(REPO, spec)).train.steps
+  steps = run_config.load(os.path.join(REPO, spec)).train.steps
   for a in argv:
     if a.startswith("--config.train.steps="):
       steps = int(a.split("=", 1)[1])

@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 from diloco import fragments as fragments_lib
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.model import presets as model_presets
-from diloco.model import transformer as model
+from diloco.model import transformer
 from diloco.train import mesh as mesh_lib
 from diloco.train import step as train_step
 
@@ -33,7 +33,7 @@ def _tokens(batch=4, length=33, seed=1):
 
 def _split(cfg):
   with nnx.use_eager_sharding(False):
-    return nnx.split(model.Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
 def _loss_fn(graphdef, tokens):
@@ -102,7 +102,7 @@ def test_bf16_head_backward_is_close_to_the_fp32_model(overrides):
 def test_bf16_head_backward_under_sharding_constraints():
   """On a (data 2, fsdp 2, tensor 2) mesh the head's constraints shard the logits over the
   vocabulary: the same loss and gradients as one device, within the bf16 tolerance."""
-  mesh = mesh_lib.learner_mesh(jax.devices(), config_lib.MeshConfig(data=2, fsdp=2, tensor=2))
+  mesh = mesh_lib.learner_mesh(jax.devices(), run_config.MeshConfig(data=2, fsdp=2, tensor=2))
   cfg = _cfg(dtype="bfloat16", loss_chunk=32, scan_layers=True, remat="full")
   _assert_close_to_fp32(_loss_and_grads(cfg, mesh=mesh), _loss_and_grads(_cfg()))
 

@@ -10,9 +10,9 @@ import time
 import jax
 import numpy as np
 import pytest
-import run_config
+import runtime_configs
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.learner import sender as sender_lib
 from diloco.model.sharding import batch_sharding
 from diloco.runtime import core, decoupled, virtual_driver
@@ -58,8 +58,8 @@ def test_sender_lets_one_oversized_send_through_and_raises_a_failed_one():
 
 
 def test_send_queue_bytes_is_validated():
-  with pytest.raises(config_lib.ConfigError, match="sync.send_queue_bytes"):
-    run_config.load(sync__send_queue_bytes=0)
+  with pytest.raises(run_config.ConfigError, match="sync.send_queue_bytes"):
+    runtime_configs.load(sync__send_queue_bytes=0)
 
 
 class _InlineSender(sender_lib.Sender):
@@ -81,7 +81,7 @@ def _tape(workdir):
 def test_virtual_clock_sends_in_the_background_and_stays_bit_identical(tmp_path, monkeypatch):
   # Two learners, a fragment due every other step, quantised deltas with error feedback (state
   # the sender carries between sends), and a small byte bound so that final deliveries wait.
-  cfg = run_config.load(learners__count=2, learners__virtual_clock=True, train__steps=12,
+  cfg = runtime_configs.load(learners__count=2, learners__virtual_clock=True, train__steps=12,
                         sync__num_fragments=2, sync__period=4, outer__quantize_bits=8,
                         outer__error_feedback=True, sync__send_queue_bytes=1)
   background, _ = decoupled.run_with_runtime(cfg, str(tmp_path / "background"))
@@ -126,7 +126,7 @@ def test_bench_learner_overhead_reports_its_waits_apart(model, clock):
 @pytest.mark.slow
 def test_wall_clock_eval_runs_off_the_learners_devices(tmp_path):
 
-  cfg = run_config.load(learners__count=2, learners__devices="2,2")
+  cfg = runtime_configs.load(learners__count=2, learners__devices="2,2")
   rt = core.Runtime(cfg, str(tmp_path), devices=jax.devices()[:6])
   learners = {d for slot in rt.slots for d in slot.spec.mesh.devices.flat}
   assert rt.eval_device is not None and rt.eval_device not in learners
@@ -135,7 +135,7 @@ def test_wall_clock_eval_runs_off_the_learners_devices(tmp_path):
   rt.eval_device = None  # learner 0's mesh, as the virtual clock evaluates
   on = rt.evaluate([jax.device_put(b, batch_sharding(rt.slots[0].spec.mesh)) for b in batches])
   assert off == pytest.approx(on, rel=1e-5)
-  virtual = run_config.load(learners__count=2, learners__devices="2,2",
+  virtual = runtime_configs.load(learners__count=2, learners__devices="2,2",
                             learners__virtual_clock=True)
   groups = [list(slot.spec.mesh.devices.flat) for slot in rt.slots]
   assert core._eval_device(virtual, jax.devices()[:6], groups) is None  # stays bit-identical

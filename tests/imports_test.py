@@ -121,16 +121,11 @@ def test_modules_are_imported_normally():
                                                                     "registry.py")}
   tricks = ("spec_from_file_location", "module_from_spec", "sys.modules[", "SourceFileLoader")
   found = []
-  for top in ("diloco", "experiments", "scripts", "tests", "configs"):
-    for folder, _, files in os.walk(os.path.join(root, top)):
-      for name in files:
-        path = os.path.join(folder, name)
-        rel = os.path.relpath(path, root)
-        if name.endswith(".py") and rel not in allowed and rel != os.path.join(
-            "tests", "imports_test.py"):
-          with open(path, encoding="utf-8") as f:
-            text = f.read()
-          found += [f"{rel}: {t}" for t in tricks if t in text]
+  for rel in _python_files():
+    if rel not in allowed and rel != os.path.join("tests", "imports_test.py"):
+      with open(os.path.join(root, rel), encoding="utf-8") as f:
+        text = f.read()
+      found += [f"{rel}: {t}" for t in tricks if t in text]
   assert not found, found
 
 
@@ -248,3 +243,36 @@ def test_modules_and_classes_stay_readable():
                 for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ClassDef)
                 and node.end_lineno - node.lineno + 1 > 350]
   assert not big, big
+
+
+def _python_files():
+  root = os.path.dirname(PACKAGE)
+  for top in ("diloco", "experiments", "scripts", "tests", "configs"):
+    for folder, _, files in os.walk(os.path.join(root, top)):
+      for name in sorted(files):
+        if name.endswith(".py"):
+          yield os.path.relpath(os.path.join(folder, name), root)
+
+
+def test_the_projects_modules_are_imported_under_their_own_name():
+  """An alias may qualify a name (`state as train_state`) but never replace it (`run_config as
+  config_lib`): a reader who greps a module's name finds every use of it. Other projects'
+  conventional aliases (`numpy as np`) are theirs to name."""
+  root = os.path.dirname(PACKAGE)
+  local = {n[:-3] for n in os.listdir(os.path.join(root, "tests")) if n.endswith(".py")}
+
+  def ours(module, level=0):
+    return level > 0 or module.split(".")[0] in ("diloco", "experiments") or module in local
+
+  replaced = []
+  for rel in _python_files():
+    with open(os.path.join(root, rel), encoding="utf-8") as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.Import, ast.ImportFrom)):
+        for a in node.names:
+          first_party = (ours(node.module or "", node.level) if isinstance(node, ast.ImportFrom)
+                         else ours(a.name))
+          if a.asname and first_party and a.name.split(".")[-1] not in a.asname:
+            replaced.append(f"{rel}:{node.lineno}: {a.name} as {a.asname}")
+  assert not replaced, replaced

@@ -11,11 +11,11 @@ from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step
 
-import run_config
+import runtime_configs
 
 
 def _cfg(**dotted):
-  return run_config.load(**{"learners__count": 2, "learners__devices": "2,2", **dotted})
+  return runtime_configs.load(**{"learners__count": 2, "learners__devices": "2,2", **dotted})
 
 
 def _count_traces(monkeypatch) -> list[int]:

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from configs import multiprocess
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.deploy import accelerators
 from diloco.distributed.launcher import Launcher
 from diloco.distributed.supervision import Proc
@@ -56,7 +56,7 @@ def gpu_host(tmp_path, monkeypatch):
   return tmp_path
 
 
-def _config(count: int, **launch) -> config_lib.Config:
+def _config(count: int, **launch) -> run_config.Config:
   raw = multiprocess.get_config("tiny")
   raw.learners.count = count
   raw.launch.max_learners = 0
@@ -67,7 +67,7 @@ def _config(count: int, **launch) -> config_lib.Config:
       raw.train.eval_mode = value
     else:
       setattr(raw.launch, key, value)
-  return config_lib.from_config_dict(raw)
+  return run_config.from_config_dict(raw)
 
 
 def _envs(cfg, workdir) -> dict:

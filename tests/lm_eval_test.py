@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import run_config
+import runtime_configs
 from lm_eval import utils as lm_utils
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
@@ -50,7 +50,7 @@ def run(tmp_path_factory):
   """A finished tiny run (random parameters, byte tokenizer, seq_len 32) with the files that
   `diloco compare` reads, and a folder of two local tasks."""
   root = tmp_path_factory.mktemp("lm_eval")
-  cfg = run_config.load("dp.py:tiny", data__seq_len=SEQ_LEN)
+  cfg = runtime_configs.load("dp.py:tiny", data__seq_len=SEQ_LEN)
   with nnx.use_eager_sharding(False):
     model = registry.build(cfg.model, nnx.Rngs(0))
   params = jax.tree.map(lambda v: np.asarray(v) * 3.0, nnx.to_pure_dict(nnx.state(model)))

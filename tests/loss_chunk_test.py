@@ -13,7 +13,7 @@ from flax import nnx
 
 from diloco import fragments as fragments_lib
 from diloco.model import presets as model_presets
-from diloco.model import transformer as model
+from diloco.model import transformer
 from diloco.train import step as train_step
 
 B, L, D, V = 2, 19, 8, 50
@@ -80,7 +80,7 @@ def test_the_model_loss_is_the_same_with_chunks(preset):
 
 def _graphdef_and_params(cfg):
   with nnx.use_eager_sharding(False):
-    return nnx.split(model.Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
 def test_the_full_logits_never_appear_in_the_compiled_step():

@@ -16,11 +16,11 @@ import pytest
 from script_import import import_script
 from flax import nnx
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco import fragments as fragments_lib
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
-from diloco.model import transformer as model
+from diloco.model import transformer
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
@@ -52,7 +52,7 @@ def _run(cfg, batch=2, length=20, packed=False):
 def _loss_and_grads(cfg, tokens, positions=None):
   """Loss (mean log Z minus the target logit, plus aux) and its gradients w.r.t. the params."""
   with nnx.use_eager_sharding(False):
-    m = model.Transformer(cfg, rngs=nnx.Rngs(0))
+    m = transformer.Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(m)
 
   def loss_fn(p):
@@ -131,16 +131,16 @@ def test_fused_local_window_is_the_reference_window():
   for impl in ("reference", "xla"):
     cfg = _cfg(num_layers=1, attention_pattern="L", sliding_window=4, attention_impl=impl)
     with nnx.use_eager_sharding(False):
-      m = model.Transformer(cfg, rngs=nnx.Rngs(0))
+      m = transformer.Transformer(cfg, rngs=nnx.Rngs(0))
     diff = np.abs(np.asarray(m(changed)[0] - m(tokens)[0])).max(axis=-1)[0]
     assert diff[3] > 0 and np.all(diff[4:] == 0), impl
 
 
 def test_auto_attention_is_xla_off_gpu_and_cudnn_only_for_16_bit():
   assert jax.default_backend() == "cpu"
-  assert model.resolve_attention_impl("auto", jnp.bfloat16) == "xla"
-  assert model.resolve_attention_impl("xla", jnp.float32) == "xla"
-  assert model.resolve_attention_impl("cudnn", jnp.bfloat16) == "cudnn"
+  assert transformer.resolve_attention_impl("auto", jnp.bfloat16) == "xla"
+  assert transformer.resolve_attention_impl("xla", jnp.float32) == "xla"
+  assert transformer.resolve_attention_impl("cudnn", jnp.bfloat16) == "cudnn"
 
 
 def _cosine(a, b):
@@ -226,7 +226,7 @@ def test_bad_speed_switches_name_the_field(field, value, message):
   raw = dp.get_config("tiny").to_dict()  # a plain dict: ConfigDict would refuse other types
   raw["model"][field] = value
   with pytest.raises(ConfigError, match=message):
-    config_lib.from_config_dict(raw)
+    run_config.from_config_dict(raw)
 
 
 def test_accelerator_presets_turn_the_switches_on():
@@ -258,7 +258,7 @@ def test_train_step_has_no_host_round_trips(tiny_config, replace):
   model_cfg = dataclasses.replace(tiny_config.model, scan_layers=True, remat="full",
                                   attention_impl="xla", dtype="bfloat16", num_layers=4)
   cfg = replace(tiny_config, "model", **dataclasses.asdict(model_cfg))
-  mesh = mesh_lib.learner_mesh(jax.devices()[:2], config_lib.MeshConfig(data=1, fsdp=2))
+  mesh = mesh_lib.learner_mesh(jax.devices()[:2], run_config.MeshConfig(data=1, fsdp=2))
   spec = train_state.make_spec(cfg.model, optim.inner_optimizer(cfg.optim, 10), mesh)
   step_fn = train_step.make_train_step(spec, cfg.optim, optim.lr_schedule(cfg.optim, 10))
   with jax.set_mesh(mesh):

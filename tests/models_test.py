@@ -7,19 +7,19 @@ import jax
 import numpy as np
 import pytest
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco import fragments
 from diloco.model import registry
 from diloco.model import sharding as sharding_lib
 from diloco.runtime import core
 from diloco.runtime import decoupled
-from diloco.runtime import data_parallel as train
+from diloco.runtime import data_parallel
 from diloco.artifacts import export
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state
 
-import run_config
+import runtime_configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUSTOM = os.path.join(REPO, "tests", "custom_model.py")
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 def _config(path="decoupled.py:tiny", **dotted):
-  return run_config.load(path, **{"learners__virtual_clock": True, "log__tensorboard": False,
+  return runtime_configs.load(path, **{"learners__virtual_clock": True, "log__tensorboard": False,
                                   **dotted})
 
 
@@ -59,15 +59,15 @@ def test_custom_model_trains_through_the_single_controller_runtime(tmp_path):
 
 def test_unknown_arch_and_bad_model_module_are_one_line_errors(tmp_path):
   cfg = _config(model__arch="nope")
-  with pytest.raises(config_lib.ConfigError, match=r"model.arch: unknown model 'nope'"):
+  with pytest.raises(run_config.ConfigError, match=r"model.arch: unknown model 'nope'"):
     train_state.abstract_params(cfg.model)
   cfg = _config(model__arch="nope", model__module=str(tmp_path / "missing.py"))
-  with pytest.raises(config_lib.ConfigError, match="model.module: file .*missing.py"):
+  with pytest.raises(run_config.ConfigError, match="model.module: file .*missing.py"):
     train_state.abstract_params(cfg.model)
   bad = tmp_path / "bad_model.py"
   bad.write_text("raise RuntimeError('boom')\n")
   cfg = _config(model__arch="x", model__module=str(bad))
-  with pytest.raises(config_lib.ConfigError, match="cannot import .*RuntimeError: boom"):
+  with pytest.raises(run_config.ConfigError, match="cannot import .*RuntimeError: boom"):
     train_state.abstract_params(cfg.model)
 
 
@@ -110,7 +110,7 @@ def test_export_then_init_from_continues_exactly(tmp_path):
 def test_data_parallel_export_checkpoint_init_and_shape_errors(tmp_path):
   workdir = str(tmp_path / "dp")
   cfg = _config("dp.py:tiny", train__steps=2, train__batch_size=8, checkpoint__every_steps=2)
-  train.run(cfg, workdir)
+  data_parallel.run(cfg, workdir)
   exported, meta = export.load(workdir)
   assert meta["runtime"] == "data_parallel" and meta["step"] == 2
   mesh = mesh_lib.learner_mesh(jax.devices()[:1], cfg.mesh)
@@ -127,7 +127,7 @@ def test_data_parallel_export_checkpoint_init_and_shape_errors(tmp_path):
   # A data-parallel run started from it evaluates to the exported model at step 0.
   cfg2 = _config("dp.py:tiny", train__steps=1, train__batch_size=8, checkpoint__every_steps=0,
                  train__init_from=os.path.join(workdir, "export"))
-  train.run(cfg2, str(tmp_path / "dp2"))
+  data_parallel.run(cfg2, str(tmp_path / "dp2"))
   with open(os.path.join(tmp_path, "dp", "metrics.jsonl")) as f:
     first = [json.loads(line) for line in f if "eval/loss" in line][-1]
   with open(os.path.join(tmp_path, "dp2", "metrics.jsonl")) as f:
@@ -137,14 +137,14 @@ def test_data_parallel_export_checkpoint_init_and_shape_errors(tmp_path):
 
   other = _config("dp.py:tiny", model__mlp_dim=128)
   spec2 = train_state.make_spec(other.model, optim.inner_optimizer(other.optim, 2), mesh)
-  with pytest.raises(config_lib.ConfigError,
+  with pytest.raises(run_config.ConfigError,
                      match=r"tensor 'layers/0/mlp/down_FD' has shape \(256, 64\) .* \(128, 64\)"):
     export.load_init(workdir, spec2.abstract["params"])
   custom = _config("dp.py:tiny", model__arch="mixer_lm", model__module=CUSTOM)
   spec3 = train_state.make_spec(custom.model, optim.inner_optimizer(custom.optim, 2), mesh)
-  with pytest.raises(config_lib.ConfigError, match="has no tensor 'embed'"):
+  with pytest.raises(run_config.ConfigError, match="has no tensor 'embed'"):
     export.load_init(workdir, spec3.abstract["params"])
-  with pytest.raises(config_lib.ConfigError, match="holds no export"):
+  with pytest.raises(run_config.ConfigError, match="holds no export"):
     export.load_init(str(tmp_path), spec.abstract["params"])
 
 

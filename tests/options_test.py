@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco import fragments
 from diloco.learner import learner as learner_lib
 from diloco.sync import syncer as syncer_lib
@@ -24,7 +24,7 @@ from diloco import transport as transport_lib
 from diloco.runtime import decoupled
 from diloco.learner import island
 
-import run_config
+import runtime_configs
 
 STEPS = 24  # train.steps: part of the compiled learner (its learning-rate schedule)
 
@@ -32,7 +32,7 @@ STEPS = 24  # train.steps: part of the compiled learner (its learning-rate sched
 def _config(**dotted):
   """`configs/decoupled.py:tiny` with one learner on 2 devices, on the virtual clock, receipt
   overwrite (the options below are checked against that rule; receipt_test.py covers the rest)."""
-  return run_config.load(**{"learners__count": 1, "learners__devices": "2",
+  return runtime_configs.load(**{"learners__count": 1, "learners__devices": "2",
                             "learners__virtual_clock": True, "train__steps": STEPS,
                             "sync__receipt": "overwrite", **dotted})
 
@@ -46,7 +46,7 @@ def _compiled_key(cfg):
 @dataclasses.dataclass
 class Setup:
   """A compiled learner and what follows from it (fragment plan, version 0 of G)."""
-  cfg: config_lib.Config
+  cfg: run_config.Config
   devices: tuple
   spec: object
   init_fn: object
@@ -542,5 +542,5 @@ def test_send_queue_makes_the_next_delivery_wait_for_the_oldest(setup):
 
 
 def test_send_queue_is_validated():
-  with pytest.raises(config_lib.ConfigError, match="sync.send_queue"):
+  with pytest.raises(run_config.ConfigError, match="sync.send_queue"):
     _config(sync__send_queue=0)

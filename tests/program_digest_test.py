@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from diloco.model import tied_table
-from diloco.model import transformer as model_lib
+from diloco.model import transformer
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim, program_digest
@@ -182,7 +182,7 @@ def test_the_tiny_train_step_has_its_model_flops_and_no_host_transfer(tiny_confi
   assert d.num_partitions == len(jax.devices())  # data parallel: the figures are per device
   # The bench's count (PaLM): 6 x matmul parameters (the tied head included, norms not) per
   # token, plus full-length attention, which is what the reference attention computes.
-  counts = model_lib.param_counts(m)
+  counts = transformer.param_counts(m)
   norms = m.num_layers * (4 * m.embed_dim + 2 * m.head_dim) + m.embed_dim
   seq, tokens_per_step = cfg.data.seq_len, cfg.train.batch_size * cfg.data.seq_len
   expected = (6 * (counts["active"] - norms)
@@ -203,12 +203,12 @@ def test_the_tiny_train_step_has_its_model_flops_and_no_host_transfer(tiny_confi
 def test_full_remat_saves_fewer_residuals_than_none(tiny_config):
   m = tiny_config.model
   with nnx.use_eager_sharding(False):  # one layer on one device, no mesh needed
-    graphdef, params = nnx.split(model_lib.Block(m, local=False, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(transformer.Block(m, local=False, rngs=nnx.Rngs(0)))
   x = jnp.ones((2, 16, m.embed_dim), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
   saved = {}
   for remat in ("none", "full"):
-    layer = model_lib._layer_fn(graphdef, remat, True, True)  # the model's own remat wiring
+    layer = transformer._layer_fn(graphdef, remat, True, True)  # the model's own remat wiring
     saved[remat] = program_digest.saved_residuals(
         lambda p, h, fn=layer: fn(p, h, positions)[0].sum(), params, x)
   assert 0 < saved["full"].total_bytes < saved["none"].total_bytes

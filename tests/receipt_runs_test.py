@@ -16,7 +16,7 @@ import pytest
 
 from diloco.runtime import decoupled
 
-import run_config
+import runtime_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +45,7 @@ def _check(receipt, steps, period, tau):
 
 @pytest.mark.parametrize("receipt", ["overwrite", "keep_local"])
 def test_virtual_clock_run_counts_the_kept_steps(tmp_path, receipt):
-  cfg = run_config.load(learners__count=2, learners__devices="2,2",
+  cfg = runtime_configs.load(learners__count=2, learners__devices="2,2",
                         learners__virtual_clock=True, train__steps=32, sync__receipt=receipt)
   decoupled.run(cfg, str(tmp_path))
   _check(receipt, _later_deliveries(tmp_path), cfg.sync.period, cfg.sync.tau)
@@ -64,5 +64,5 @@ def test_multi_process_run_counts_the_kept_steps(tmp_path):
        "--config.launch.timeout_s=600"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=700, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  cfg = run_config.load("multiprocess.py:tiny")
+  cfg = runtime_configs.load("multiprocess.py:tiny")
   _check(receipt, _later_deliveries(tmp_path), cfg.sync.period, cfg.sync.tau)

@@ -16,7 +16,7 @@ from diloco.outer.merge import OuterConfig
 from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 
-import options_test as helpers
+import options_test
 from options_test import setup  # noqa: F401  (the module's compiled learner)
 
 
@@ -35,9 +35,9 @@ class _Capture(transport_lib.InMemoryTransport):
 def _first_delivery(setup, cfg, transport):  # noqa: F811
   """A learner that took one step (delivering fragment p there) and tau steps more; returns
   (learner, p, its fragment as delivered, its fragment just before the receipt)."""
-  learner = helpers._learner(setup, cfg, transport)
+  learner = options_test._learner(setup, cfg, transport)
   learner.step(0.0, 1.0)
-  (p,) = helpers._delivered(1, cfg)
+  (p,) = options_test._delivered(1, cfg)
   delivered = {k: learner.params_flat()[k] for k in setup.plan.fragments[p]}
   for _ in range(cfg.sync.tau - 1):
     learner.step(0.0, 1.0)
@@ -49,14 +49,14 @@ def _first_delivery(setup, cfg, transport):  # noqa: F811
 
 @pytest.mark.parametrize("quantize_bits", [0, 8])
 def test_keep_local_adds_the_progress_since_delivery(setup, quantize_bits):  # noqa: F811
-  cfg = helpers._config(sync__receipt="keep_local", outer__quantize_bits=quantize_bits)
-  tau, tps = cfg.sync.tau, helpers._tokens_per_step(cfg)
+  cfg = options_test._config(sync__receipt="keep_local", outer__quantize_bits=quantize_bits)
+  tau, tps = cfg.sync.tau, options_test._tokens_per_step(cfg)
   transport = _Capture()
   for merged in syncer_lib.Syncer(setup.g0, setup.plan, cfg.sync, cfg.outer).initial(0.0):
     transport.publish(merged)
   learner, p, delivered, before = _first_delivery(setup, cfg, transport)
-  published = helpers._random_fragment(setup, p, seed=7)
-  helpers._publish(transport, p, 1, published)
+  published = options_test._random_fragment(setup, p, seed=7)
+  options_test._publish(transport, p, 1, published)
   assert learner.sync_point() == []
   after = learner.params_flat()
   for k in setup.plan.fragments[p]:
@@ -82,16 +82,16 @@ def test_keep_local_adds_the_progress_since_delivery(setup, quantize_bits):  # n
 
 
 def test_keep_local_without_a_delivery_keeps_all_progress_since_the_last_receipt(setup):  # noqa: F811
-  cfg = helpers._config(sync__receipt="keep_local")
-  transport = helpers._transport(setup, cfg)
-  learner = helpers._learner(setup, cfg, transport)
+  cfg = options_test._config(sync__receipt="keep_local")
+  transport = options_test._transport(setup, cfg)
+  learner = options_test._learner(setup, cfg, transport)
   for _ in range(3):
     learner.step(0.0, 1.0)
     learner.sync_point()
-  p = next(q for q in range(setup.plan.num_fragments) if q not in helpers._delivered(3, cfg))
+  p = next(q for q in range(setup.plan.num_fragments) if q not in options_test._delivered(3, cfg))
   before = learner.params_flat()
-  published = helpers._random_fragment(setup, p, seed=8)
-  helpers._publish(transport, p, 1, published)
+  published = options_test._random_fragment(setup, p, seed=8)
+  options_test._publish(transport, p, 1, published)
   assert p not in learner.sync_point()
   after = learner.params_flat()
   for k in setup.plan.fragments[p]:  # reference: G_p as loaded at the join (version 0)
@@ -101,18 +101,18 @@ def test_keep_local_without_a_delivery_keeps_all_progress_since_the_last_receipt
 
 
 def test_overwrite_drops_the_progress_and_a_join_always_overwrites(setup):  # noqa: F811
-  cfg = helpers._config(sync__receipt="overwrite")
-  transport = helpers._transport(setup, cfg)
+  cfg = options_test._config(sync__receipt="overwrite")
+  transport = options_test._transport(setup, cfg)
   learner, p, _, _ = _first_delivery(setup, cfg, transport)
-  published = helpers._random_fragment(setup, p, seed=9)
-  helpers._publish(transport, p, 1, published)
+  published = options_test._random_fragment(setup, p, seed=9)
+  options_test._publish(transport, p, 1, published)
   learner.sync_point()
   after = learner.params_flat()
   for k, v in published.items():
     np.testing.assert_array_equal(after[k], v)
   assert learner.steps[p] == 0 and learner.tokens[p] == 0
   # A (re)joining learner under keep_local loads G exactly: its own values are only its init.
-  joiner = helpers._learner(setup, helpers._config(sync__receipt="keep_local"), transport)
+  joiner = options_test._learner(setup, options_test._config(sync__receipt="keep_local"), transport)
   loaded = joiner.params_flat()
   for k in setup.g0:
     expected = published[k] if k in published else setup.g0[k]
@@ -122,11 +122,11 @@ def test_overwrite_drops_the_progress_and_a_join_always_overwrites(setup):  # no
 
 
 def test_deliver_final_sends_every_fragment_with_undelivered_steps_once(setup):  # noqa: F811
-  cfg = helpers._config()
+  cfg = options_test._config()
   transport = _Capture()
   for merged in syncer_lib.Syncer(setup.g0, setup.plan, cfg.sync, cfg.outer).initial(0.0):
     transport.publish(merged)
-  learner = helpers._learner(setup, cfg, transport)
+  learner = options_test._learner(setup, cfg, transport)
   steps = 5
   for _ in range(steps):
     learner.step(0.0, 1.0)

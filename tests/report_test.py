@@ -18,7 +18,7 @@ from diloco.observe import metrics as metrics_lib
 from diloco.observe import report
 from diloco.runtime import decoupled
 
-import run_config
+import runtime_configs
 
 STEPS = 8
 
@@ -38,7 +38,7 @@ def decoupled_run(tmp_path_factory):
   after that are at its last step, like the final one. The slow learner goes down once and
   rejoins; the second fault finds it down already. Its config, workdir, summary, stdout."""
   workdir = str(tmp_path_factory.mktemp("decoupled"))
-  cfg = run_config.load(learners__count=2, learners__virtual_clock=True, train__steps=STEPS,
+  cfg = runtime_configs.load(learners__count=2, learners__virtual_clock=True, train__steps=STEPS,
                         train__eval_every=STEPS // 4, sync__num_fragments=2, sync__period=4,
                         learners__speeds="1,2", learners__faults="kill:1@3+2;kill:1@4+1")
   capture = pytest.MonkeyPatch()

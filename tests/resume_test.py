@@ -24,13 +24,13 @@ from diloco.runtime import run_checkpoint
 from diloco.runtime import decoupled
 from diloco.sync.group import SyncerGroup
 
-import run_config
+import runtime_configs
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 
 
 def _config(preset="tiny", **dotted):
-  return run_config.load(f"decoupled.py:{preset}", periodic_eval=True, **dotted)
+  return runtime_configs.load(f"decoupled.py:{preset}", periodic_eval=True, **dotted)
 
 
 def _jsonl(path):

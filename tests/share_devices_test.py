@@ -10,19 +10,19 @@ import pytest
 from diloco.errors import ConfigError
 from diloco.runtime import decoupled
 
-import run_config
+import runtime_configs
 
 
 def test_share_devices_is_only_for_the_virtual_clock_and_excludes_device_groups():
   with pytest.raises(ConfigError, match="learners.share_devices"):
-    run_config.load(learners__share_devices=True, learners__virtual_clock=False)
+    runtime_configs.load(learners__share_devices=True, learners__virtual_clock=False)
   with pytest.raises(ConfigError, match="learners.share_devices"):
-    run_config.load(learners__share_devices=True, learners__virtual_clock=True,
+    runtime_configs.load(learners__share_devices=True, learners__virtual_clock=True,
                     learners__devices="2,2,2,2")
 
 
 def test_learners_sharing_all_devices_train_and_merge_together(tmp_path):
-  cfg = run_config.load(learners__count=3, learners__share_devices=True,
+  cfg = runtime_configs.load(learners__count=3, learners__share_devices=True,
                         learners__virtual_clock=True, train__steps=16)
   rt, _ = decoupled.run_with_runtime(cfg, str(tmp_path))
   assert len(rt.slots) == 3

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-import run_config
+import runtime_configs
 from diloco import fragments
 from diloco.distributed import global_view, store_layout, syncer_process
 from diloco.distributed import store as store_lib
@@ -174,7 +174,7 @@ def test_a_syncer_restarted_with_another_shard_count_refuses_the_store(tmp_path)
   """The real syncer boot: a sharded run's store, resumed with one syncer, is refused before
   anything is read or published; the trained G stays as it was."""
   root = str(tmp_path / "store")
-  cfg2 = run_config.load(sync__shards=2, sync__shard=1)
+  cfg2 = runtime_configs.load(sync__shards=2, sync__shard=1)
   store = syncer_process.open_store(cfg2, root)
   lease = Lease(store, duration_s=30.0)
   lease.acquire()
@@ -182,7 +182,7 @@ def test_a_syncer_restarted_with_another_shard_count_refuses_the_store(tmp_path)
   lease.release()
   assert not boot.recovered and store.merged.index()
   before = {p: store.merged.versions(p) for p in store.merged.index()}
-  cfg1 = run_config.load(sync__shards=1)
+  cfg1 = runtime_configs.load(sync__shards=1)
   store1 = syncer_process.open_store(cfg1, root)
   lease1 = Lease(store1, duration_s=30.0)
   lease1.acquire()

@@ -9,18 +9,18 @@ import struct
 
 import pytest
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.runtime import decoupled
-from diloco.runtime import data_parallel as train
+from diloco.runtime import data_parallel
 
-import run_config
+import runtime_configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
 def _config(path="decoupled.py:tiny", **dotted):
-  return run_config.load(path, **{"learners__virtual_clock": True, **dotted})
+  return runtime_configs.load(path, **{"learners__virtual_clock": True, **dotted})
 
 
 def _scalars(logdir):
@@ -67,7 +67,7 @@ def test_decoupled_run_logs_learners_syncer_accounting_and_hparams(tmp_path):
 def test_data_parallel_logs_train_eval_and_accounting(tmp_path):
   cfg = _config("dp.py:tiny", train__steps=4, train__batch_size=8, checkpoint__every_steps=0)
   workdir = str(tmp_path / "dp")
-  train.run(cfg, workdir)
+  data_parallel.run(cfg, workdir)
   scalars, _ = _scalars(os.path.join(workdir, "tensorboard", "dp"))
   assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
   for tag in ("train/loss", "eval/loss", "accounting/tokens_per_s", "accounting/wall_s"):
@@ -144,12 +144,12 @@ def test_wandb_offline_run_has_scalars_and_config(tmp_path, monkeypatch):
 
 
 def test_bad_wandb_mode_is_one_line_error(tmp_path):
-  with pytest.raises(config_lib.ConfigError, match="log.wandb_mode: must be one of"):
+  with pytest.raises(run_config.ConfigError, match="log.wandb_mode: must be one of"):
     _config("dp.py:tiny", train__steps=1, log__wandb_mode="cloud")
   cfg = _config("dp.py:tiny", train__steps=1)
   unchecked = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, wandb_mode="cloud"))
-  with pytest.raises(config_lib.ConfigError, match="log.wandb_mode: must be one of"):
-    train.run(unchecked, str(tmp_path))
+  with pytest.raises(run_config.ConfigError, match="log.wandb_mode: must be one of"):
+    data_parallel.run(unchecked, str(tmp_path))
 
 
 def test_multiprocess_run_logs_every_process_and_exports(tmp_path):
@@ -187,9 +187,9 @@ def test_resumed_data_parallel_run_hides_the_redone_steps_in_tensorboard(tmp_pat
   import shutil
   cfg = _config("dp.py:tiny", train__steps=4, train__batch_size=8, checkpoint__every_steps=2)
   workdir = str(tmp_path / "dp")
-  train.run(cfg, workdir)
+  data_parallel.run(cfg, workdir)
   # As if killed after step 4's events but before its checkpoint: resume at step 2.
   shutil.rmtree(os.path.join(workdir, "checkpoints", "4"))
-  train.run(cfg, workdir)
+  data_parallel.run(cfg, workdir)
   scalars, _ = _scalars(os.path.join(workdir, "tensorboard", "dp"))
   assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]  # 3 and 4 once, the redone ones

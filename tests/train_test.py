@@ -14,7 +14,7 @@ import pytest
 from diloco.errors import ConfigError
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
-from diloco.runtime import data_parallel as train
+from diloco.runtime import data_parallel
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state
@@ -98,7 +98,7 @@ def test_non_finite_loss_raises(tiny_config, replace, tmp_path):
   cfg = replace(cfg, "train", steps=8, eval_every=0)
   cfg = replace(cfg, "checkpoint", every_steps=0)
   with pytest.raises(FloatingPointError, match="non-finite metrics at step"):
-    train.run(cfg, str(tmp_path))
+    data_parallel.run(cfg, str(tmp_path))
 
 
 def _params(workdir, step):
@@ -113,9 +113,9 @@ def test_resume_is_bit_identical(tiny_config, replace, tmp_path):
   cfg = replace(cfg, "optim", decay_steps=12)  # the schedule must not depend on train.steps
   cfg = replace(cfg, "checkpoint", every_steps=6)
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  train.run(cfg, straight)
-  train.run(replace(cfg, "train", steps=6, eval_every=0), resumed)  # "interrupted" at 6
-  train.run(cfg, resumed)
+  data_parallel.run(cfg, straight)
+  data_parallel.run(replace(cfg, "train", steps=6, eval_every=0), resumed)  # "interrupted" at 6
+  data_parallel.run(cfg, resumed)
   a, b = _params(straight, 12), _params(resumed, 12)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -132,17 +132,17 @@ def test_resume_takes_other_speed_switches_but_not_another_model(tiny_config, re
   cfg = replace(tiny_config, "train", steps=4, eval_every=0)
   cfg = replace(cfg, "checkpoint", every_steps=2)
   workdir = str(tmp_path / "run")
-  train.run(cfg, workdir)
+  data_parallel.run(cfg, workdir)
   # Out of memory, say: go on with remat and the loss in chunks. The parameters are the same.
   faster = replace(replace(cfg, "model", remat="full", loss_chunk=16), "train", steps=6,
                    eval_every=0)
-  train.run(faster, workdir)
+  data_parallel.run(faster, workdir)
   records = metrics_lib.read_metrics(os.path.join(workdir, "metrics.jsonl"))
   # Each step once: the second run went on from step 4 rather than starting again.
   assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
   with pytest.raises(ConfigError, match=r"written with model.embed_dim=64, but this run has "
                                         r"model.embed_dim=32"):
-    train.run(replace(faster, "model", embed_dim=32), workdir)
+    data_parallel.run(replace(faster, "model", embed_dim=32), workdir)
 
 
 @pytest.mark.slow

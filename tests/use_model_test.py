@@ -24,7 +24,7 @@ from diloco.model import registry
 from diloco.train import data as data_lib
 from diloco.artifacts import export
 
-import run_config
+import runtime_configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOS = 256
@@ -55,7 +55,7 @@ def _make_run(workdir, cfg, seed=0, scale=1.0):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   root = tmp_path_factory.mktemp("use_model")
-  cfg = run_config.load("dp.py:tiny", data__source="text", data__path=_corpus(root / "corpus"),
+  cfg = runtime_configs.load("dp.py:tiny", data__source="text", data__path=_corpus(root / "corpus"),
                         data__eval_fraction=0.3, data__seq_len=32)
   workdir = str(root / "run")
   return workdir, cfg, _make_run(workdir, cfg)

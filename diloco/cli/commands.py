@@ -1,9 +1,10 @@
 """The `diloco` command (and `python -m diloco`): training by default, the tools around a run.
 
-`diloco NAME ARGS` calls `diloco.NAME.main(["diloco NAME", *ARGS])`: each tool parses its own
-flags (on its own FlagValues) and `diloco NAME --help` shows them, as `python -m diloco.NAME`
-does; without a name, or with `train`, it is `python -m diloco.main`. `diloco --help` lists the subcommands and the
-training flags of this project only (absl's and JAX's own are behind `--helpfull`).
+`diloco NAME ARGS` calls `main(["diloco NAME", *ARGS])` of the module that `SUBCOMMANDS`
+names for NAME: each tool parses its own flags (on its own FlagValues) and `diloco NAME --help`
+shows them, as `python -m MODULE` does; without a name, or with `train`, it is
+`python -m diloco.main`. `diloco --help` lists the subcommands and the training flags of this
+project only (absl's and JAX's own are behind `--helpfull`).
 """
 
 from __future__ import annotations

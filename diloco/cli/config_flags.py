@@ -21,7 +21,7 @@ from typing import Any
 import ml_collections
 
 from diloco.config import files as config_files
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=\s]+)")
 _SPEC = re.compile(r"^--?config(?:=(.*))?$")
@@ -101,7 +101,7 @@ def unknown_override(argv: list[str]) -> str | None:
     return None
   try:
     cfg = config_files.load(spec)
-  except config_lib.ConfigError:
+  except run_config.ConfigError:
     return None  # `with_config_resolved` reports the file's own error first
   for key in override_keys(argv):
     message = unknown_key_message(cfg, key)
@@ -121,7 +121,7 @@ def with_config_resolved(argv: list[str]) -> list[str]:
       continue
     if m.group(1) is None:  # `--config SPEC`
       if i + 1 == len(argv):
-        raise config_lib.ConfigError("--config needs a value, e.g. --config=decoupled:tiny")
+        raise run_config.ConfigError("--config needs a value, e.g. --config=decoupled:tiny")
       spec, span = argv[i + 1], slice(i, i + 2)
     else:
       spec, span = m.group(1), slice(i, i + 1)
@@ -146,7 +146,7 @@ def bad_value_message(argv: list[str], error: str) -> str:
     node = config_files.load(spec)
     for part in key.split("."):
       node = node[part]
-  except (config_lib.ConfigError, KeyError, TypeError):
+  except (run_config.ConfigError, KeyError, TypeError):
     return error
   return f"--config.{key}={value}: {key} must be {type(node).__name__}, got {value!r}"
 
@@ -176,9 +176,9 @@ def _comments(cls: type) -> tuple[str, dict[str, str]]:
 
 def field_help() -> dict[str, tuple[str, dict[str, str]]]:
   """{group: (its docstring, {field: help})} for every config group, "" for top-level fields."""
-  out = {name: _comments(cls) for name, cls in config_lib.GROUPS.items()}
-  top = _comments(config_lib.Config)[1]
-  out[""] = ("", {k: v for k, v in top.items() if k not in config_lib.GROUPS})
+  out = {name: _comments(cls) for name, cls in run_config.GROUPS.items()}
+  top = _comments(run_config.Config)[1]
+  out[""] = ("", {k: v for k, v in top.items() if k not in run_config.GROUPS})
   return out
 
 
@@ -186,8 +186,8 @@ def _values(cfg: ml_collections.ConfigDict | None) -> dict[str, dict[str, Any]]:
   if cfg is not None:
     raw = cfg.to_dict()
   else:
-    raw = {name: dataclasses.asdict(cls()) for name, cls in config_lib.GROUPS.items()}
-    raw["seed"] = config_lib.Config.__dataclass_fields__["seed"].default
+    raw = {name: dataclasses.asdict(cls()) for name, cls in run_config.GROUPS.items()}
+    raw["seed"] = run_config.Config.__dataclass_fields__["seed"].default
   return {"": {k: v for k, v in raw.items() if not isinstance(v, dict)},
           **{k: v for k, v in raw.items() if isinstance(v, dict)}}
 
@@ -198,7 +198,7 @@ def help_text(cfg: ml_collections.ConfigDict | None = None, pattern: str = "") -
   values, helps, out = _values(cfg), field_help(), []
   pattern = pattern.lower()
   for group, (doc, fields) in helps.items():
-    if pattern in config_lib.GROUPS and group != pattern:
+    if pattern in run_config.GROUPS and group != pattern:
       continue
     keys = [(f"{group}.{f}" if group else f, f) for f in fields if f in values.get(group, {})]
     keys = [(k, f) for k, f in keys if pattern in k.lower()]
@@ -213,22 +213,22 @@ def help_text(cfg: ml_collections.ConfigDict | None = None, pattern: str = "") -
       out.append(textwrap.fill(line, width=100, subsequent_indent="      # ",
                                break_on_hyphens=False))
   if not out:
-    raise config_lib.ConfigError(f"--config_help={pattern}: no config field matches; groups: "
-                                 f"{', '.join(config_lib.GROUPS)}")
+    raise run_config.ConfigError(f"--config_help={pattern}: no config field matches; groups: "
+                                 f"{', '.join(run_config.GROUPS)}")
   return "\n".join(out)
 
 
-def _describe(group: str, field: str, value: Any, cfg: config_lib.Config) -> str:
-  if (group, field) == ("sync", "quorum") and value == config_lib.ALL_LEARNERS:
+def _describe(group: str, field: str, value: Any, cfg: run_config.Config) -> str:
+  if (group, field) == ("sync", "quorum") and value == run_config.ALL_LEARNERS:
     return f"quorum=0 (all learners, K = M = {cfg.learners.count})"
   return f"{field}={value!r}"
 
 
-def summary(cfg: config_lib.Config) -> list[str]:
+def summary(cfg: run_config.Config) -> list[str]:
   """One compact line per group of the resolved config, listing the fields that differ from
   the dataclass defaults (the whole config is in WORKDIR/config.json)."""
   out = []
-  for group, cls in config_lib.GROUPS.items():
+  for group, cls in run_config.GROUPS.items():
     value, default = getattr(cfg, group), cls()
     changed = [_describe(group, f.name, getattr(value, f.name), cfg)
                for f in dataclasses.fields(cls)

@@ -17,10 +17,10 @@ import sys
 import time
 
 from absl import flags
-from ml_collections import config_flags
+from ml_collections import config_flags as ml_config_flags
 
 from diloco.cli import command
-from diloco.cli import config_flags as config_cli
+from diloco.cli import config_flags
 from diloco.config import run_config
 from diloco.deploy import slurm
 from diloco.distributed import launch_report
@@ -29,7 +29,7 @@ from diloco.distributed.supervision import EVALUATOR, Proc, syncer_key
 from diloco.errors import ConfigError
 
 FLAGS = flags.FlagValues()
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = ml_config_flags.DEFINE_config_file(
     "config", None, "Config and preset (decoupled:tiny, configs/decoupled.py:gemma_2b); "
     "override fields with --config.GROUP.FIELD=VALUE, the cluster's in --config.slurm.*.",
     flag_values=FLAGS, lock_config=True)
@@ -113,7 +113,7 @@ def _requeues(workdir: str, cfg: run_config.Config) -> dict:
 def main(argv: list[str]) -> None:
   """`argv[0]` is the program name; the rest are this command's flags (module docstring)."""
   try:
-    argv = config_cli.with_config_resolved(list(argv))
+    argv = config_flags.with_config_resolved(list(argv))
   except ConfigError as e:
     sys.exit(f"{argv[0] if argv else 'diloco slurm'}: error: {e}")
   command.run(FLAGS, argv, _body)

@@ -23,13 +23,13 @@ import sys
 
 import jax
 from absl import app, flags, logging
-from ml_collections import config_flags
+from ml_collections import config_flags as ml_config_flags
 
-from diloco.cli import config_flags as config_cli
+from diloco.cli import config_flags
 from diloco.cli import interrupt, preflight
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = ml_config_flags.DEFINE_config_file(
     "config", None, "Config and preset: a shipped name (dp:small, decoupled:tiny) or a file "
     "(configs/dp.py:small); override "
     "fields with --config.GROUP.FIELD=VALUE (list them with --config_help).", lock_config=True)
@@ -58,23 +58,23 @@ _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "With --coordinator_address: this host's index (0 talks to the store).")
 
 
-def _load_config() -> config_lib.Config:
+def _load_config() -> run_config.Config:
   if (_CONFIG.value is None) == (_CONFIG_JSON.value is None):
-    raise config_lib.ConfigError("give exactly one of --config=NAME:PRESET (or FILE.py:PRESET) "
+    raise run_config.ConfigError("give exactly one of --config=NAME:PRESET (or FILE.py:PRESET) "
                                  "or --config_json=FILE")
   if _CONFIG_JSON.value is not None:
-    return config_lib.read_file(_CONFIG_JSON.value)
-  return config_lib.from_config_dict(_CONFIG.value)
+    return run_config.read_file(_CONFIG_JSON.value)
+  return run_config.from_config_dict(_CONFIG.value)
 
 
-def _run(cfg: config_lib.Config, workdir: str):
+def _run(cfg: run_config.Config, workdir: str):
   role = _ROLE.value
   if role == "train":
-    from diloco.runtime import data_parallel as train  # pylint: disable=import-outside-toplevel
+    from diloco.runtime import data_parallel  # pylint: disable=import-outside-toplevel
     from diloco.runtime import decoupled
-    return (decoupled.run if cfg.learners.count else train.run)(cfg, workdir)
+    return (decoupled.run if cfg.learners.count else data_parallel.run)(cfg, workdir)
   if cfg.learners.count < 1:
-    raise config_lib.ConfigError(f"--role={role} needs learners.count >= 1")
+    raise run_config.ConfigError(f"--role={role} needs learners.count >= 1")
   if role == "launch":
     from diloco.distributed import launcher  # pylint: disable=import-outside-toplevel
     return launcher.run(cfg, workdir)
@@ -86,7 +86,7 @@ def _run(cfg: config_lib.Config, workdir: str):
     from diloco.distributed import evaluator  # pylint: disable=import-outside-toplevel
     return evaluator.run(cfg, workdir, store)
   if _LEARNER_ID.value is None:
-    raise config_lib.ConfigError("--role=learner needs --learner_id=N")
+    raise run_config.ConfigError("--role=learner needs --learner_id=N")
   from diloco.distributed import learner_process  # pylint: disable=import-outside-toplevel
   return learner_process.run(cfg, workdir, store, _LEARNER_ID.value)
 
@@ -107,14 +107,14 @@ def _start_jax_distributed() -> None:
                                num_processes=_NUM_PROCESSES.value,
                                process_id=_PROCESS_ID.value)
   elif _COORDINATOR.value or _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None:
-    raise config_lib.ConfigError("--coordinator_address, --num_processes and --process_id need "
+    raise run_config.ConfigError("--coordinator_address, --num_processes and --process_id need "
                                  "--jax_distributed")
 
 
-def _prepare() -> config_lib.Config:
+def _prepare() -> run_config.Config:
   """The checked config, after the workdir and inputs passed `preflight` (before any model)."""
   if _WORKDIR.value is None:
-    raise config_lib.ConfigError("--workdir=DIR is required")
+    raise run_config.ConfigError("--workdir=DIR is required")
   cfg = _load_config()
   preflight.check(cfg, _WORKDIR.value)
   _quiet_logs()
@@ -128,18 +128,18 @@ def main(argv: list[str]) -> None:
              "(see --help)")
   if _CONFIG_HELP.value is not None:
     try:
-      print(config_cli.help_text(_CONFIG.value, _CONFIG_HELP.value))
-    except config_lib.ConfigError as e:
+      print(config_flags.help_text(_CONFIG.value, _CONFIG_HELP.value))
+    except run_config.ConfigError as e:
       sys.exit(f"config error: {e}")
     return
   try:
     cfg = _prepare()
-  except config_lib.ConfigError as e:
+  except run_config.ConfigError as e:
     sys.exit(f"config error: {e}")
   logging.info("jax %s on %d %s devices (process %d of %d)", jax.__version__,
                jax.device_count(), jax.default_backend(), jax.process_index(),
                jax.process_count())
-  lines = config_cli.summary(cfg)
+  lines = config_flags.summary(cfg)
   logging.info("resolved config (non-default fields):\n%s", "\n".join(lines))
   if _ROLE.value in ("train", "launch"):  # the processes of a launch log to logs/ instead
     print("config (non-default fields; all of them in WORKDIR/config.json):\n  "
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> None:
           "it)...", flush=True)
   try:
     result = _run(cfg, _WORKDIR.value)
-  except config_lib.ConfigError as e:
+  except run_config.ConfigError as e:
     sys.exit(f"config error: {e}")
   except interrupt.Interrupted as e:
     interrupt.exit_stopped(_WORKDIR.value, e)
@@ -169,22 +169,22 @@ def _printed_report() -> bool:
 
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's parser, but every mistake on the command line is one line that names the flag or
-  the config key: a missing config file or preset (`config_cli.with_config_resolved`), an
+  the config key: a missing config file or preset (`config_flags.with_config_resolved`), an
   unknown `--config.KEY`, a value of the wrong type."""
   if "--config_help" in argv[1:]:  # bare: all fields
     i = argv.index("--config_help")
     if i + 1 == len(argv) or argv[i + 1].startswith("-"):
       argv = argv[:i] + ["--config_help="] + argv[i + 1:]
   try:
-    argv = config_cli.with_config_resolved(argv)
-  except config_lib.ConfigError as e:
+    argv = config_flags.with_config_resolved(argv)
+  except run_config.ConfigError as e:
     sys.exit(f"config error: {e}")
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    sys.exit(f"flag error: {config_cli.bad_value_message(argv[1:], str(e))}")
+    sys.exit(f"flag error: {config_flags.bad_value_message(argv[1:], str(e))}")
   except (AttributeError, KeyError):
-    message = config_cli.unknown_override(argv[1:])
+    message = config_flags.unknown_override(argv[1:])
     if message is None:
       raise
     sys.exit(f"config error: {message}")

@@ -19,7 +19,7 @@ import re
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 
-from diloco.config.run_config import LAUNCH_PLATFORMS as PLATFORMS
+from diloco.config.run_config import LAUNCH_PLATFORMS
 from diloco.errors import ConfigError
 
 _EMULATED_FLAG = "--xla_force_host_platform_device_count"
@@ -69,13 +69,13 @@ def detect(platform: str, environ: Mapping[str, str] = os.environ,
   CPU. GPUs already restricted with `CUDA_VISIBLE_DEVICES` (TPU chips with
   `TPU_VISIBLE_CHIPS`) are the ones split.
   """
-  if platform not in PLATFORMS:
-    raise ConfigError(f"launch.platform: must be one of {PLATFORMS}, got {platform!r}")
+  if platform not in LAUNCH_PLATFORMS:
+    raise ConfigError(f"launch.platform: must be one of {LAUNCH_PLATFORMS}, got {platform!r}")
   if platform == "auto":
     forced = _listed(environ.get("JAX_PLATFORMS", ""))
     if forced:
       platform = {"gpu": "cuda"}.get(forced[0], forced[0])
-      if platform not in PLATFORMS:
+      if platform not in LAUNCH_PLATFORMS:
         raise ConfigError(f"launch.platform=auto: JAX_PLATFORMS={environ['JAX_PLATFORMS']!r} "
                           "names no platform the launcher can split (cpu, cuda, tpu)")
     elif _nvidia_smi_gpus(run) and _cuda_plugin():

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 import yaml
 from absl import flags
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.deploy import gke_nodes
 
 # The repository: the image carries it, so a config must be one of its files.
@@ -119,7 +119,7 @@ def _check_config(config: str, devices: gke_nodes.Devices, overrides: dict[str, 
     raise FlagError(f"--config: {path} is outside the repository {ROOT}; the image carries "
                     "the repository, so the config must be one of its files") from None
   try:
-    cfg = config_lib.load(f"{file}:{preset}" if preset else str(file))
+    cfg = run_config.load(f"{file}:{preset}" if preset else str(file))
   except Exception as e:  # pylint: disable=broad-except
     raise FlagError(f"--config: {config} failed to build: {e}") from e
   for key, value in overrides.items():

@@ -22,7 +22,7 @@ Sharded syncer (`sync.shards = S > 1`, docs/design.md 3.1): shard s owns the fol
 under `shards/s{s}/`, the shared ones (`shared`, `learners`, `run`) at the root;
 `shard_stores(root, S)` are the views a learner or the evaluator routes to (with S = 1, the
 root itself: the layout above, unchanged). A learner writes each delivery into its
-fragment's shard (`syncer_shards.assign`) and polls every shard's `merged/index.json`.
+fragment's shard (`ownership.assign`) and polls every shard's `merged/index.json`.
 
 Durability (local disk): what the design promises to keep (merged entries and their commit
 markers, the run start, incarnation numbers, the lease) is fsynced, file and then
@@ -112,7 +112,7 @@ def shard_stores(root: str | os.PathLike, shards: int) -> list[Store]:
 def global_index(stores: list[Store], owner: tuple[int, ...] | None = None
                  ) -> dict[int, int]:
   """{fragment: latest committed version} over every shard's `merged/index.json`; with
-  `owner` (`syncer_shards.assign`), a shard's index counts only for the fragments it owns (a
+  `owner` (`ownership.assign`), a shard's index counts only for the fragments it owns (a
   planted entry in another shard's folder is ignored)."""
   index: dict[int, int] = {}
   for s, store in enumerate(stores):

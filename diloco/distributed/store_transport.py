@@ -45,7 +45,7 @@ class LearnerStoreLink:
     """`on_fetch` sees every merged version the poller downloads (on its thread). At most
     `send_queue` deliveries wait for upload; `deliver` blocks while it is full. `shards`: the
     syncer shards' stores (`store.shard_stores`; None: `store` alone), `owner[p]` the shard
-    of fragment p (`syncer_shards.assign`). `shapes[p]`: fragment p's {path: shape} under the
+    of fragment p (`ownership.assign`). `shapes[p]`: fragment p's {path: shape} under the
     plan; a version of other paths or shapes is never taken (None: the marker's own)."""
     self.store, self.learner, self.incarnation = store, learner, incarnation
     self._shards = list(shards) if shards else [store]

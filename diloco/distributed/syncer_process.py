@@ -16,7 +16,7 @@ fails (a full disk) is retried, with the error logged, until it succeeds: the ro
 published to nobody until then, and the syncer stays up.
 
 With `sync.shards = S > 1` the process is shard `sync.shard` (docs/design.md 3.1): it holds,
-merges and publishes only the fragments `syncer_shards.assign` gives it, over its own folder
+merges and publishes only the fragments `ownership.assign` gives it, over its own folder
 of the store (`Store(root, shard=s)`: its own lease, merged entries, markers, payloads and
 registry), and recovers from its own entries only. Its tape is WORKDIR/shards/s{s}/tape.jsonl
 (the durable copy is its commit markers), every record tagged with `"shard"`. The global eval
@@ -37,7 +37,7 @@ import jax
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.sync import intake, ownership as syncer_shards
+from diloco.sync import intake, ownership
 from diloco.config.run_config import Config
 from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.lease import Lease
@@ -164,7 +164,7 @@ def open_store(cfg: Config, store_root: str) -> Store:
   """This syncer's store: the root with one syncer, shard `sync.shard`'s view with several."""
   if cfg.sync.shards == 1:
     return Store(store_root)
-  syncer_shards.check_shard(cfg.sync.shard, cfg.sync.shards)
+  ownership.check_shard(cfg.sync.shard, cfg.sync.shards)
   return Store(store_root, shard=cfg.sync.shard)
 
 
@@ -193,7 +193,7 @@ def _make_syncer(cfg: Config, plan, global_params: dict, records: list[dict]) ->
   owned, on_round = None, records.append
   if cfg.sync.shards > 1:
     shard = cfg.sync.shard
-    owned = syncer_shards.owned(syncer_shards.assign(plan.num_elements, cfg.sync.shards), shard)
+    owned = ownership.owned(ownership.assign(plan.num_elements, cfg.sync.shards), shard)
     on_round = lambda record: records.append(dict(record, shard=shard))  # noqa: E731
   return Syncer(global_params, plan, cfg.sync, cfg.outer, on_round=on_round,
                 limits=intake.Limits(cfg.train.batch_size * cfg.data.seq_len,

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.learner.learner import Learner, LearnerConfig as Config
+from diloco.learner.learner import Learner, LearnerConfig
 from diloco.observe.accounting import span_record
 from diloco.learner.island import pacing_wait
 from diloco.transport import Heartbeat
@@ -126,7 +126,7 @@ class WallClock(Protocol):
 Life = Generator[Request, Any, None]
 
 
-def life(learner: Learner, cfg: Config, hooks: LoopHooks) -> Life:
+def life(learner: Learner, cfg: LearnerConfig, hooks: LoopHooks) -> Life:
   """The learner's life: steps `learner` until `train.steps` local steps or a stop (by
   `hooks.stopped` or an agreed stop), then leaves (`Leave`)."""
   step_time, previous = 0.0, hooks.now()
@@ -172,7 +172,7 @@ def _step(learner: Learner, hooks: LoopHooks, previous: float, step_time: float)
   return end, step_time
 
 
-def _wait(learner: Learner, cfg: Config, hooks: LoopHooks, blocked: list[int],
+def _wait(learner: Learner, cfg: LearnerConfig, hooks: LoopHooks, blocked: list[int],
           waited_from: float, step_time: float):
   """Waits for the late rounds of the `blocked` fragments (heartbeating, so the syncer keeps
   counting this learner) until they are published and applied, the runtime stops it, or it
@@ -195,7 +195,7 @@ def _wait(learner: Learner, cfg: Config, hooks: LoopHooks, blocked: list[int],
   return hooks.stopped()
 
 
-def run(learner: Learner, cfg: Config, hooks: LoopHooks, clock: WallClock,
+def run(learner: Learner, cfg: LearnerConfig, hooks: LoopHooks, clock: WallClock,
         on_purpose: Callable[[bool], bool]) -> tuple[bool, list[int]]:
   """Lives `life` on the wall clock: each request is executed at once (a step, then its
   pacing; a wait slice of `_WAIT_SLICE_S`). At `Leave`, `on_purpose(finished)` says whether
@@ -226,12 +226,12 @@ def run(learner: Learner, cfg: Config, hooks: LoopHooks, clock: WallClock,
       final = leave(learner, cfg, on_purpose(done))
 
 
-def finished(learner: Learner, cfg: Config) -> bool:
+def finished(learner: Learner, cfg: LearnerConfig) -> bool:
   """Whether the learner has taken all its steps (it then leaves as "done")."""
   return learner.local_step >= cfg.train.steps
 
 
-def leave(learner: Learner, cfg: Config, on_purpose: bool) -> list[int]:
+def leave(learner: Learner, cfg: LearnerConfig, on_purpose: bool) -> list[int]:
   """Ends the learner's training: a learner that finished or retires on purpose delivers
   every fragment with progress not yet delivered (`sync.final_sync`), so its last local steps
   reach the global parameters, then every delivery is flushed to its transport. A failed
@@ -251,7 +251,7 @@ def leave(learner: Learner, cfg: Config, on_purpose: bool) -> list[int]:
   return final
 
 
-def align_with_peers(learner: Learner, peers: list[int], cfg: Config,
+def align_with_peers(learner: Learner, peers: list[int], cfg: LearnerConfig,
                      joins_running: bool = True) -> None:
   """Aligns the fragment schedule of a learner with its live peers' local steps `peers`.
 

@@ -125,8 +125,8 @@ def _prepare(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
     os.remove(os.path.join(workdir, metrics_lib.METRICS_FILE))  # a run that never checkpointed
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=2)
-  from diloco.runtime import data_parallel as train  # pylint: disable=import-outside-toplevel
-  train.check_vocab(cfg)
+  from diloco.runtime import data_parallel  # pylint: disable=import-outside-toplevel
+  data_parallel.check_vocab(cfg)
   return snapshot
 
 

@@ -7,7 +7,7 @@ keeps its own registry, so each judges liveness and quorums alone); a delivery g
 fragment's owner. Each shard has its own policy EMAs (quorum, sync and lead time), as the
 paper's independent syncers do: with grace on (gamma > 0) a shard's windows follow its own
 rounds, so G can differ from one syncer's; with gamma = 0 (or K = M) the windows are 0 and G is
-bit-identical for every S (tests/syncer_group_test.py).
+bit-identical for every S (tests/group_test.py).
 
 Round records reach `on_round` at the end of each `tick`, sorted by fragment (the order one
 syncer closes them in), with `"shard"` (the owner), `"shard_round"` (its count of rounds) and

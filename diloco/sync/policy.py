@@ -93,7 +93,7 @@ class SyncConfig:
   heartbeat_timeout_s: float = setting(30.0, SYNC_BOUNDS["heartbeat_timeout_s"])
   # Deliveries whose base is more than this many versions behind are rejected.
   max_staleness: int = setting(8, SYNC_BOUNDS["max_staleness"])
-  # How a learner takes a merged fragment G_p (docs/design.md 2.3, `receipt.RECEIPT_MODES`):
+  # How a learner takes a merged fragment G_p (docs/design.md 2.3, `transport.RECEIPT_MODES`):
   # "overwrite" theta_p = G_p (the paper; drops the tau steps made since the delivery);
   # "mix" theta_p = alpha * theta_p + (1 - alpha) * G_p with alpha = `mixing_alpha`;
   # "keep_local" theta_p = G_p + (theta_p - theta_p at the delivery), the kept steps counted

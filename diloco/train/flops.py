@@ -4,7 +4,7 @@ windowed attention) and the hardware's (plus what remat recomputes)."""
 
 from __future__ import annotations
 
-from diloco.model import transformer as model
+from diloco.model import transformer
 from diloco.model.config import ModelConfig
 
 # Remat policies that keep no activation of a layer: its whole forward runs again.
@@ -14,7 +14,7 @@ _RECOMPUTE_ALL = ("full", "nothing_saveable")
 def matmul_params(cfg: ModelConfig) -> int:
   """Parameters a token multiplies through (the active experts and the tied output head;
   norms and the MoE router left out, as the PaLM count leaves them)."""
-  counts = model.param_counts(cfg)
+  counts = transformer.param_counts(cfg)
   norms = cfg.num_layers * (4 * cfg.embed_dim + 2 * cfg.head_dim) + cfg.embed_dim
   router = cfg.num_layers * cfg.embed_dim * cfg.num_experts
   return counts["active"] - norms - router  # the embedding stays: it is the head

@@ -11,7 +11,7 @@ import os
 import numpy as np
 from absl import app, flags
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.distributed import launch_report
 from diloco.observe.accounting import read_jsonl
 from diloco.sim import bandwidth as sim_bandwidth
@@ -23,9 +23,9 @@ import matplotlib.pyplot as plt  # noqa: E402  (harness selected the Agg backend
 GBIT = 1e9
 
 
-def model() -> tuple[config_lib.Config, int]:
+def model() -> tuple[run_config.Config, int]:
   """The base config and N, its parameter count (from the model's abstract shapes)."""
-  cfg = config_lib.from_config_dict(config_lib.load(os.path.join(harness.REPO, config.CONFIG)))
+  cfg = run_config.from_config_dict(run_config.load(os.path.join(harness.REPO, config.CONFIG)))
   shapes = launch_report.param_shapes(cfg)
   return cfg, sum(int(np.prod(s)) for s in shapes.values())
 

@@ -27,7 +27,7 @@ absolute seconds depend on the machine's load, as these runs are real-time.
 
 import os
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.sim.params import FailureModel
 from experiments.chaos import faults
 from experiments.harness import REPO, Run
@@ -51,7 +51,7 @@ COLUMNS = ("method", "seed", "kills", "kills_applied", "restarts", "eval_loss", 
 
 
 def learners() -> int:
-  return config_lib.load(os.path.join(REPO, CONFIG)).learners.count
+  return run_config.load(os.path.join(REPO, CONFIG)).learners.count
 
 
 def process(preset: str = "full") -> faults.Compressed:

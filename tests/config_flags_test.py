@@ -10,7 +10,7 @@ import pytest
 
 from configs import diloco, dp, multiprocess, streaming
 from diloco.cli import config_flags
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.errors import ConfigError
 from diloco.sync import policy
 
@@ -52,8 +52,8 @@ def test_nearest_keys():
 def test_quorum_all_learners_follows_learners_count(module):
   raw = module.get_config("cpu")
   raw.learners.count = 8
-  cfg = config_lib.from_config_dict(raw)
-  assert cfg.sync.quorum == config_lib.ALL_LEARNERS
+  cfg = run_config.from_config_dict(raw)
+  assert cfg.sync.quorum == run_config.ALL_LEARNERS
   k = policy.PolicyConfig.from_config(cfg.sync).quorum
   assert policy.required_quorum(k, cfg.learners.count) == 8  # K = M, not the preset's 4
   assert policy.required_quorum(k, 3) == 3  # and only the live ones once some are gone
@@ -64,24 +64,24 @@ def test_quorum_validation():
   raw = diloco.get_config("tiny")
   raw.sync.quorum = -1
   with pytest.raises(ConfigError, match=r"sync.quorum: must be >= 1, or 0 for all learners"):
-    config_lib.from_config_dict(raw)
+    run_config.from_config_dict(raw)
   raw.sync.quorum = 5
   with pytest.raises(ConfigError, match=r"sync.quorum: must be <= the number of learners \(4\)"):
-    config_lib.from_config_dict(raw)
+    run_config.from_config_dict(raw)
 
 
 def test_derived_fields_follow_until_overridden():
   raw = multiprocess.get_config("tiny")
   raw.learners.count = 5
-  assert config_lib.from_config_dict(raw).launch.max_learners == 6
+  assert run_config.from_config_dict(raw).launch.max_learners == 6
   raw.launch.max_learners = 9
   raw.learners.count = 2
-  assert config_lib.from_config_dict(raw).launch.max_learners == 9
+  assert run_config.from_config_dict(raw).launch.max_learners == 9
   raw = dp.get_config("tiny")
   raw.train.eval_every = 7
-  assert config_lib.from_config_dict(raw).checkpoint.every_steps == 7
+  assert run_config.from_config_dict(raw).checkpoint.every_steps == 7
   raw.checkpoint.every_steps = 3
-  cfg = config_lib.from_config_dict(raw)
+  cfg = run_config.from_config_dict(raw)
   assert (cfg.checkpoint.every_steps, cfg.train.eval_every) == (3, 7)
 
 
@@ -94,7 +94,7 @@ def test_derived_fields_follow_command_line_overrides():
 
 def test_every_field_has_its_comment_as_help():
   helps = config_flags.field_help()
-  for name, cls in config_lib.GROUPS.items():
+  for name, cls in run_config.GROUPS.items():
     assert set(helps[name][1]) == {f.name for f in dataclasses.fields(cls)}, name
   assert helps["sync"][1]["quorum"].startswith("K: a round merges once")
   assert helps["sync"][1]["quorum"].endswith("however many there are.")
@@ -113,7 +113,7 @@ def test_config_help_from_the_command_line():
   assert not any(line.startswith("[") for line in lines[1:])  # only the sync group
   everything = _cli("--config_help")  # bare, no --config and no --workdir needed
   assert everything.returncode == 0, everything.stderr[-2000:]
-  assert all(f"[{group}]" in everything.stdout for group in config_lib.GROUPS)
+  assert all(f"[{group}]" in everything.stdout for group in run_config.GROUPS)
   assert "  sync.quorum = 1  # K:" in everything.stdout  # the dataclass default
   nothing = _cli("--config_help=nonexistent_field")
   assert nothing.returncode != 0 and "no config field matches" in nothing.stderr

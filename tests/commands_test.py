@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from diloco.cli import commands as cli
+from diloco.cli import commands
 from diloco.cli import interrupt, preflight
 from diloco.config import files as config_files
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 from diloco.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +38,8 @@ def test_shipped_configs_are_the_repository_configs():
     assert os.path.samefile(path, os.path.join(REPO, "configs", "decoupled.py"))
     assert preset == "tiny"
   # By name, by repository path and by absolute path: the same config.
-  by_name = config_lib.load("decoupled:tiny").to_dict()
-  assert by_name == config_lib.load(os.path.join(REPO, "configs/decoupled.py:tiny")).to_dict()
+  by_name = run_config.load("decoupled:tiny").to_dict()
+  assert by_name == run_config.load(os.path.join(REPO, "configs/decoupled.py:tiny")).to_dict()
   assert by_name["learners"]["count"] == 4 and by_name["train"]["steps"] == 64
 
 
@@ -91,11 +91,11 @@ def test_train_help_is_the_training_flags(tmp_path):
   assert len(proc.stdout.splitlines()) < 80
 
 
-@pytest.mark.parametrize("alias", sorted(cli.ALIASES))
+@pytest.mark.parametrize("alias", sorted(commands.ALIASES))
 def test_an_alias_runs_its_subcommand(tmp_path, alias):
   proc = _diloco(alias, "--help", cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  module = cli.SUBCOMMANDS[cli.ALIASES[alias]][0]
+  module = commands.SUBCOMMANDS[commands.ALIASES[alias]][0]
   assert module.rsplit(".", 1)[1] in proc.stdout and "--workdir" in proc.stdout
 
 
@@ -103,7 +103,7 @@ def test_unknown_subcommand_is_one_line(tmp_path):
   proc = _diloco("trian", "--config=dp:tiny", cwd=tmp_path)
   assert proc.returncode != 0
   assert proc.stderr.strip().splitlines() == [
-      "diloco: unknown subcommand 'trian'; subcommands: " + ", ".join(cli.SUBCOMMANDS)
+      "diloco: unknown subcommand 'trian'; subcommands: " + ", ".join(commands.SUBCOMMANDS)
       + " (see diloco --help)"]
 
 
@@ -217,7 +217,7 @@ def test_bad_input_is_one_line_before_any_model_is_built(tmp_path, case):
 
 def test_preflight_names_the_field_and_file_of_each_bad_data_input(tmp_path):
   """The same data cases in this process, against `preflight.check` (fast)."""
-  base = config_lib.from_config_dict(config_lib.load("dp:tiny"))
+  base = run_config.from_config_dict(run_config.load("dp:tiny"))
   checked = 0
   for args, words in _bad_inputs(tmp_path).values():
     if not all(a.startswith("--config.data.") for a in args):
@@ -227,7 +227,7 @@ def test_preflight_names_the_field_and_file_of_each_bad_data_input(tmp_path):
       key, _, value = arg[len("--config.data."):].partition("=")
       data[key] = value
     try:
-      cfg = config_lib.from_config_dict(dict(dataclasses.asdict(base), data=data))
+      cfg = run_config.from_config_dict(dict(dataclasses.asdict(base), data=data))
     except ConfigError as e:  # the config's own rules refuse it first (a missing file)
       message = str(e)
     else:

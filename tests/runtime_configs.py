@@ -4,15 +4,15 @@ overrides (a key without `__` sets a top-level field such as `seed`)."""
 
 import os
 
-from diloco.config import run_config as config_lib
+from diloco.config import run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(spec: str = "decoupled.py:tiny", *, periodic_eval: bool = False,
-         **dotted) -> config_lib.Config:
+         **dotted) -> run_config.Config:
   """`configs/<spec>` (file:preset) with the overrides, validated and frozen."""
-  cfg = config_lib.load(os.path.join(REPO, "configs", spec))
+  cfg = run_config.load(os.path.join(REPO, "configs", spec))
   # The learning rate warms up and decays over the preset's length whatever `train.steps` a
   # test sets (unless it sets `optim__decay_steps`): the compiled step depends on the schedule,
   # not on the length, so tests of many lengths share the preset's programs and compile cache.
@@ -27,4 +27,4 @@ def load(spec: str = "decoupled.py:tiny", *, periodic_eval: bool = False,
       setattr(cfg[group], field, value)
     else:
       setattr(cfg, key, value)
-  return config_lib.from_config_dict(cfg)
+  return run_config.from_config_dict(cfg)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from diloco import fragments
-from diloco.sync import (intake, policy, syncer as syncer_lib, group as syncer_group, ownership as syncer_shards)
+from diloco.sync import (intake, policy, syncer as syncer_lib, group as syncer_group, ownership)
 from diloco.outer.merge import OuterConfig
 from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
@@ -166,7 +166,7 @@ def test_with_grace_each_shard_keeps_its_own_emas_but_merges_every_fragment():
 def test_routing_state_and_checkpoint_state_round_trip():
   sync = _sync()
   group = _build(2, sync)
-  owner = syncer_shards.assign(_plan().num_elements, 2)
+  owner = ownership.assign(_plan().num_elements, 2)
   assert group.assignment == owner
   for p in range(P):
     assert set(group.fragment_values(p)) == set(_plan().fragments[p])

@@ -11,7 +11,7 @@ from flax import nnx
 
 from diloco.model import moe
 from diloco.model import presets as model_presets
-from diloco.model import transformer as model
+from diloco.model import transformer
 
 
 def expected_counts(c):
@@ -42,7 +42,7 @@ SIZE_CLASS = {"gemma_2b": (2.0, 3.0), "gemma_5b": (4.5, 6.0), "gemma_9b": (8.5, 
 @pytest.mark.parametrize("name", model_presets.NAMES)
 def test_preset_parameter_counts(name):
   cfg = model_presets.get(name)
-  counts = model.param_counts(cfg)
+  counts = transformer.param_counts(cfg)
   total, active = expected_counts(cfg)
   assert counts["total"] == total
   assert counts["active"] == active
@@ -56,8 +56,8 @@ def test_preset_parameter_counts(name):
 @pytest.mark.parametrize("smaller,larger", [("nano", "tiny"), ("tiny", "mini")])
 def test_scaling_sizes_are_about_four_times_apart(smaller, larger):
   """experiments/scaling/ reads the gap's trend over nano, tiny and mini: 4x steps in N."""
-  ratio = (model.param_counts(model_presets.get(larger))["total"]
-           / model.param_counts(model_presets.get(smaller))["total"])
+  ratio = (transformer.param_counts(model_presets.get(larger))["total"]
+           / transformer.param_counts(model_presets.get(smaller))["total"])
   assert 3.8 <= ratio <= 4.2
 
 
@@ -67,7 +67,7 @@ def test_large_preset_forward_shapes_abstractly(name):
 
   def forward(tokens):
     with nnx.use_eager_sharding(False):
-      m = model.Transformer(cfg, rngs=nnx.Rngs(0))
+      m = transformer.Transformer(cfg, rngs=nnx.Rngs(0))
     return m(tokens)
 
   logits, aux = jax.eval_shape(forward, jax.ShapeDtypeStruct((2, 4096), jnp.int32))
@@ -78,7 +78,7 @@ def test_large_preset_forward_shapes_abstractly(name):
 def _tiny(**overrides):
   cfg = dataclasses.replace(model_presets.get("tiny"), **overrides)
   with nnx.use_eager_sharding(False):
-    return model.Transformer(cfg, rngs=nnx.Rngs(0)), cfg
+    return transformer.Transformer(cfg, rngs=nnx.Rngs(0)), cfg
 
 
 def test_causal_and_sliding_window():
@@ -115,8 +115,8 @@ def test_rope_depends_only_on_relative_position():
   k = jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32)
 
   def score(m, n):
-    qm = model.apply_rope(q, jnp.array([[m]]), 10_000.0)
-    kn = model.apply_rope(k, jnp.array([[n]]), 10_000.0)
+    qm = transformer.apply_rope(q, jnp.array([[m]]), 10_000.0)
+    kn = transformer.apply_rope(k, jnp.array([[n]]), 10_000.0)
     return float(jnp.sum(qm * kn))
 
   assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-5)
@@ -159,7 +159,7 @@ def test_moe_aux_loss_is_one_for_uniform_routing():
 
 def test_moe_model_forward_is_finite():
   with nnx.use_eager_sharding(False):
-    m = model.Transformer(model_presets.get("tiny_moe"), rngs=nnx.Rngs(0))
+    m = transformer.Transformer(model_presets.get("tiny_moe"), rngs=nnx.Rngs(0))
   logits, aux = m(jnp.arange(64, dtype=jnp.int32).reshape(2, 32) % 200)
   assert logits.shape == (2, 32, 384)
   assert np.isfinite(np.asarray(logits)).all() and np.isfinite(float(aux)) and float(aux) > 0
