@@ -51,6 +51,8 @@ setup(
         "test": ["pytest>=8,<10", "pytest-xdist>=3.6,<4", "pyarrow>=15", "tokenizers>=0.15,<1",
                  "datasets>=3,<6", "tensorboard>=2.14,<3", "wandb>=0.20,<1",
                  "hypothesis>=6.100,<7", "gcsfs>=2024.12", "gcp-storage-emulator>=2026.7,<2027",
+                 # The linter `.ci/run` runs first (pyproject.toml's [tool.ruff]).
+                 "ruff>=0.17.6,<0.18",
                  # Benchmarks through lm-evaluation-harness, and the Hugging Face export loaded
                  # back by transformers. torch is pinned to the CPU build this machine kind keeps
                  # on disk for Python 3.11 (any other torch is a download of several GB); on

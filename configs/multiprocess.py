@@ -15,6 +15,7 @@ import os
 
 from diloco.config import run_config
 
+
 def get_config(preset: str = "tiny"):
   cfg = run_config.load(os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
   cfg.checkpoint.every_steps = 8  # learners resume their own state after a kill

@@ -10,8 +10,8 @@ reader uses must be finite.
 from __future__ import annotations
 
 import dataclasses
-import math
 import json
+import math
 import re
 from typing import Any
 

@@ -21,11 +21,11 @@ t = p, p + H, ...).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 import dataclasses
 import heapq
 import math
 import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from absl import logging

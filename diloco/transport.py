@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 

@@ -19,9 +19,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from diloco.model import decode
+from diloco.model import decode, registry
 from diloco.model import presets as model_presets
-from diloco.model import registry
 
 _PRESET = flags.DEFINE_string("preset", "tiny", "Model preset (random parameters).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Sequences decoded together.")

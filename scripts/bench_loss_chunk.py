@@ -64,10 +64,10 @@ def main(argv):
         *shapes(_BATCH.value, _SEQ.value, cfg.vocab_size, cfg.embed_dim)).compile()
     memory[chunk] = compiled.memory_analysis().temp_size_in_bytes
   rng = np.random.default_rng(0)
-  b, l, v, d = _BATCH.value, _TIME_SEQ.value, _TIME_VOCAB.value, _TIME_WIDTH.value
-  args = (jnp.asarray(rng.normal(size=(b, l, d)), jnp.float32),
+  b, t, v, d = _BATCH.value, _TIME_SEQ.value, _TIME_VOCAB.value, _TIME_WIDTH.value
+  args = (jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32),
           jnp.asarray(rng.normal(size=(v, d)) * d ** -0.5, jnp.float32),
-          jnp.asarray(rng.integers(0, v, (b, l)), jnp.int32))
+          jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32))
   seconds = {}
   for chunk in chunks:
     fn = loss_grad(chunk, dtype)
@@ -84,7 +84,7 @@ def main(argv):
       "temp_bytes": {str(c): m for c, m in memory.items()},
       "temp_ratio_to_whole": {str(c): round(m / base_mem, 4) for c, m in memory.items()}
       if base_mem else None,
-      "timed_shape": {"batch_size": b, "seq_len": l, "vocab": v, "width": d},
+      "timed_shape": {"batch_size": b, "seq_len": t, "vocab": v, "width": d},
       "step_s": {str(c): round(s, 5) for c, s in seconds.items()},
       "time_ratio_to_whole": {str(c): round(s / base_s, 3) for c, s in seconds.items()}
       if base_s else None}))

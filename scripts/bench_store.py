@@ -38,16 +38,14 @@ import numpy as np
 from absl import app, flags, logging
 
 from diloco import fragments
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
-from diloco.distributed import store_transport
-from diloco.distributed import syncer_link
-from diloco.distributed import syncer_process
+from diloco.distributed import store_transport, syncer_link, syncer_process
 from diloco.distributed.merged_versions import MergedVersions
 from diloco.distributed.payload_box import Payloads
 from diloco.distributed.store import Store
 from diloco.distributed.store_names import payload_name
+from diloco.outer.merge import OuterConfig
+from diloco.sync.policy import SyncConfig
 from diloco.sync.syncer import Syncer
 from diloco.transport import Heartbeat
 

@@ -55,8 +55,7 @@ from diloco.model.sharding import batch_sharding
 from diloco.train import data as data_lib
 from diloco.train import flops as flops_lib
 from diloco.train import mesh as mesh_lib
-from diloco.train import optim
-from diloco.train import program_digest
+from diloco.train import optim, program_digest
 from diloco.train import state as train_state
 from diloco.train import step as train_step
 
@@ -395,8 +394,10 @@ class Sweep:
     hardware = None if extra is None else causal + extra
     peak = peak_flops_per_device(devices[0].device_kind)
     peak_total = None if peak is None else peak * len(devices)
-    per_s = lambda f: None if f is None else f * tokens / median
-    ratio = lambda f, d: None if f is None or d is None else round(per_s(f) / d, 4)
+    def per_s(f):
+      return None if f is None else f * tokens / median
+    def ratio(f, d):
+      return None if f is None or d is None else round(per_s(f) / d, 4)
     analysis = compiled.memory_analysis()
     memory = devices[0].memory_stats() or {}
     mm_bf16, mm_fp32 = (self.baselines["matmul_bf16_flops_per_s"],

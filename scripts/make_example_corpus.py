@@ -89,8 +89,7 @@ def write_records(texts: list[str], out: str) -> dict[str, str]:
 
 def train_hf_tokenizer(texts: list[str], path: str, vocab_size: int) -> None:
   """A GPT-2-style byte-level BPE (exact round trip) with <pad>, <bos>, <eos> specials."""
-  from tokenizers import (Tokenizer, decoders, models,  # pylint: disable=import-outside-toplevel
-                          pre_tokenizers, trainers)
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()

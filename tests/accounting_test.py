@@ -5,9 +5,7 @@ import math
 
 import pytest
 
-from diloco.observe import accounting
-from diloco.observe import fidelity
-from diloco.observe import timeline
+from diloco.observe import accounting, fidelity, timeline
 
 
 def step(learner, local_step, start, end, *, incarnation=0, devices=1, slowdown=1.0, tokens=100):

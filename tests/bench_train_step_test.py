@@ -1,9 +1,9 @@
 """The train-step bench: its FLOP counts, its variant grammar and a two-variant sweep on CPU, so
 the figures a short GPU run depends on cannot silently change meaning."""
 
+import gzip
 import json
 import os
-import gzip
 import subprocess
 import sys
 

@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from diloco.cli import commands
-from diloco.cli import interrupt, preflight
+from diloco.cli import commands, interrupt, preflight
 from diloco.config import files as config_files
 from diloco.config import run_config
 from diloco.errors import ConfigError

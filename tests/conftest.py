@@ -19,6 +19,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import dataclasses  # noqa: E402
 
+import gcs_emulator as gcs_emulator_lib  # noqa: E402
 import pytest  # noqa: E402
 from absl import flags  # noqa: E402
 
@@ -40,3 +41,22 @@ def replace():
     return dataclasses.replace(cfg, **{group: dataclasses.replace(getattr(cfg, group), **fields)})
   return _replace
 
+
+# The Cloud Storage emulator's fixtures (tests/gcs_emulator.py), for every test module that names
+# them.
+@pytest.fixture(scope="module")
+def gcs_emulator(tmp_path_factory):
+  """One emulator per test module (started in ~1 s), stopped at the module's end."""
+  emulator = gcs_emulator_lib.Emulator(str(tmp_path_factory.mktemp("gcs") / "emulator.log"))
+  try:
+    yield emulator
+  finally:
+    emulator.stop()
+    assert emulator.proc.returncode is not None  # no process left behind
+
+
+@pytest.fixture
+def gcs_root(gcs_emulator, monkeypatch):
+  """A fresh `gs://` store root on the emulator, with gcsfs wired in this process."""
+  gcs_emulator_lib.use_gcsfs(monkeypatch, gcs_emulator)
+  return gcs_emulator.root()

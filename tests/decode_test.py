@@ -10,9 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from diloco.model import decode
-from diloco.model import presets
-from diloco.model import transformer
+from diloco.model import decode, presets, transformer
 
 BOS = 256
 

@@ -7,19 +7,17 @@ import types
 import jax
 import numpy as np
 import pytest
+import runtime_configs
 
 from diloco import fragments
+from diloco.learner import island
 from diloco.model.sharding import batch_sharding
-from diloco.runtime import decoupled
+from diloco.runtime import data_parallel, decoupled
 from diloco.runtime.core import Recorder
 from diloco.train import data as data_lib
-from diloco.runtime import data_parallel
-from diloco.learner import island
 from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step
-
-import runtime_configs
 
 pytestmark = pytest.mark.slow
 

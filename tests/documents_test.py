@@ -20,6 +20,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import runtime_configs
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -32,8 +33,6 @@ from diloco.errors import ConfigError, DocumentError
 from diloco.model import registry
 from diloco.runtime import run_checkpoint
 from diloco.train import tokenizers
-
-import runtime_configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROPERTY = settings(max_examples=60, deadline=5000, derandomize=True, database=None,

@@ -18,8 +18,7 @@ from diloco.config import run_config
 from diloco.errors import ConfigError
 from diloco.model import config as model_config
 from diloco.model import presets as model_presets
-from diloco.model import tied_table
-from diloco.model import transformer
+from diloco.model import tied_table, transformer
 from diloco.train import program_digest
 
 _IMPLS = ("gather", "gather_f32", "one_hot", "auto")

@@ -10,12 +10,10 @@ import subprocess
 import sys
 
 import pytest
+import runtime_configs
 
 from diloco.config import run_config
-from diloco.runtime import decoupled
-from diloco.runtime import data_parallel
-
-import runtime_configs
+from diloco.runtime import data_parallel, decoupled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from experiments import harness
-from experiments.heterogeneous import config as hetero_config, run as hetero_run
+from experiments.heterogeneous import config as hetero_config
+from experiments.heterogeneous import run as hetero_run
 
 
 def test_heterogeneous_runs_cover_every_policy_and_outer_setting_at_equal_tokens():

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from experiments import harness
-from experiments.parity import config, run as parity_run
+from experiments.parity import config
+from experiments.parity import run as parity_run
 
 
 def test_every_method_trains_the_same_tokens_and_scores_the_same_windows():

@@ -14,8 +14,7 @@ import sys
 
 import pytest
 
-from experiments.scaling import (config, figures, pool, report, report_batch, rows, run,
-                                 stages)
+from experiments.scaling import config, figures, pool, report, report_batch, rows, run, stages
 
 STEPS = 40
 

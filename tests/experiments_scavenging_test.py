@@ -6,7 +6,8 @@ import os
 import pytest
 
 from experiments import harness
-from experiments.scavenging import config as scav_config, run as scav_run
+from experiments.scavenging import config as scav_config
+from experiments.scavenging import run as scav_run
 
 
 def test_scavenging_schedule_adds_two_learners_and_retires_them():

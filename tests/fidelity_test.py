@@ -11,20 +11,17 @@ import os
 
 import numpy as np
 import pytest
-
-from diloco import fragments
-from diloco.sync import syncer as syncer_lib
-from diloco.errors import ConfigError
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
-from diloco.delivery import Delivery
-from diloco.observe import accounting
-from diloco.observe import fidelity
-from diloco.runtime import decoupled
-from diloco.transport import Heartbeat
-
 import runtime_configs
 
+from diloco import fragments
+from diloco.delivery import Delivery
+from diloco.errors import ConfigError
+from diloco.observe import accounting, fidelity
+from diloco.outer.merge import OuterConfig
+from diloco.runtime import decoupled
+from diloco.sync import syncer as syncer_lib
+from diloco.sync.policy import SyncConfig
+from diloco.transport import Heartbeat
 
 
 def _config(**dotted):

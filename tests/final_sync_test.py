@@ -7,13 +7,12 @@ import os
 import random
 
 import pytest
+import runtime_configs
 
 from diloco import fragments as fragments_lib
 from diloco import transport
 from diloco.observe import accounting
 from diloco.runtime import decoupled
-
-import runtime_configs
 
 STEPS = 24  # tiny: H = 8 over P = 8 fragments, so at step 24 only fragment 0 is due
 

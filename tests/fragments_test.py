@@ -4,9 +4,9 @@ import itertools
 import math
 import random
 
-from absl import logging
 import numpy as np
 import pytest
+from absl import logging
 
 from diloco import fragments
 
@@ -31,7 +31,8 @@ def _all_paths(plan):
 
 def _oracle_balanced(sizes, num):
   """Greedy packing written out plainly: scan the fragments' loads for each tensor."""
-  natural = lambda q: [int(c) if c.isdigit() else c for c in q.split("/")]
+  def natural(q):
+    return [int(c) if c.isdigit() else c for c in q.split("/")]
   order = sorted(sizes, key=lambda q: (-sizes[q], [(0, c) if isinstance(c, int) else (1, c)
                                                    for c in natural(q)]))
   groups = [[] for _ in range(num)]

@@ -15,7 +15,6 @@ tested on the in-memory emulation only (`tests/lease_test.py`).
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -102,8 +101,8 @@ class Emulator:
 def use_gcsfs(monkeypatch: pytest.MonkeyPatch, emulator: Emulator) -> None:
   """Sends `gs://` to gcsfs and the emulator in this process (undoing what
   `object_store.register` may have done in this worker) with empty caches."""
-  from gcsfs import core  # pylint: disable=import-outside-toplevel
   from etils.epath import backend  # pylint: disable=import-outside-toplevel
+  from gcsfs import core  # pylint: disable=import-outside-toplevel
   for key, value in emulator.env().items():
     monkeypatch.setenv(key, value)
   monkeypatch.setitem(fsspec.config.conf, "gcs", {"token": "anon"})
@@ -117,21 +116,3 @@ def gcs() -> fsspec.AbstractFileSystem:
   """The gcsfs filesystem epath uses (for tests that damage or inspect objects directly)."""
   from etils.epath import backend  # pylint: disable=import-outside-toplevel
   return backend.fsspec_backend.fs("gs://")
-
-
-@pytest.fixture(scope="module")
-def gcs_emulator(tmp_path_factory):
-  """One emulator per test module (started in ~1 s), stopped at the module's end."""
-  emulator = Emulator(str(tmp_path_factory.mktemp("gcs") / "emulator.log"))
-  try:
-    yield emulator
-  finally:
-    emulator.stop()
-    assert emulator.proc.returncode is not None  # no process left behind
-
-
-@pytest.fixture
-def gcs_root(gcs_emulator, monkeypatch):
-  """A fresh `gs://` store root on the emulator, with gcsfs wired in this process."""
-  use_gcsfs(monkeypatch, gcs_emulator)
-  return gcs_emulator.root()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from gcs_emulator import gcs, gcs_emulator, use_gcsfs  # noqa: F401  (fixture)
+from gcs_emulator import gcs, use_gcsfs
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 

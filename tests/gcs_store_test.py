@@ -12,11 +12,11 @@ import urllib.request
 
 import numpy as np
 import pytest
-from gcs_emulator import BUCKET, gcs_emulator, gcs_root  # noqa: F401  (fixtures)
+from gcs_emulator import BUCKET
 
+from diloco.delivery import Delivery
 from diloco.distributed.lease import Lease, LeaseLost
 from diloco.distributed.store import Store
-from diloco.delivery import Delivery
 
 
 def _other_client():

@@ -13,14 +13,17 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diloco import fragments
-from diloco.sync import (intake, policy, syncer as syncer_lib, group as syncer_group, ownership)
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.errors import ConfigError
+from diloco.outer.merge import OuterConfig
+from diloco.sync import group as syncer_group
+from diloco.sync import intake, ownership, policy
+from diloco.sync import syncer as syncer_lib
+from diloco.sync.policy import SyncConfig
 from diloco.transport import Heartbeat
 
 SHAPES = {"embedder/embedding": (12, 4), "layers/0/w": (4, 8), "layers/0/b": (8,),

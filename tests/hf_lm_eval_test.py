@@ -12,13 +12,12 @@ import json
 
 import numpy as np
 import pytest
+from hf_export_test import _make_export
 from lm_eval import evaluator
 from lm_eval.tasks import TaskManager
 
 from diloco.artifacts import harness_model, hf_format
 from diloco.model import presets
-
-from hf_export_test import _make_export
 
 # Byte-level multiple choice: contexts and choices of different lengths, one past the run's 64
 # tokens, so padding, left truncation and the local attention window (32) all take part

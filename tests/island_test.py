@@ -4,14 +4,14 @@ devices, and what each learner runs is the program it would have compiled alone.
 
 import jax
 import numpy as np
+import runtime_configs
+
 from diloco.learner import island
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step
-
-import runtime_configs
 
 
 def _cfg(**dotted):

@@ -13,7 +13,6 @@ import time
 import numpy as np
 import object_store
 import pytest
-from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 
 from diloco.distributed.entry_check import StoreError
 from diloco.distributed.lease import Lease, LeaseHeld, LeaseLost

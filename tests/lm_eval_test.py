@@ -13,9 +13,8 @@ import json
 import jax
 import numpy as np
 import pytest
-from flax import nnx
-
 import runtime_configs
+from flax import nnx
 from lm_eval import utils as lm_utils
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model

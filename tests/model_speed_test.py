@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from script_import import import_script
 from flax import nnx
+from script_import import import_script
 
-from diloco.config import run_config
 from diloco import fragments as fragments_lib
+from diloco.config import run_config
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
 from diloco.model import transformer

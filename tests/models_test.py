@@ -6,20 +6,17 @@ import os
 import jax
 import numpy as np
 import pytest
+import runtime_configs
 
-from diloco.config import run_config
 from diloco import fragments
+from diloco.artifacts import export
+from diloco.config import run_config
 from diloco.model import registry
 from diloco.model import sharding as sharding_lib
-from diloco.runtime import core
-from diloco.runtime import decoupled
-from diloco.runtime import data_parallel
-from diloco.artifacts import export
+from diloco.runtime import core, data_parallel, decoupled
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state
-
-import runtime_configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUSTOM = os.path.join(REPO, "tests", "custom_model.py")

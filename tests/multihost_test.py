@@ -8,8 +8,8 @@ import ast
 import json
 import os
 import re
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import time

@@ -15,16 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from diloco.config import run_config
-from diloco import fragments
-from diloco.learner import learner as learner_lib
-from diloco.sync import syncer as syncer_lib
-from diloco import transport as transport_lib
-from diloco.runtime import decoupled
-from diloco.learner import island
-
 import runtime_configs
+
+from diloco import fragments
+from diloco import transport as transport_lib
+from diloco.config import run_config
+from diloco.learner import island
+from diloco.learner import learner as learner_lib
+from diloco.runtime import decoupled
+from diloco.sync import syncer as syncer_lib
 
 STEPS = 24  # train.steps: part of the compiled learner (its learning-rate schedule)
 

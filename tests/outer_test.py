@@ -10,7 +10,6 @@ import pytest
 from diloco import outer
 from diloco.outer import kernels
 
-
 # ---- Oracles: plain float64 NumPy, written from docs/design.md 2.4, not from the module. ----
 
 def oracle_weights(tokens, steps, scheme):

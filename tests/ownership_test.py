@@ -4,14 +4,16 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diloco import fragments
-from diloco.sync import intake, syncer as syncer_lib, ownership
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
 from diloco.errors import ConfigError
+from diloco.outer.merge import OuterConfig
+from diloco.sync import intake, ownership
+from diloco.sync import syncer as syncer_lib
+from diloco.sync.policy import SyncConfig
 from diloco.transport import Heartbeat
 
 

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from diloco.model import tied_table
-from diloco.model import transformer
+from diloco.model import tied_table, transformer
 from diloco.model.sharding import batch_sharding
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim, program_digest

@@ -98,7 +98,8 @@ def test_the_h200_gemma_2b_step_spends_no_pass_on_stacking_or_norms():
   assert len(stored) == len(moments) // 2 > 100
   table = {n for n in stored if "embedder" in n}
   assert len(table) == 1  # also read by the lookup's gather: its rows, not the table
-  layer = lambda name: int(re.search(r"layers___(\d+)___", name).group(1))
+  def layer(name):
+    return int(re.search(r"layers___(\d+)___", name).group(1))
   copies = collections.Counter()
   for name in stored - table:
     shape = large[name].shape

@@ -13,10 +13,9 @@ import subprocess
 import sys
 
 import pytest
+import runtime_configs
 
 from diloco.runtime import decoupled
-
-import runtime_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -6,18 +6,17 @@ carried by the next delivery; a final-sync delivery's round waits for every live
 """
 
 import numpy as np
+import options_test
 import pytest
+from options_test import setup  # noqa: F401  (the module's compiled learner)
 
 from diloco import fragments
+from diloco import transport as transport_lib
+from diloco.delivery import Delivery
+from diloco.outer.merge import OuterConfig
 from diloco.sync import policy
 from diloco.sync import syncer as syncer_lib
-from diloco import transport as transport_lib
-from diloco.outer.merge import OuterConfig
 from diloco.sync.policy import SyncConfig
-from diloco.delivery import Delivery
-
-import options_test
-from options_test import setup  # noqa: F401  (the module's compiled learner)
 
 
 class _Capture(transport_lib.InMemoryTransport):
@@ -161,7 +160,8 @@ def test_syncer_final_round_waits_for_every_live_learner_then_merges_them_togeth
                         SyncConfig(quorum=1, gamma=0.0, heartbeat_timeout_s=10.0),
                         OuterConfig(learning_rate=1.0, momentum=0.0, merge="mean",
                                     weights="uniform"), on_round=records.append)
-  beats = lambda now: [transport_lib.Heartbeat(m, 0, 4, 1.0, now) for m in (0, 1, 2)]
+  def beats(now):
+    return [transport_lib.Heartbeat(m, 0, 4, 1.0, now) for m in (0, 1, 2)]
   merged, deadline = s.tick(0.0, beats(0.0), [_payload(0, 4, final=True, value=3.0)],
                             left=[(0, 0)])
   assert merged == [] and deadline == 10.0 and not s.settled()
@@ -181,7 +181,8 @@ def test_syncer_final_round_stops_waiting_after_the_heartbeat_timeout():
   s = syncer_lib.Syncer({"w": np.zeros(3, np.float32)}, plan,
                         SyncConfig(quorum=1, gamma=0.0, heartbeat_timeout_s=10.0),
                         OuterConfig(learning_rate=1.0, momentum=0.0, merge="mean"))
-  beat = lambda m, now: transport_lib.Heartbeat(m, 0, 4, 1.0, now)
+  def beat(m, now):
+    return transport_lib.Heartbeat(m, 0, 4, 1.0, now)
   merged, deadline = s.tick(0.0, [beat(0, 0.0), beat(1, 0.0)],
                             [_payload(0, 4, final=True, value=3.0)], left=[(0, 0)])
   assert merged == [] and deadline == 10.0

@@ -12,13 +12,12 @@ import os
 import shutil
 
 import pytest
+import runtime_configs
 
 from diloco.distributed.launcher import Launcher
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import report
 from diloco.runtime import decoupled
-
-import runtime_configs
 
 STEPS = 8
 

@@ -14,17 +14,15 @@ import types
 
 import numpy as np
 import pytest
+import runtime_configs
 
 from diloco import fragments
 from diloco.errors import ConfigError
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
 from diloco.learner.learner import Resume
-from diloco.runtime import run_checkpoint
-from diloco.runtime import decoupled
+from diloco.outer.merge import OuterConfig
+from diloco.runtime import decoupled, run_checkpoint
 from diloco.sync.group import SyncerGroup
-
-import runtime_configs
+from diloco.sync.policy import SyncConfig
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 

@@ -6,11 +6,10 @@ import os
 
 import jax
 import pytest
+import runtime_configs
 
 from diloco.errors import ConfigError
 from diloco.runtime import decoupled
-
-import runtime_configs
 
 
 def test_share_devices_is_only_for_the_virtual_clock_and_excludes_device_groups():

@@ -54,8 +54,8 @@ def test_scripts_one_learner_per_array_task_requeued_alone():
   # Every #SBATCH line comes before the first command (sbatch stops reading at it).
   for text in scripts.values():
     lines = text.splitlines()
-    first = next(i for i, l in enumerate(lines[1:], 1) if l and not l.startswith("#"))
-    assert not any(l.startswith("#SBATCH") for l in lines[first:]), text
+    first = next(i for i, line in enumerate(lines[1:], 1) if line and not line.startswith("#"))
+    assert not any(line.startswith("#SBATCH") for line in lines[first:]), text
 
 
 def test_a_learner_over_several_nodes_starts_jax_distributed_from_slurms_environment():
@@ -215,7 +215,7 @@ def test_a_killed_learner_is_requeued_alone_and_rejoins(cluster, tmp_path, how):
   _rounds_exact(tape)
   for p in range(cfg.sync.num_fragments):
     for m in (0, 1):
-      assert max(s for f, l, _, s, _ in admitted if f == p and l == m) == steps, (p, m)
+      assert max(s for f, lid, _, s, _ in admitted if f == p and lid == m) == steps, (p, m)
   print(f"slurm run ({how}): {elapsed:.0f} s, learner 1 requeued, {len(tape)} rounds")
 
 

@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 import pytest
-
 import runtime_configs
+
 from diloco import fragments
 from diloco.distributed import global_view, store_layout, syncer_process
 from diloco.distributed import store as store_lib

@@ -11,7 +11,6 @@ import numpy as np
 import object_store
 import pytest
 from etils import epath
-from gcs_emulator import gcs_emulator, gcs_root  # noqa: F401  (fixtures)
 
 from diloco import fragments, outer
 from diloco.config.run_config import StoreConfig

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from diloco import fragments
-from diloco.sync import syncer as syncer_lib
-from diloco.outer.merge import OuterConfig
-from diloco.sync.policy import SyncConfig
 from diloco.delivery import Delivery
+from diloco.outer.merge import OuterConfig
+from diloco.sync import syncer as syncer_lib
+from diloco.sync.policy import SyncConfig
 from diloco.transport import Heartbeat
 
 SHAPES = {"embedder/embedding": (6, 4), "layers/0/w": (4, 4), "layers/1/w": (4, 3)}

@@ -8,12 +8,10 @@ import os
 import struct
 
 import pytest
+import runtime_configs
 
 from diloco.config import run_config
-from diloco.runtime import decoupled
-from diloco.runtime import data_parallel
-
-import runtime_configs
+from diloco.runtime import data_parallel, decoupled
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow

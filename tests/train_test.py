@@ -16,10 +16,9 @@ from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib
 from diloco.runtime import data_parallel
 from diloco.train import mesh as mesh_lib
-from diloco.train import optim
+from diloco.train import optim, tokenizers
 from diloco.train import state as train_state
 from diloco.train import step as train_step
-from diloco.train import tokenizers
 
 GOLDEN_TEXT = b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 8
 # Update only for an intended numerical change, by printing the values this test computes.

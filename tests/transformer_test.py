@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from diloco.model import moe
+from diloco.model import moe, transformer
 from diloco.model import presets as model_presets
-from diloco.model import transformer
 
 
 def expected_counts(c):

@@ -15,16 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import runtime_configs
 from flax import nnx
 
-from diloco.cli import evaluate, sample, to_safetensors
 from diloco import fragments
-from diloco.artifacts import trained
+from diloco.artifacts import export, trained
+from diloco.cli import evaluate, sample, to_safetensors
 from diloco.model import registry
 from diloco.train import data as data_lib
-from diloco.artifacts import export
-
-import runtime_configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOS = 256

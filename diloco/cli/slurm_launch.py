@@ -19,8 +19,7 @@ import time
 from absl import flags
 from ml_collections import config_flags as ml_config_flags
 
-from diloco.cli import command
-from diloco.cli import config_flags
+from diloco.cli import command, config_flags
 from diloco.config import run_config
 from diloco.deploy import slurm
 from diloco.distributed import launch_report

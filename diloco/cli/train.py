@@ -25,8 +25,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags as ml_config_flags
 
-from diloco.cli import config_flags
-from diloco.cli import interrupt, preflight
+from diloco.cli import config_flags, interrupt, preflight
 from diloco.config import run_config
 
 _CONFIG = ml_config_flags.DEFINE_config_file(
@@ -70,8 +69,7 @@ def _load_config() -> run_config.Config:
 def _run(cfg: run_config.Config, workdir: str):
   role = _ROLE.value
   if role == "train":
-    from diloco.runtime import data_parallel  # pylint: disable=import-outside-toplevel
-    from diloco.runtime import decoupled
+    from diloco.runtime import data_parallel, decoupled
     return (decoupled.run if cfg.learners.count else data_parallel.run)(cfg, workdir)
   if cfg.learners.count < 1:
     raise run_config.ConfigError(f"--role={role} needs learners.count >= 1")

@@ -28,8 +28,18 @@ from diloco.model import presets as model_presets
 from diloco.model.config import ModelConfig
 from diloco.observe.tracking import LogConfig
 from diloco.outer.merge import OuterConfig
-from diloco.settings import (AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, OneOf, Range,
-                             check_fields, frozen, require, setting)
+from diloco.settings import (
+  AT_LEAST_ONE,
+  FRACTION,
+  NON_NEGATIVE,
+  POSITIVE,
+  OneOf,
+  Range,
+  check_fields,
+  frozen,
+  require,
+  setting,
+)
 from diloco.sync.policy import SyncConfig
 from diloco.train.checkpoint import CheckpointConfig
 from diloco.train.data import DataConfig

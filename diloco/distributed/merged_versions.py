@@ -28,9 +28,18 @@ from absl import logging
 from diloco.distributed import entry_check
 from diloco.distributed.blob_io import Blobs, fsync_dir
 from diloco.distributed.entry_check import StoreError
-from diloco.distributed.store_names import (CONFLICT, MERGED_DATA, MERGED_NAME, NON_FINITE,
-                                            UNREADABLE, checked_array, checked_int,
-                                            merged_name, num_pattern, tensor_key)
+from diloco.distributed.store_names import (
+  CONFLICT,
+  MERGED_DATA,
+  MERGED_NAME,
+  NON_FINITE,
+  UNREADABLE,
+  checked_array,
+  checked_int,
+  merged_name,
+  num_pattern,
+  tensor_key,
+)
 from diloco.sync import intake
 from diloco.transport import Merged
 

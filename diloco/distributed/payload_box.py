@@ -24,8 +24,14 @@ from diloco.delivery import Delivery
 from diloco.distributed import entry_check
 from diloco.distributed.blob_io import Blobs
 from diloco.distributed.entry_check import StoreError
-from diloco.distributed.store_names import (GONE, UNREADABLE, checked_array, parse_payload_name,
-                                            payload_name, tensor_key)
+from diloco.distributed.store_names import (
+  GONE,
+  UNREADABLE,
+  checked_array,
+  parse_payload_name,
+  payload_name,
+  tensor_key,
+)
 from diloco.sync import intake
 
 

@@ -37,12 +37,12 @@ import os
 from etils import epath
 
 from diloco.distributed.blob_io import Blobs
-from diloco.errors import ConfigError
 from diloco.distributed.learner_registry import LearnerRegistry
 from diloco.distributed.merged_versions import MergedVersions
 from diloco.distributed.payload_box import Payloads
 from diloco.distributed.run_lifecycle import RunLifecycle
 from diloco.distributed.store_names import shard_folder
+from diloco.errors import ConfigError
 
 # Folders of a syncer shard's own, and folders every shard and learner shares (at the root).
 _OWN_FOLDERS = ("merged", "payloads", "lease")

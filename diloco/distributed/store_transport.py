@@ -25,6 +25,7 @@ from diloco.distributed.learner_registry import UP
 from diloco.distributed.store import Store
 from diloco.distributed.store_names import NON_FINITE, WRITE_FAILED
 from diloco.transport import Heartbeat, Merged
+
 # A merged version the index still names but that cannot be read this many polls in a row is
 # broken, not merely collected between the index read and the entry read: the learner skips it
 # for good and waits for a newer one.

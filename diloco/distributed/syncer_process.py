@@ -37,20 +37,20 @@ import jax
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.sync import intake, ownership
+from diloco.artifacts import export
 from diloco.config.run_config import Config
-from diloco.distributed import evaluator as evaluator_lib
-from diloco.distributed.lease import Lease
 from diloco.distributed import chaos, global_view, store_layout, store_markers
+from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.entry_check import StoreError
 from diloco.distributed.learner_registry import DONE, RETIRED
+from diloco.distributed.lease import Lease
 from diloco.distributed.store import Store, shard_stores
 from diloco.distributed.store_names import WRITE_FAILED, merged_name
 from diloco.distributed.syncer_link import SyncerStoreLink
-from diloco.observe import metrics as metrics_lib
-from diloco.sync.syncer import Syncer
-from diloco.artifacts import export
 from diloco.learner.island import fragment_plan, initial_global
+from diloco.observe import metrics as metrics_lib
+from diloco.sync import intake, ownership
+from diloco.sync.syncer import Syncer
 from diloco.transport import Merged
 
 TAPE_FILE = "tape.jsonl"

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 from absl import logging
 
 from diloco import fragments as fragments_lib
+from diloco.learner.island import pacing_wait
 from diloco.learner.learner import Learner, LearnerConfig
 from diloco.observe.accounting import span_record
-from diloco.learner.island import pacing_wait
 from diloco.transport import Heartbeat
 
 # How long one wait for a late round's publication lasts on the wall clock before the learner

@@ -314,7 +314,8 @@ class Transformer(nnx.Module):
     """Zeroed key/value caches of every layer for `length` positions (`decode`)."""
     cfg = self.cfg
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    zeros = lambda: jnp.zeros(shape, jnp.dtype(cfg.dtype))
+    def zeros():
+      return jnp.zeros(shape, jnp.dtype(cfg.dtype))
     return [{"k": zeros(), "v": zeros()} for _ in range(cfg.num_layers)]
 
   def decode(self, tokens_BL: jax.Array, positions_BL: jax.Array, cache):
@@ -426,7 +427,8 @@ def _stack_states(states, compute_dtype):
   stacking copy). The stacked arrays keep each parameter's sharding with the layer axis
   replicated, so that FSDP gathers one layer at a time inside the scan.
   """
-  is_var = lambda v: isinstance(v, nnx.Variable)
+  def is_var(v):
+    return isinstance(v, nnx.Variable)
   variables = jax.tree_util.tree_leaves_with_path(states[0], is_leaf=is_var)
   values = [jax.tree.leaves(state) for state in states]
   treedef = jax.tree.structure(states[0])

@@ -15,11 +15,8 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 
-from diloco.observe import accounting
-from diloco.observe import fidelity
+from diloco.observe import accounting, fidelity, timeline, tracking
 from diloco.observe import metrics as metrics_lib
-from diloco.observe import timeline
-from diloco.observe import tracking
 
 ACCOUNTING_FILE = "accounting.json"
 EXPORT_DIR = "export"  # where the final global parameters go (diloco/artifacts/export.py)

@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 import ml_dtypes
 import numpy as np
 
-
 # Threads, the caller's included, that share the work of one merge (`map_blocks`); set it to 1
 # for single-threaded merges. Results do not depend on it.
 MERGE_THREADS = min(2, os.cpu_count() or 1)

@@ -13,7 +13,6 @@ import numpy as np
 
 from diloco.outer import kernels
 
-
 QUANT_BITS = (16, 8, 4, 2, 1)
 # Bits whose codes share a byte, first code in the lowest bits.
 _PACKED_BITS = (4, 2, 1)

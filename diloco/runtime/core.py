@@ -26,15 +26,15 @@ import numpy as np
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.sync import intake
-from diloco.learner import loop as learner_loop
 from diloco.config.run_config import Config
 from diloco.distributed import global_view
 from diloco.errors import ConfigError
+from diloco.learner import island
+from diloco.learner import loop as learner_loop
 from diloco.learner.learner import Learner, Resume
 from diloco.runtime import faults as faults_lib
+from diloco.sync import intake
 from diloco.sync.group import SyncerGroup
-from diloco.learner import island
 from diloco.train import mesh as mesh_lib
 from diloco.train import state as train_state
 from diloco.train import step as train_step

@@ -19,19 +19,17 @@ import time
 import jax
 from absl import logging
 
+from diloco.artifacts import export
 from diloco.config.run_config import Config, check_in_process_eval
 from diloco.model.sharding import batch_sharding
-from diloco.observe import accounting
-from diloco.observe import fidelity
+from diloco.observe import accounting, fidelity, tracking
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import report as report_lib
-from diloco.observe import tracking
 from diloco.runtime import run_checkpoint
 from diloco.runtime.core import Runtime, Slot
 from diloco.runtime.threaded_driver import ThreadedDriver
 from diloco.runtime.virtual_driver import VirtualDriver
 from diloco.train import data as data_lib
-from diloco.artifacts import export
 
 
 class Status:

@@ -30,10 +30,10 @@ import time
 
 import numpy as np
 
-from diloco.sync import policy
 from diloco.sim import params as params_lib
 from diloco.sim import rounds
 from diloco.sim.result import SimResult
+from diloco.sync import policy
 
 _REPAIR, _PAUSE_END, _HB_EXPIRE, _SCHEDULE = 0, 1, 2, 3
 _CHUNK = 8192

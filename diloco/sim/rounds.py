@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diloco.sync import policy
 from diloco.delivery import Delivery
+from diloco.sync import policy
 
 _STEP_END, _DEADLINE, _PUBLISH = 0, 1, 2
 

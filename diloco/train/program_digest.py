@@ -408,7 +408,8 @@ def _figures(compiled) -> tuple[Memory, float | None]:
     stats = compiled.memory_analysis()
   except errors:
     stats = None
-  get = lambda name: getattr(stats, name, None)
+  def get(name):
+    return getattr(stats, name, None)
   memory = Memory(get("temp_size_in_bytes"), get("argument_size_in_bytes"),
                   get("output_size_in_bytes"), get("alias_size_in_bytes"),
                   get("generated_code_size_in_bytes"))

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from diloco.errors import ConfigError
-from diloco.model.config import ModelConfig
 from diloco.model import registry
+from diloco.model.config import ModelConfig
 from diloco.model.sharding import DEFAULT_RULES
 
 PyTree = Any

@@ -8,6 +8,7 @@ See `config.py` for the setting and the expected outcome.
 import json
 import os
 
+import matplotlib.pyplot as plt  # noqa: E402  (harness selected the Agg backend)
 import numpy as np
 from absl import app, flags
 
@@ -17,8 +18,6 @@ from diloco.observe.accounting import read_jsonl
 from diloco.sim import bandwidth as sim_bandwidth
 from experiments import harness
 from experiments.bandwidth import config
-
-import matplotlib.pyplot as plt  # noqa: E402  (harness selected the Agg backend)
 
 GBIT = 1e9
 

@@ -9,14 +9,13 @@ import json
 import os
 import shutil
 
+import matplotlib.pyplot as plt  # noqa: E402  (harness selected the Agg backend)
 from absl import app, flags
 
 from diloco.distributed import chaos
 from diloco.observe.accounting import read_jsonl
 from experiments import harness
 from experiments.chaos import config
-
-import matplotlib.pyplot as plt  # noqa: E402  (harness selected the Agg backend)
 
 
 def outages(workdir: str) -> list[tuple[int, float, float]]:

@@ -19,7 +19,8 @@ import os
 from absl import app, flags
 
 from experiments import harness
-from experiments.scaling import config, pool, progress, run as scaling_run, stages
+from experiments.scaling import config, pool, progress, stages
+from experiments.scaling import run as scaling_run
 
 CORPUS_FILE = "corpus.json"
 EVAL_WINDOWS = 256
@@ -81,8 +82,8 @@ def runs(preset: str, steps: int, batch: int, seq_len: int, learners, diloco_set
 
 def corpus_tokens(source: str = "stdlib", path: str = "") -> int:
   """Tokens of the corpus with the byte tokenizer (its bytes), uncapped."""
-  from diloco.train.data import DataConfig  # pylint: disable=import-outside-toplevel
   from diloco.train import corpus  # pylint: disable=import-outside-toplevel
+  from diloco.train.data import DataConfig  # pylint: disable=import-outside-toplevel
   data = DataConfig(source=source, path=path, max_bytes=0)
   return sum(len(text) for _, text in corpus.documents(data))
 

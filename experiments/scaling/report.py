@@ -17,7 +17,8 @@ import collections
 import numpy as np
 
 from experiments import harness
-from experiments.scaling import config, rows as rows_lib, stages
+from experiments.scaling import config, stages
+from experiments.scaling import rows as rows_lib
 
 KIND_NAMES = {"diloco": "synchronous DiLoCo", "decoupled": "Decoupled DiLoCo"}
 ROW_NAMES = {"diloco": "synchronous DiLoCo (ours)", "decoupled": "Decoupled DiLoCo (ours)",

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from experiments.scaling import config, report, rows as rows_lib
+from experiments.scaling import config, report
+from experiments.scaling import rows as rows_lib
 
 MISSING = "—"
 KINDS = ("diloco", "decoupled")

@@ -18,8 +18,8 @@ import os
 from absl import app, flags
 
 from experiments import harness
-from experiments.scaling import (config, figures, pool, report, report_batch, rows as rows_lib,
-                                 stages)
+from experiments.scaling import config, figures, pool, report, report_batch, stages
+from experiments.scaling import rows as rows_lib
 
 STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "m1", "size", "batch",
           "period", "outer", "none")

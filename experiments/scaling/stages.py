@@ -9,7 +9,8 @@ within the seeds' spread, so that "within noise" rests on three seeds, not two.
 from __future__ import annotations
 
 from experiments.harness import Run
-from experiments.scaling import config, rows as rows_lib
+from experiments.scaling import config
+from experiments.scaling import rows as rows_lib
 
 
 def period_of(setting: str) -> int:
