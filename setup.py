@@ -53,6 +53,9 @@ setup(
                  "hypothesis>=6.100,<7", "gcsfs>=2024.12", "gcp-storage-emulator>=2026.7,<2027",
                  # The linter `.ci/run` runs first (pyproject.toml's [tool.ruff]).
                  "ruff>=0.17.6,<0.18",
+                 # libtpu, the TPU compiler: `diloco compile` compiles for TPU slices on any
+                 # host (tests/tpu_compile_test.py); the tests run with JAX_PLATFORMS=cpu.
+                 "jax[tpu]>=0.10.2,<0.13",
                  # Benchmarks through lm-evaluation-harness, and the Hugging Face export loaded
                  # back by transformers. torch is pinned to the CPU build this machine kind keeps
                  # on disk for Python 3.11 (any other torch is a download of several GB); on

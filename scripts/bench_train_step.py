@@ -52,10 +52,11 @@ from diloco.config import run_config
 from diloco.errors import ConfigError
 from diloco.model.config import ModelConfig
 from diloco.model.sharding import batch_sharding
+from diloco.programs import program_digest
 from diloco.train import data as data_lib
 from diloco.train import flops as flops_lib
 from diloco.train import mesh as mesh_lib
-from diloco.train import optim, program_digest
+from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step
 
@@ -250,7 +251,7 @@ def _program_text(compiled) -> str | None:
 
 
 def program_summary(text: str | None) -> dict | None:
-  """What the compiled step does (`diloco.train.program_digest`): FLOPs by dot operand dtypes,
+  """What the compiled step does (`diloco.programs.program_digest`): FLOPs by dot operand dtypes,
   scatters and their dtypes, loops, host transfers, the attention kernel. Read from the program
   the device runs, so a claim about the step rests on it; a parse failure is reported, not
   raised (the timing stands on its own)."""

@@ -19,7 +19,7 @@ from diloco.errors import ConfigError
 from diloco.model import config as model_config
 from diloco.model import presets as model_presets
 from diloco.model import tied_table, transformer
-from diloco.train import program_digest
+from diloco.programs import program_digest
 
 _IMPLS = ("gather", "gather_f32", "one_hot", "auto")
 _SPACE = 32  # the byte that takes ~28% of the byte corpus's tokens

@@ -135,7 +135,8 @@ def test_modules_are_imported_normally():
 # - the vocabulary (errors, config rules, document readers, fragments, deliveries, transport
 #   messages and the receipt modes) is imported by all and imports nothing of the package but
 #   itself;
-# - `outer` (the syncer's NumPy math) and `model` need only the vocabulary;
+# - `outer` (the syncer's NumPy math), `model` and `programs` (readers of compiled programs)
+#   need only the vocabulary;
 # - `train` (the substrate: mesh, state, step, optimiser, data) builds on the model, and
 #   `observe` (metrics, trackers, accounting) on nothing above the vocabulary;
 # - `sync` (policy and syncer) takes the `outer` math, and `artifacts` (export, trained model)
@@ -148,7 +149,7 @@ def test_modules_are_imported_normally():
 #   Config; `cli` (and the `main`/`__main__` entry points) parse flags and call them.
 LAYERS = (
     {"errors", "settings", "documents", "fragments", "delivery", "transport"},
-    {"outer", "model"},
+    {"outer", "model", "programs"},
     {"train", "observe"},
     {"sync", "artifacts"},
     {"learner", "sim"},

@@ -11,8 +11,9 @@ from flax import nnx
 
 from diloco.model import tied_table, transformer
 from diloco.model.sharding import batch_sharding
+from diloco.programs import program_digest
 from diloco.train import mesh as mesh_lib
-from diloco.train import optim, program_digest
+from diloco.train import optim
 from diloco.train import state as train_state
 from diloco.train import step as train_step
 

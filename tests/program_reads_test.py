@@ -8,7 +8,7 @@ import os
 import re
 
 from diloco.model import presets
-from diloco.train import program_reads
+from diloco.programs import program_reads
 
 _SMALL = """HloModule step
 

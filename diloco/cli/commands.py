@@ -28,6 +28,8 @@ SUBCOMMANDS = {
                "write a run's model for other tools: --format=hf (transformers) | safetensors"),
     "to_safetensors": ("diloco.cli.to_safetensors",
                        "add model.safetensors and config.json to a run's export"),
+    "compile": ("diloco.cli.tpu_compile", ("will it fit? the run's programs compiled for TPU "
+                                          "slices on any host: --topology=v5e-256")),
     "slurm": ("diloco.cli.slurm_launch", "a multi-process run as SLURM batch jobs (--dry_run prints)"),
 }
 # Other names people type for a subcommand.

@@ -39,6 +39,13 @@ def build_learner(cfg: LearnerConfig, devices, index: int):
   Compiled ahead of time so that no learner compiles on the run's clock; shared by both
   runtimes (a group of this process's devices, or all devices of a learner process).
   """
+  spec, init, step = lower_learner(cfg, devices, index)
+  return spec, init.compile(), step.compile()
+
+
+def lower_learner(cfg: LearnerConfig, devices, index: int):
+  """`build_learner`'s spec and its init and train step lowered, not yet compiled (for
+  devices of any platform: `diloco compile` lowers them for a TPU slice on a CPU host)."""
   total = cfg.train.steps
   schedule = optim.lr_schedule(cfg.optim, total)
   tx = optim.inner_optimizer(cfg.optim, total)
@@ -53,9 +60,7 @@ def build_learner(cfg: LearnerConfig, devices, index: int):
   key = jax.eval_shape(lambda: jax.random.key(0))
   init_fn, step_fn = shared_programs(cfg, spec, schedule)
   with jax.set_mesh(spec.mesh):
-    init = init_fn.lower(key).compile()
-    step = step_fn.lower(spec.abstract, batch).compile()
-  return spec, init, step
+    return spec, init_fn.lower(key), step_fn.lower(spec.abstract, batch)
 
 
 # The jitted init and train step of each recent learner configuration, shared by every learner

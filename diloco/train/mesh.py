@@ -74,11 +74,29 @@ def resolve_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
   return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
+def slice_indices(devices: Sequence[jax.Device]) -> list[int]:
+  """The slice of each device (0 for devices that belong to no multi-slice system)."""
+  return [getattr(d, "slice_index", 0) or 0 for d in devices]
+
+
 def learner_mesh(devices: Sequence[jax.Device], cfg: MeshConfig) -> Mesh:
-  """An Auto-typed (data, fsdp, tensor) mesh over exactly `devices`."""
-  shape = resolve_shape(cfg, len(devices))
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                       devices=list(devices))
+  """An Auto-typed (data, fsdp, tensor) mesh over exactly `devices`.
+
+  Over devices of S > 1 slices (a data-parallel baseline across multi-slice TPU), `cfg` shapes
+  each slice's mesh and the data axis also runs across the slices, over the data-center
+  network: only the gradients' reduction crosses between slices, never an FSDP gather."""
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  slices = sorted(set(slice_indices(devices)))
+  if len(slices) == 1:
+    shape = resolve_shape(cfg, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=list(devices))
+  counts = {s: slice_indices(devices).count(s) for s in slices}
+  if len(set(counts.values())) > 1:
+    raise ConfigError(f"a mesh over several slices needs as many devices of each, got {counts}")
+  from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
+  per_slice = resolve_shape(cfg, len(devices) // len(slices))
+  grid = mesh_utils.create_hybrid_device_mesh(per_slice, (len(slices), 1, 1), list(devices))
+  return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def data_parallel_width(mesh: Mesh) -> int:

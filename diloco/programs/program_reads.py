@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from diloco.train.program_digest import Array, parse_hlo
+from diloco.programs.program_digest import Array, parse_hlo
 
 # Operations that move no data: they name or regroup buffers.
 _FREE = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")

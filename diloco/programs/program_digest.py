@@ -240,7 +240,7 @@ def parse_hlo(text: str) -> tuple[dict[str, _Instruction], str | None, dict[str,
   return instructions, entry, callers
 
 
-def _executions(instructions, entry, callers) -> Callable[[str], int]:
+def program_executions(instructions, entry, callers) -> Callable[[str], int]:
   """How often each computation runs per call of the entry, from known trip counts."""
   memo: dict[str, int] = {}
 
@@ -311,7 +311,7 @@ def _matmul(inst: _Instruction, shape_of: Callable[[str], Array | None]) -> Dot 
 def digest_hlo_text(text: str) -> ProgramDigest:
   """The digest of an optimized HLO module's text alone (no memory or cost figures)."""
   instructions, entry, callers = parse_hlo(text)
-  runs = _executions(instructions, entry, callers)
+  runs = program_executions(instructions, entry, callers)
 
   def shape_of(name: str) -> Array | None:
     inst = instructions.get(name)
