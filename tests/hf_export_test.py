@@ -270,3 +270,65 @@ def test_a_runs_tokenizer_json_is_copied_and_gives_its_ids(tmp_path):
   text = "the syncer merged the fragments ."
   assert theirs(text, add_special_tokens=False).input_ids == list(ours.encode(text.encode()))
   assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
+
+
+def _tree(root):
+  """{relative path: bytes} of every file under `root` (what an export must leave alone)."""
+  found = {}
+  for folder, _, files in os.walk(root):
+    for name in files:
+      path = os.path.join(folder, name)
+      with open(path, "rb") as f:
+        found[os.path.relpath(path, root)] = f.read()
+  return found
+
+
+@pytest.mark.parametrize("where", ["{run}", "{run}/export", "{run}/export/params", "{run}/logs",
+                                   "{run}/store/x", "{parent}", "{store}", "{store}/deep"])
+def test_export_never_writes_over_the_run_or_its_store(tmp_path, where):
+  """`--out` that is, holds or lies inside the run (but for RUN/hf) or its store (config.json's
+  store.root, outside the run here) is refused in one line, with --overwrite too: every file is
+  left as it was."""
+  run, store = tmp_path / "runs" / "a", tmp_path / "stores" / "a"
+  _make_export(run, presets.get("tiny"))
+  os.makedirs(run / "logs")
+  (run / "logs" / "learner0.log").write_text("log\n")
+  os.makedirs(store / "deep")
+  (store / "deep" / "blob").write_bytes(b"\0\1")
+  (run / "config.json").write_text(json.dumps({"store": {"root": str(store)}}))
+  before = _tree(tmp_path)
+  out = where.format(run=run, parent=tmp_path / "runs", store=store)
+  message = _cli(f"--workdir={run}", f"--out={out}", "--overwrite")
+  assert message and "\n" not in message and "--out: " in message, message
+  assert _tree(tmp_path) == before
+
+
+def test_overwrite_replaces_only_an_earlier_exports_folder_and_no_symlink(tmp_path):
+  run = tmp_path / "run"
+  _make_export(run, presets.get("tiny"))
+  elsewhere = tmp_path / "mine"
+  os.makedirs(elsewhere)
+  (elsewhere / "notes.txt").write_text("keep me\n")
+  assert "not empty; pass --overwrite" in _cli(f"--workdir={run}", f"--out={elsewhere}")
+  message = _cli(f"--workdir={run}", f"--out={elsewhere}", "--overwrite")
+  assert "was not written by diloco export" in message
+  assert (elsewhere / "notes.txt").read_text() == "keep me\n"
+  # A folder an export wrote is replaced; one with a file added by hand is not.
+  out = tmp_path / "hf_out"
+  assert _cli(f"--workdir={run}", f"--out={out}") is None
+  listed = json.loads((out / hf_format.MANIFEST).read_text())["files"]
+  assert set(listed) | {hf_format.MANIFEST} == set(os.listdir(out))
+  assert _cli(f"--workdir={run}", f"--out={out}", "--overwrite") is None
+  (out / "mine.txt").write_text("x")
+  assert "holds files no export wrote (mine.txt)" in _cli(f"--workdir={run}", f"--out={out}",
+                                                        "--overwrite")
+  assert (out / "mine.txt").exists()
+  # A symbolic link is neither followed nor replaced.
+  link = tmp_path / "link"
+  os.symlink(elsewhere, link)
+  assert "is a symbolic link" in _cli(f"--workdir={run}", f"--out={link}", "--overwrite")
+  assert os.path.islink(link) and (elsewhere / "notes.txt").exists()
+  # A manifest that is not one is a one-line error naming it.
+  (out / "mine.txt").unlink()
+  (out / hf_format.MANIFEST).write_text('{"files": [1]}')
+  assert "files[0]" in _cli(f"--workdir={run}", f"--out={out}", "--overwrite")

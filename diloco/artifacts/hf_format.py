@@ -16,6 +16,7 @@ import tempfile
 
 import numpy as np
 
+from diloco import documents
 from diloco import fragments as fragments_lib
 from diloco.artifacts import export, hf_tokenizer
 from diloco.errors import ConfigError
@@ -269,12 +270,57 @@ def _write_json(path: str, value) -> None:
     f.write("\n")
 
 
+# Written last into every folder `write` makes: the files it wrote, so that `--overwrite`
+# replaces an earlier export and nothing else.
+MANIFEST = ".diloco-export.json"
+
+
+def run_of(export_folder: str) -> str:
+  """The run an export folder belongs to (WORKDIR for WORKDIR/export), else the folder."""
+  parent, name = os.path.split(os.path.abspath(export_folder))
+  return parent if name == export.EXPORT_DIR else os.path.abspath(export_folder)
+
+
+def default_out(export_folder: str) -> str:
+  """Where the Hugging Face folder goes by default, the one place inside a run it may go."""
+  return os.path.join(run_of(export_folder), "hf")
+
+
+def check_apart(out_dir: str, path: str, what: str) -> None:
+  """ConfigError unless `out_dir` and `path` (say, the run) are apart: neither is the other or
+  holds it, symbolic links resolved."""
+  out, other = os.path.realpath(out_dir), os.path.realpath(path)
+  if out == other or other.startswith(out + os.sep):
+    raise ConfigError(f"--out: {out_dir!r} is or contains {what} {path!r}; write elsewhere")
+  if out.startswith(other + os.sep):
+    raise ConfigError(f"--out: {out_dir!r} lies inside {what} {path!r}; write elsewhere")
+
+
 def check_out(out_dir: str, overwrite: bool) -> None:
-  """ConfigError naming --out when it is a file, or a non-empty folder without `overwrite`."""
+  """ConfigError naming --out when it is a symbolic link or a file, or a non-empty folder
+  without `overwrite`, or with files that no earlier export wrote (its manifest lists them):
+  `--overwrite` replaces an export's folder, never anything else."""
+  if os.path.islink(out_dir):
+    raise ConfigError(f"--out: {out_dir!r} is a symbolic link; give the folder itself")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(f"--out: {out_dir!r} is a file, not a folder")
-  if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+  present = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+  if not present:
+    return
+  if not overwrite:
     raise ConfigError(f"--out: {out_dir!r} is not empty; pass --overwrite to replace it")
+  manifest = os.path.join(out_dir, MANIFEST)
+  if MANIFEST not in present:
+    raise ConfigError(f"--out: {out_dir!r} was not written by diloco export (no {MANIFEST}); "
+                      "--overwrite replaces only an earlier export's folder")
+  listed = documents.fields(documents.obj(documents.read(manifest), manifest),
+                            {"files": list}, manifest)["files"]
+  files = {documents.value(f, str, manifest, f"files[{i}]") for i, f in enumerate(listed)}
+  stray = sorted(present - files - {MANIFEST})
+  if stray:
+    raise ConfigError(f"--out: {out_dir!r} holds files no export wrote ({', '.join(stray[:5])}"
+                      f"{', ...' if len(stray) > 5 else ''}); --overwrite replaces only what "
+                      "an export wrote")
 
 
 def write(found: str, out_dir: str, max_shard_bytes: int = 5 * 10**9, *,
@@ -295,6 +341,9 @@ def write(found: str, out_dir: str, max_shard_bytes: int = 5 * 10**9, *,
   export.refuse_code(cfg, meta_file, trust_code)
   refuse_differences(cfg, meta_file)
   out_dir = os.path.abspath(out_dir)
+  run = run_of(where)
+  if os.path.realpath(out_dir) != os.path.realpath(default_out(where)):
+    check_apart(out_dir, run, "the run" if run != where else "the export folder")
   check_out(out_dir, overwrite)
   if max_shard_bytes < 1:
     raise ConfigError(f"--max_shard_size: must be at least 1 byte, got {max_shard_bytes}")
@@ -316,6 +365,7 @@ def write(found: str, out_dir: str, max_shard_bytes: int = 5 * 10**9, *,
     if note:
       print(note, flush=True)
     written += sorted(f for f in os.listdir(tmp) if f.startswith("tokenizer"))
+    _write_json(os.path.join(tmp, MANIFEST), {"files": written})
     _replace_dir(tmp, out_dir)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,9 @@ lacks (MoE, no QK-norm, a custom architecture, ...) is refused, naming all of th
 
 Flags: --workdir (a run or an export folder), --format (hf | safetensors), --out,
 --max_shard_size (e.g. "5GB", "500MB": larger weights are split into shards),
---overwrite (replace a non-empty --out), --trust_export_code.
+--overwrite (replace an earlier export's --out: only a folder whose manifest lists every file
+in it), --trust_export_code. An --out that is, holds or lies inside the run (but for its own
+WORKDIR/hf) or its store, or is a symbolic link, is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 
 from absl import flags
 
+from diloco import documents
 from diloco.artifacts import export, hf_format
 from diloco.cli import command, to_safetensors
 from diloco.errors import ConfigError
@@ -33,7 +36,8 @@ flags.DEFINE_string("out", None, "The folder to write (--format=hf); default WOR
 flags.DEFINE_string("max_shard_size", "5GB", "Largest weights file (--format=hf), e.g. 5GB, "
                     "500MB, 2GiB or a number of bytes; larger weights are sharded.",
                     flag_values=FLAGS)
-flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out.", flag_values=FLAGS)
+flags.DEFINE_bool("overwrite", False, "Replace an earlier export's --out folder (only files "
+                  "its manifest lists).", flag_values=FLAGS)
 command.define_trust_flag(FLAGS)
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -66,15 +70,31 @@ def _export() -> None:
   if found is None:
     raise ConfigError(f"--workdir: {FLAGS.workdir!r} holds no export "
                       f"({export.EXPORT_DIR}/{export.META_FILE})")
-  out = FLAGS.out or os.path.join(FLAGS.workdir, "hf")
+  out = FLAGS.out or hf_format.default_out(found)
   if os.path.abspath(out) == os.path.abspath(found):
     raise ConfigError(f"--out: {out!r} is the export folder itself; its config.json is the "
                       "diloco safetensors config, so write the Hugging Face folder elsewhere")
+  store = _local_store(hf_format.run_of(found))
+  if store:
+    hf_format.check_apart(out, store, "the run's store")
   files = hf_format.write(found, out, max_shard, trust_code=FLAGS.trust_export_code,
                           overwrite=FLAGS.overwrite)
   weights = sum(f.endswith(".safetensors") for f in files)
   print(f"wrote a Hugging Face Gemma 3 folder to {out} ({weights} weights file(s); "
         f"{', '.join(f for f in files if not f.endswith('.safetensors'))})", flush=True)
+
+
+def _local_store(run: str) -> str | None:
+  """The run's store folder when it is on this filesystem (its config.json's store.root, else
+  RUN/store), None for a gs:// store or a folder that is no run."""
+  config = os.path.join(run, "config.json")
+  if not os.path.isfile(config):
+    return None
+  doc = documents.obj(documents.read(config), config)
+  group = documents.obj(doc.get("store", {}), config, "store")
+  root = documents.fields(group, {"root": documents.Field(str, required=False)}, config,
+                          "store.").get("root") or os.path.join(run, "store")
+  return None if "://" in root else root
 
 
 def main(argv: list[str]) -> None:
