@@ -276,3 +276,21 @@ def test_a_cancelled_run_resubmitted_resumes_from_its_store(cluster, tmp_path):
     for m in (0, 1):
       assert max(a["local_step"] for r in tape if r["fragment"] == p for a in r["admitted"]
                  if a["learner"] == m) == steps, (p, m)
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_submission_the_real_scheduler_refuses_part_way_is_cancelled(cluster, tmp_path):
+  """The learners' partition is mistyped: sbatch queues the syncer, then refuses the array;
+  the syncer job is cancelled, not left to wait for learners that never come."""
+  workdir = str(tmp_path / "run")
+  cfg = slurm.for_slurm(_config(2, slurm__partition="nope", slurm__cpu_partition="debug",
+                                slurm__job_name="partial"), workdir + "/store")
+  with pytest.raises(RuntimeError, match=r"sbatch .*learner\.sbatch failed: .*; cancelled "
+                                         r"the jobs already queued \(syncer \d+\)"):
+    slurm.submit(cfg, workdir, workdir + "/store", env=cluster.env)
+  with open(os.path.join(workdir, slurm.JOBS_FILE), encoding="utf-8") as f:
+    record = json.load(f)  # (the message above is one line: match does not cross lines)
+  assert record["jobs"] == {} and set(record["cancelled"]) == {"syncer"}
+  state = _job(cluster, record["cancelled"]["syncer"]).get("JobState")
+  assert state == "CANCELLED", state

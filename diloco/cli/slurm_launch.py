@@ -58,12 +58,14 @@ def _body() -> None:
   store = FLAGS.store or cfg.store.root or os.path.join(workdir, "store")
   store = store if store.startswith("gs://") else os.path.abspath(store)
   cfg = slurm.for_slurm(cfg, store)
+  slurm.check_workdir(workdir)  # before anything is written
   if FLAGS.dry_run:
     for job in slurm.render(cfg, workdir, store):
       print(f"### {job.name}.sbatch" + (" (submitted with --dependency=afterok: every other "
                                          "job)" if job.depends_on_all else ""))
       print(job.script)
     return
+  slurm.check_resubmission(cfg, workdir)
   os.makedirs(workdir, exist_ok=True)
   try:
     ids = slurm.submit(cfg, workdir, store)

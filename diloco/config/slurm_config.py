@@ -39,7 +39,8 @@ class SlurmConfig:
   cpus_per_syncer: int = setting(1, AT_LEAST_ONE)
   # Memory per node of every job (sbatch --mem, e.g. "200G"); empty: the partition's default.
   mem: str = ""
-  # Shell lines each job runs first (module load, a venv's activate), ';'-separated.
+  # Shell lines each job runs first (module load, a venv's activate), ';'-separated: shell,
+  # run as written (the only field that is; every other value is quoted or refused).
   setup: str = ""
   # The Python that runs diloco on the nodes; empty: the one that ran `diloco slurm`.
   python: str = ""

@@ -17,11 +17,13 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
 import time
 
+from diloco.config import run_config
 from diloco.config.run_config import Config
 from diloco.config.slurm_config import SlurmConfig
 from diloco.deploy import accelerators
@@ -38,6 +40,20 @@ class Job:
   name: str
   script: str
   depends_on_all: bool = False  # the report: after every other job succeeded
+
+
+# What an #SBATCH directive's value cannot hold: sbatch reads a directive line as words, with
+# no quoting, stops reading directives at a line that is not one, and expands '%' in --output.
+_NOT_IN_DIRECTIVE = re.compile(r"[\s\x00-\x1f\x7f#%'\"\\]")
+
+
+def check_workdir(workdir: str) -> None:
+  """ConfigError unless `workdir` can name the jobs' logs in an #SBATCH --output directive."""
+  bad = _NOT_IN_DIRECTIVE.search(workdir)
+  if bad:
+    raise ConfigError(f"--workdir: {workdir!r} holds {bad.group(0)!r}, which an #SBATCH "
+                      "--output directive cannot carry (no whitespace, quotes, '#', '%', '\\' "
+                      "or control characters); choose another folder")
 
 
 def _sbatch_lines(s: SlurmConfig, name: str, log: str, cpu: bool) -> list[str]:
@@ -164,6 +180,7 @@ def render(cfg: Config, workdir: str, store: str) -> list[Job]:
   """Every job of the run, in submission order (the report last); ConfigError when a learner's
   GPUs do not fit the mesh."""
   check_devices(cfg)
+  check_workdir(workdir)
   config_json = os.path.join(workdir, "config.json")
   shards = cfg.sync.shards
   jobs = []
@@ -190,6 +207,29 @@ def for_slurm(cfg: Config, store: str) -> Config:
                                                             on_sigterm="restart"))
 
 
+def check_resubmission(cfg: Config, workdir: str) -> None:
+  """ConfigError unless `cfg` is the config WORKDIR/config.json recorded (when there is one)
+  in every group but `slurm`: a resubmitted run resumes from its store, which only the same
+  run can (the cluster's settings may change)."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return
+  recorded = dataclasses.asdict(run_config.read_file(path, "the run's config.json"))
+  wanted = dataclasses.asdict(cfg)
+  changed = []
+  for group, value in wanted.items():
+    if group == "slurm":
+      continue
+    if not isinstance(value, dict):  # a top-level field (seed)
+      changed += [group] if recorded.get(group) != value else []
+      continue
+    changed += [f"{group}.{k}" for k, v in value.items() if recorded[group].get(k) != v]
+  if changed:
+    shown = ", ".join(changed[:6]) + (", ..." if len(changed) > 6 else "")
+    raise ConfigError(f"--workdir: {workdir!r} holds a run whose config differs in {shown}; "
+                      "a resubmission may change only the slurm group (or use another workdir)")
+
+
 def write_configs(cfg: Config, workdir: str) -> None:
   """WORKDIR/config.json (and one per syncer shard), which every job reads."""
   raw = dataclasses.asdict(cfg)
@@ -206,22 +246,53 @@ def sbatch(script: str, extra: list[str], env: dict[str, str] | None = None) -> 
   out = subprocess.run(["sbatch", "--parsable", *extra, script], capture_output=True, text=True,
                        check=False, env=env)
   if out.returncode != 0:
-    raise RuntimeError(f"sbatch {script} failed: {out.stderr.strip() or out.stdout.strip()}")
+    said = [line.strip() for line in (out.stderr or out.stdout).splitlines() if line.strip()]
+    raise RuntimeError(f"sbatch {script} failed: {'; '.join(said)}")
   return out.stdout.strip().split(";")[0]
 
 
 def submit(cfg: Config, workdir: str, store: str, env: dict[str, str] | None = None) -> dict:
   """Writes the configs and scripts under `workdir` and submits them; the job ids by name."""
+  check_resubmission(cfg, workdir)
   for sub in ("logs", "slurm", "activity"):
     os.makedirs(os.path.join(workdir, sub), exist_ok=True)
   write_configs(cfg, workdir)
   ids: dict[str, str] = {}
-  for job in render(cfg, workdir, store):
-    path = os.path.join(workdir, "slurm", f"{job.name}.sbatch")
-    with open(path, "w", encoding="utf-8") as f:
+  jobs = render(cfg, workdir, store)
+  paths = {}
+  for job in jobs:
+    paths[job.name] = os.path.join(workdir, "slurm", f"{job.name}.sbatch")
+    with open(paths[job.name], "w", encoding="utf-8") as f:
       f.write(job.script)
+  for job in jobs:
     extra = [f"--dependency=afterok:{':'.join(ids.values())}"] if job.depends_on_all else []
-    ids[job.name] = sbatch(path, extra, env)
-  with open(os.path.join(workdir, JOBS_FILE), "w", encoding="utf-8") as f:
-    json.dump({"submitted_at": time.time(), "jobs": ids}, f, indent=2)
+    try:
+      ids[job.name] = sbatch(paths[job.name], extra, env)
+    except RuntimeError as e:
+      raise RuntimeError(f"{e}; {_undo(ids, workdir, env)}") from None
+  _record(workdir, {"submitted_at": time.time(), "jobs": ids})
   return ids
+
+
+def _record(workdir: str, doc: dict) -> None:
+  with open(os.path.join(workdir, JOBS_FILE), "w", encoding="utf-8") as f:
+    json.dump(doc, f, indent=2)
+
+
+def _undo(ids: dict[str, str], workdir: str, env: dict[str, str] | None) -> str:
+  """Cancels the jobs of a submission that failed part way; what it did, in words. Jobs that
+  cannot be cancelled are recorded in jobs.json (as `left`) and named."""
+  if not ids:
+    return "nothing was queued"
+  try:
+    done = subprocess.run(["scancel", *ids.values()], capture_output=True, text=True,
+                          check=False, env=env)
+  except OSError as e:
+    done = subprocess.CompletedProcess(["scancel"], 1, "", str(e))
+  listed = ", ".join(f"{k} {v}" for k, v in ids.items())
+  if done.returncode == 0:
+    _record(workdir, {"submitted_at": time.time(), "jobs": {}, "cancelled": ids})
+    return f"cancelled the jobs already queued ({listed})"
+  _record(workdir, {"submitted_at": time.time(), "jobs": {}, "left": ids})
+  return (f"could not cancel the jobs already queued ({listed}: "
+          f"{done.stderr.strip() or done.stdout.strip()}); they are in {JOBS_FILE}")
