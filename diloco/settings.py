@@ -24,9 +24,10 @@ def _is_number(value: Any) -> bool:
 class Range:
   """Numbers between `low` and `high` (None: unbounded), each end closed unless marked open.
 
-  NaN never passes; infinities pass unless a bound or `finite` excludes them. `integer` keeps
-  floats out (the config's type check does that too; the policy relies on this one). `text`
-  replaces the generated wording where the bare interval would mislead (quorum's 0)."""
+  NaN never passes, and infinities only where `infinite_ok` says they mean something; `finite`
+  only says so in the wording. `integer` keeps floats out (the config's type check does that
+  too; the policy relies on this one). `text` replaces the generated wording where the bare
+  interval would mislead (quorum's 0)."""
   low: float | None = None
   high: float | None = None
   low_open: bool = False
@@ -34,13 +35,14 @@ class Range:
   finite: bool = False
   integer: bool = False
   text: str = ""
+  infinite_ok: bool = False
 
   def admits(self, value: Any) -> bool:
     if not _is_number(value) or math.isnan(value):
       return False
     if self.integer and not isinstance(value, int):
       return False
-    if self.finite and not math.isfinite(value):
+    if not self.infinite_ok and not math.isfinite(value):
       return False
     if self.low is not None and (value <= self.low if self.low_open else value < self.low):
       return False
@@ -77,6 +79,8 @@ POSITIVE = Range(low=0, low_open=True)
 NON_NEGATIVE = Range(low=0)
 AT_LEAST_ONE = Range(low=1)
 FRACTION = Range(low=0, high=1, high_open=True)  # [0, 1)
+# Sizes in bytes, which may pass MAX_INT (below).
+BYTES = Range(low=0, high=2**53, text=">= 0 (bytes)")
 
 
 def frozen(cls: type) -> type:
@@ -97,15 +101,45 @@ def rule_of(cls: type, name: str) -> Rule | None:
 
 def message(rule: Rule, value: Any, note: str = "") -> str:
   """'must be <rule> (<note>), got <value>': the end of every rule's error message."""
-  return f"must be {rule.describe()}{f' ({note})' if note else ''}, got {value!r}"
+  text = rule.describe()
+  if (isinstance(rule, Range) and _is_number(value) and not math.isfinite(value)
+      and not rule.finite):
+    text = f"a finite number {text}"
+  return f"must be {text}{f' ({note})' if note else ''}, got {value!r}"
+
+
+# Rules every field keeps whatever its own: a number is finite and an int of at most this much
+# (a larger count or size is a typo, not a plan: it would hang or exhaust memory later), and a
+# string holds no control character or lone surrogate (a path or name with a newline would end
+# up in a script, a log line or a file name; a surrogate cannot even be written to config.json).
+MAX_INT = 2**31 - 1
+_CONTROL = frozenset(chr(c) for c in range(32)) | {"\x7f"}
+
+
+def _general_problem(value: Any, rule: Rule | None) -> str | None:
+  if isinstance(value, str):
+    if any(c in _CONTROL or "\ud800" <= c <= "\udfff" for c in value):
+      return f"must hold no control character or lone surrogate, got {value!r}"
+    return None
+  if not _is_number(value) or isinstance(rule, OneOf):
+    return None
+  if isinstance(value, float) and not math.isfinite(value) and rule is None:
+    return f"must be a finite number, got {value!r}"  # (a Range says so in its own words)
+  if isinstance(value, int) and abs(value) > MAX_INT and not (
+      isinstance(rule, Range) and rule.high is not None and rule.high > MAX_INT):
+    return f"must be at most {MAX_INT} in size, got {value!r}"
+  return None
 
 
 def check_fields(group: str, values: Any) -> None:
   """ConfigError naming `group.field` for the first field of the dataclass instance `values`
-  whose value its declared rule does not admit."""
+  whose value breaks the general rules (`MAX_INT`, above) or its declared rule."""
   for f in dataclasses.fields(values):
     rule = f.metadata.get("rule")
     value = getattr(values, f.name)
+    problem = _general_problem(value, rule)
+    if problem:
+      raise ConfigError(f"{group}.{f.name}: {problem}")
     if rule is not None and not rule.admits(value):
       raise ConfigError(f"{group}.{f.name}: {message(rule, value, f.metadata.get('note', ''))}")
 

@@ -332,3 +332,21 @@ def test_overwrite_replaces_only_an_earlier_exports_folder_and_no_symlink(tmp_pa
   (out / "mine.txt").unlink()
   (out / hf_format.MANIFEST).write_text('{"files": [1]}')
   assert "files[0]" in _cli(f"--workdir={run}", f"--out={out}", "--overwrite")
+
+
+def test_a_diverged_model_is_neither_exported_nor_trained_from(tmp_path):
+  cfg = presets.get("tiny")
+  params = _make_export(tmp_path / "good", cfg)
+  flat = fragments.flatten_tree(params)
+  name = sorted(flat)[0]
+  for bad in (np.nan, np.inf):
+    broken = dict(flat, **{name: np.full_like(np.asarray(flat[name]), bad)})
+    with pytest.raises(ConfigError, match=rf"export of step 1: parameter {name} holds NaN or "
+                                          "Inf; refused"):
+      export.save(str(tmp_path / "bad"), fragments.unflatten_tree(broken), model=cfg,
+                  data=data_lib.DataConfig(), seed=0, step=1, runtime="data_parallel")
+    assert not (tmp_path / "bad").exists()  # nothing written
+  # A NaN written by another tool into a good export is refused by train.init_from.
+  with pytest.raises(ConfigError, match=r"train.init_from=.*holds NaN or Inf"):
+    export.refuse_non_finite({name: np.array([1.0, np.nan], dtype=jnp.bfloat16)},
+                             f"train.init_from={str(tmp_path)!r}")

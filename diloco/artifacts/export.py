@@ -89,6 +89,7 @@ def save(workdir: str, params: PyTree, *, model, data, seed: int, step: int, run
   """
   from orbax.checkpoint import v1 as ocp_v1  # pylint: disable=import-outside-toplevel
   path = os.path.join(os.path.abspath(workdir), EXPORT_DIR)
+  refuse_non_finite(fragments_lib.flatten_tree(params), f"export of step {step}")
   os.makedirs(path, exist_ok=True)
   meta_path = os.path.join(path, META_FILE)
   if os.path.exists(meta_path):
@@ -115,6 +116,18 @@ def save(workdir: str, params: PyTree, *, model, data, seed: int, step: int, run
   logging.info("exported %d parameters at step %d to %s", meta["num_params"], step, path)
   print(f"exported the final parameters to {path}", flush=True)
   return path
+
+
+def refuse_non_finite(flat: dict, what: str) -> None:
+  """ConfigError naming the first parameter that holds a NaN or an infinity: a model that
+  diverged is neither exported nor trained from (a checkpoint refuses it the same way)."""
+  for name, value in flat.items():
+    array = np.asarray(value)
+    if np.issubdtype(array.dtype, np.inexact) or array.dtype.kind == "V":
+      array = array.astype(np.float32)
+    if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
+      raise ConfigError(f"{what}: parameter {name} holds NaN or Inf; refused (the model "
+                        "diverged: resume from a checkpoint with a lower learning rate)")
 
 
 def _run_tokenizer_file(data_cfg) -> str | None:
@@ -465,6 +478,7 @@ def load_init(path: str, abstract: PyTree, read_store: StoreReader | None = None
   check_shapes(params, abstract, source)
   dtypes = {k: v.dtype for k, v in fragments_lib.flatten_tree(abstract).items()}
   flat = {k: np.asarray(v, dtypes[k]) for k, v in fragments_lib.flatten_tree(params).items()}
+  refuse_non_finite(flat, f"train.init_from={path!r}")
   logging.info("train.init_from: %d tensors from %s", len(flat), source)
   print(f"initialised from {source}", flush=True)
   return fragments_lib.unflatten_tree(flat)

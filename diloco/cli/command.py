@@ -9,6 +9,7 @@ line on stderr and exit status 1.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 
@@ -38,10 +39,13 @@ def run(flag_values: flags.FlagValues, argv: list[str], body: Callable[[], None]
     sys.exit(f"{prog}: error: {e}")
 
 
-def at_least(value, low, flag: str) -> None:
-  """ConfigError naming `flag` unless value >= low."""
-  if value < low:
-    raise ConfigError(f"--{flag}: must be >= {low}, got {value}")
+def at_least(value, low, flag: str, high=None) -> None:
+  """ConfigError naming `flag` unless value is a finite number >= low (and <= high)."""
+  if isinstance(value, float) and not math.isfinite(value):
+    raise ConfigError(f"--{flag}: must be a finite number >= {low}, got {value}")
+  if value < low or (high is not None and value > high):
+    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ConfigError(f"--{flag}: must be {bound}, got {value}")
 
 
 def define_trust_flag(flag_values: flags.FlagValues) -> None:

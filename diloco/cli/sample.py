@@ -25,6 +25,7 @@ from diloco.errors import ConfigError
 from diloco.model import decode
 
 FLAGS = flags.FlagValues()
+MAX_TOKENS, MAX_SAMPLES = 1 << 20, 1 << 12
 flags.DEFINE_string("workdir", None, "The run's workdir, or an export folder.", flag_values=FLAGS)
 flags.DEFINE_string("prompt", None, "The text to continue.", flag_values=FLAGS)
 flags.DEFINE_string("prompt_ids", None, "Instead of --prompt: token ids, comma-separated.",
@@ -49,10 +50,11 @@ command.define_trust_flag(FLAGS)
 
 def check_flags() -> decode.Sampling:
   """The sampling settings, after checking every numeric flag (one-line ConfigErrors)."""
-  command.at_least(FLAGS.max_tokens, 1, "max_tokens")
+  # Bounds where size costs memory: the KV cache holds num_samples x (prompt + max_tokens).
+  command.at_least(FLAGS.max_tokens, 1, "max_tokens", high=MAX_TOKENS)
   command.at_least(FLAGS.temperature, 0, "temperature")
-  command.at_least(FLAGS.top_k, 0, "top_k")
-  command.at_least(FLAGS.num_samples, 1, "num_samples")
+  command.at_least(FLAGS.top_k, 0, "top_k", high=2**31 - 1)
+  command.at_least(FLAGS.num_samples, 1, "num_samples", high=MAX_SAMPLES)
   return decode.Sampling(temperature=FLAGS.temperature, top_k=FLAGS.top_k)
 
 

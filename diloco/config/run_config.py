@@ -190,7 +190,7 @@ class LaunchConfig:
   max_learners: int = setting(0, NON_NEGATIVE)
   # Restart a dead process after this long, doubling on each fast failure up to the max.
   restart_backoff_s: float = setting(1.0, POSITIVE)
-  max_backoff_s: float = 20.0
+  max_backoff_s: float = setting(20.0, POSITIVE)
   # A process that dies this many times in a row, each within a minute, aborts the run.
   max_fast_failures: int = setting(5, AT_LEAST_ONE)
   # Real faults, ';'-separated, at T seconds after every initial learner has taken a step
@@ -201,7 +201,7 @@ class LaunchConfig:
   # Random faults drawn from the seed in [chaos_start_s, chaos_end_s], on top of `chaos`.
   chaos_faults: int = setting(0, NON_NEGATIVE)
   chaos_start_s: float = setting(10.0, NON_NEGATIVE)
-  chaos_end_s: float = 60.0
+  chaos_end_s: float = setting(60.0, NON_NEGATIVE)
   # The whole run is stopped (and fails) after this many seconds.
   timeout_s: float = setting(3600.0, POSITIVE)
   # On SIGTERM/SIGINT the launcher forwards the signal to every process, waits this long for

@@ -63,8 +63,8 @@ class ModelConfig:
   # One letter per layer, repeated cyclically: L = local sliding window, G = global.
   attention_pattern: str = "LG"
   sliding_window: int = setting(64, AT_LEAST_ONE)
-  rope_base_local: float = 10_000.0
-  rope_base_global: float = 1_000_000.0
+  rope_base_local: float = setting(10_000.0, POSITIVE)
+  rope_base_global: float = setting(1_000_000.0, POSITIVE)
   qk_norm: bool = True
   # Queries are scaled by query_pre_attn_scalar**-0.5; 0 means head_dim.
   query_pre_attn_scalar: float = setting(0.0, NON_NEGATIVE)
@@ -72,8 +72,8 @@ class ModelConfig:
   final_logit_softcap: float = setting(0.0, NON_NEGATIVE, "0 = off")
   # Mixture of experts: num_experts = 0 gives the dense GeGLU MLP in every layer.
   num_experts: int = setting(0, NON_NEGATIVE, "0 = dense")
-  experts_per_token: int = 2
-  expert_mlp_dim: int = 0
+  experts_per_token: int = setting(2, AT_LEAST_ONE)
+  expert_mlp_dim: int = setting(0, NON_NEGATIVE)
   capacity_factor: float = setting(1.25, POSITIVE)
   moe_aux_loss_weight: float = setting(0.01, NON_NEGATIVE)
   # Compute dtype (activations, matmul inputs); parameters, gradients and optimizer state stay

@@ -44,7 +44,16 @@ from collections.abc import Iterable, Sequence
 
 from diloco import fragments, settings
 from diloco.delivery import Delivery
-from diloco.settings import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, OneOf, frozen, require, setting
+from diloco.settings import (
+  AT_LEAST_ONE,
+  FRACTION,
+  NON_NEGATIVE,
+  OneOf,
+  Range,
+  frozen,
+  require,
+  setting,
+)
 from diloco.transport import RECEIPT_MODES
 
 # Reasons returned by `check_delivery` for rejected deliveries (stable strings, used as counter
@@ -66,7 +75,7 @@ SYNC_BOUNDS = {
     "tau": settings.Range(low=0, integer=True),
     # The window is capped at one step time anyway; a gain beyond 10 is a typo.
     "gamma": settings.Range(low=0, high=10),
-    "heartbeat_timeout_s": settings.POSITIVE,
+    "heartbeat_timeout_s": settings.Range(low=0, low_open=True, infinite_ok=True),  # inf: never
     "max_staleness": settings.Range(low=0, integer=True),
 }
 EMA_DECAY_BOUND = settings.FRACTION
@@ -118,7 +127,7 @@ class SyncConfig:
   # Bytes of fragment copies a learner may hold on their way (on its devices, then its host);
   # the next delivery waits while its own would pass this, unless none is on its way (one
   # delivery always goes, however large). With `send_queue`, the first bound hit applies.
-  send_queue_bytes: int = setting(1 << 30, AT_LEAST_ONE)
+  send_queue_bytes: int = setting(1 << 30, Range(low=1, high=2**53, text=">= 1 (bytes)"))
   # S: the syncer is split into this many shards, each owning a byte-balanced subset of the
   # fragments with its own G, momentum, rounds, lease, store folder and tape
   # (docs/design.md 3.1, `diloco/sync/ownership.py`). 1 = one syncer. The single-controller

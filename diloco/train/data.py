@@ -28,7 +28,7 @@ import numpy as np
 from absl import logging
 
 from diloco.errors import ConfigError
-from diloco.settings import NON_NEGATIVE, OneOf, Range, frozen, require, setting
+from diloco.settings import BYTES, NON_NEGATIVE, OneOf, Range, frozen, require, setting
 from diloco.train import corpus, storage, tokenizers
 
 META_FILE = "meta.json"
@@ -54,7 +54,7 @@ class DataConfig:
   split: str = "train"
   seq_len: int = setting(128, Range(low=2))
   # Cap on the corpus size read into memory for text sources (0 = no cap).
-  max_bytes: int = setting(8_000_000, NON_NEGATIVE, "0 = no cap")
+  max_bytes: int = setting(8_000_000, BYTES, "0 = no cap")
   # Fraction of documents held out for evaluation (chosen by a hash of the name).
   eval_fraction: float = setting(0.02, Range(low=0, high=1, low_open=True, high_open=True))
   prefetch: int = setting(4, NON_NEGATIVE)

@@ -11,18 +11,18 @@ from jax.sharding import AxisType, Mesh
 
 from diloco.errors import ConfigError
 from diloco.model.sharding import MESH_AXES
-from diloco.settings import frozen, require
+from diloco.settings import Range, frozen, require, setting
 
 
 @frozen
 class MeshConfig:
   """Learner mesh axis sizes; exactly one may be -1 (fill with the rest)."""
   # Data parallelism: replicated parameters, the batch split.
-  data: int = -1
+  data: int = setting(-1, Range(low=-1))
   # Fully sharded data parallelism: parameters and the batch split.
-  fsdp: int = 1
+  fsdp: int = setting(1, Range(low=-1))
   # Tensor parallelism: MLP, heads and vocabulary split.
-  tensor: int = 1
+  tensor: int = setting(1, Range(low=-1))
 
   def check(self) -> None:
     """Each axis is a size or -1, and only one of them is -1."""
