@@ -675,3 +675,15 @@ def test_window_cutter_matches_the_whole_stream():
   expected = stream[:len(stream) // 33 * 33].reshape(-1, 33)  # NumPy oracle
   np.testing.assert_array_equal(got, expected)
   assert cutter.tokens == len(stream)
+
+
+def test_an_eval_set_that_would_only_repeat_the_split_is_refused():
+  """train.eval_batches=10**9 once built a list of 10**9 batches (a hang); cycling a short
+  split a few times over stays allowed."""
+  cfg = data.DataConfig(seq_len=64)
+  windows = len(data.split_windows(cfg, "eval"))
+  most = data.EVAL_REPEATS * windows // 8
+  assert len(data.eval_batches(cfg, batch_size=8, num_batches=most)) == most
+  with pytest.raises(ConfigError, match=rf"train.eval_batches: {10**9} batches of 8 sequences "
+                                        rf"would repeat the eval split's {windows} windows"):
+    data.eval_batches(cfg, batch_size=8, num_batches=10**9)

@@ -207,11 +207,20 @@ def train_dataset(cfg: DataConfig, *, batch_size: int, learner_id: int = 0,
   return ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=cfg.prefetch))
 
 
+EVAL_REPEATS = 4
+
+
 def eval_batches(cfg: DataConfig, *, batch_size: int, num_batches: int) -> list[np.ndarray]:
   """A fixed list of held-out batches (the first windows of the eval split, cycled if short)."""
   windows = split_windows(cfg, "eval")
   n = len(windows)
   if n == 0:
     raise ConfigError("data: the eval split is empty; raise data.eval_fraction")
+  # Cycling a short split only repeats its windows: a few times over is a small split's eval
+  # set, far more is a typo that would take memory and time for nothing.
+  if batch_size * num_batches > max(EVAL_REPEATS * n, batch_size):
+    raise ConfigError(f"train.eval_batches: {num_batches} batches of {batch_size} sequences "
+                      f"would repeat the eval split's {n} windows more than {EVAL_REPEATS} "
+                      f"times; at most {max(EVAL_REPEATS * n // batch_size, 1)}")
   rows = [np.asarray(windows[i % n]) for i in range(batch_size * num_batches)]
   return [np.stack(rows[i * batch_size:(i + 1) * batch_size]) for i in range(num_batches)]
