@@ -446,3 +446,68 @@ def test_a_checkpoint_that_does_not_fit_the_runtime_is_refused_before_restoring(
     run_checkpoint.restore(rt, run_checkpoint.Snapshot({"a": tensors["a"]}, tensors, meta,
                                                         "ckpt/1"))
   assert (e.value.file, e.value.field) == ("ckpt/1/params", "b")
+
+
+# -- the tools' readers: compare, benchmarks, curves, ArrayRecord shards, `datasets` folders ---
+
+def _readers():
+  """(name, valid document, reader of a path) for every other document the tools read."""
+  from diloco.cli import benchmarks, compare
+  from diloco.observe import curves
+  from diloco.train import corpus, data
+  config = {"train": {"batch_size": 8, "eval_batches": 2, "init_from": ""},
+            "data": {"seq_len": 64}, "learners": {"count": 2}}
+  results = {"results": {"arc": {"acc,none": 0.5, "acc_stderr,none": 0.1}},
+             "higher_is_better": {"arc": {"acc": True}}, "n-samples": {"arc": {"effective": 9}}}
+
+  def in_folder(name):
+    def read(path):
+      folder = os.path.dirname(path)
+      os.replace(path, os.path.join(folder, name))
+      try:
+        return reader_of[name](folder)
+      finally:
+        os.replace(os.path.join(folder, name), path)
+    return read
+
+  reader_of = {
+      "meta.json": lambda folder: data.shard_paths(data.DataConfig(
+          source="array_record", path=folder, seq_len=64), "train"),
+      "dataset_dict.json": lambda folder: corpus.datasets_arrow_files(folder, "train"),
+  }
+  return [
+      ("accounting.json", {"accounting/goodput": 0.9, "eval/loss": 2.5, "other": [1]},
+       compare._accounting),
+      ("config.json (compare)", config, lambda p: compare.eval_windows(os.path.dirname(p))),
+      ("config.json (curves)", config, curves.run_shape),
+      ("results.json", results, lambda p: benchmarks.lines(benchmarks.read_results(p))),
+      ("meta.json", {"seq_len": 64, "vocab_size": 259, "shards": {"train": [], "eval": []}},
+       in_folder("meta.json")),
+      ("dataset_dict.json", {"splits": ["train"]}, in_folder("dataset_dict.json")),
+  ]
+
+
+READERS = _readers()
+
+
+@pytest.mark.parametrize("name, valid, read", READERS, ids=[r[0] for r in READERS])
+def test_every_tools_reader_takes_a_mutated_document_or_fails_in_one_line(
+    tmp_path_factory, name, valid, read):
+  folder = tmp_path_factory.mktemp("reader")
+  path = str(folder / "doc.json")
+  _write(path, json.dumps(valid))
+  try:
+    read(path)  # the valid document is read (or stops at what lies beyond it, one line)
+  except ConfigError as e:
+    assert "\n" not in str(e) and "doc.json" not in str(e), e
+
+  @PROPERTY
+  @given(text=_mutated(valid))
+  def one_line(text):
+    _write(path, text)
+    try:
+      read(path)
+    except ConfigError as e:
+      assert "\n" not in str(e), str(e)
+
+  one_line()

@@ -134,8 +134,10 @@ def _run_tokenizer_file(data_cfg) -> str | None:
   """The tokenizer file a run read (None for the byte tokenizer): `data.tokenizer`, or for
   pre-tokenised shards the `tokenizer_model` their meta.json names."""
   if data_cfg.source == "array_record":
-    shard_meta = storage.read_json(storage.join(data_cfg.path, "meta.json"))
-    name = shard_meta.get("tokenizer_model")
+    meta_file = storage.join(data_cfg.path, "meta.json")
+    name = documents.fields(documents.obj(storage.read_json(meta_file), meta_file),
+                            {"tokenizer_model": Field((str, type(None)), required=False)},
+                            meta_file).get("tokenizer_model")
     return storage.join(data_cfg.path, name) if name else None
   if data_cfg.tokenizer == "byte":
     return None

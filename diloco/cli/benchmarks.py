@@ -15,6 +15,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from diloco import documents
 from diloco.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -108,15 +109,14 @@ def read_results(path: str) -> dict:
   """The results JSON at `path` ({} when there is none); ConfigError naming it if unreadable."""
   if not os.path.exists(path):
     return {}
-  try:
-    with open(path, encoding="utf-8") as f:
-      results = json.load(f)
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ConfigError(f"{path}: not a results JSON ({e}); move it aside to keep it") from None
+  results = documents.read(path)
   if not isinstance(results, dict) or not all(
       isinstance(results.get(k, {}), dict) for k in _PER_TASK):
     raise ConfigError(f"{path}: not a results JSON (expected an object of per-task sections); "
                       "move it aside to keep it")
+  for key in ("results", "higher_is_better", "n-samples"):  # each task's entry is read
+    for task, entry in (results.get(key) or {}).items():
+      documents.obj(entry, path, f"{key}.{task}")
   return results
 
 
@@ -166,7 +166,6 @@ def metric_columns(workdir: str) -> dict[str, float]:
   path = os.path.join(workdir, RESULTS_FILE)
   if not os.path.isfile(path):
     return {}
-  with open(path, encoding="utf-8") as f:
-    results = json.load(f)
+  results = read_results(path)
   return {f"{task} {metric}": value for task, row in metrics(results).items()
           for metric, value in row.items()}

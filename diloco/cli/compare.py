@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from diloco import documents
 from diloco.cli import benchmarks
 from diloco.observe import curves
 
@@ -52,17 +53,21 @@ def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
   return "\n".join(lines)
 
 
-def _load(path: str) -> dict | None:
+def _accounting(path: str) -> dict[str, float]:
+  """The numbers of a run's accounting.json ({} when there is none), each one typed."""
   if not os.path.exists(path):
-    return None
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+    return {}
+  doc = documents.obj(documents.read(path), path)
+  return {k: documents.value(v, float, path, k, finite=False) for k, v in doc.items()
+          if k.startswith("accounting/") or k == "eval/loss"}
 
 
 def eval_windows(workdir: str) -> int:
   """How many held-out windows the run's global evaluation scores (batch x eval batches)."""
-  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
-    train = json.load(f)["train"]
+  path = os.path.join(workdir, "config.json")
+  doc = documents.obj(documents.read(path), path)
+  train = documents.fields(documents.obj(doc.get("train"), path, "train"),
+                           {"batch_size": int, "eval_batches": int}, path, "train.")
   return train["batch_size"] * train["eval_batches"]
 
 
@@ -87,7 +92,7 @@ def row(workdir: str, curve: list[dict], time_key: str) -> dict:
          "initial_loss": curve[0]["eval_loss"], "tokens": curve[-1]["tokens"],
          "time_s": round(curve[-1][time_key] - curve[0][time_key], 1),
          "eval_windows": eval_windows(workdir)}
-  accounting = _load(os.path.join(workdir, "accounting.json")) or {}
+  accounting = _accounting(os.path.join(workdir, "accounting.json"))
   for key in COLUMNS:
     if f"accounting/{key}" in accounting:
       out[key] = float(accounting[f"accounting/{key}"])

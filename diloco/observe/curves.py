@@ -11,15 +11,33 @@ learners log elsewhere).
 
 from __future__ import annotations
 
-import json
 import os
 
 import matplotlib
 
+from diloco import documents
 from diloco.observe.accounting import read_jsonl
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+_SHAPE = {"train": {"batch_size": int, "init_from": documents.Field(str, required=False)},
+          "data": {"seq_len": int}, "learners": {"count": int}}
+
+
+def run_shape(path: str) -> dict[str, dict]:
+  """The fields of a run's config.json that its token counts need, typed (DocumentError naming
+  the file and the field otherwise)."""
+  doc = documents.obj(documents.read(path), path)
+  return {group: documents.fields(documents.obj(doc.get(group), path, group), spec, path,
+                                  f"{group}.")
+          for group, spec in _SHAPE.items()}
+
+
+_RECORD = {"t": float, "step": int, "eval/loss": documents.Field(float, finite=False),
+           "role": documents.Field((str, type(None)), required=False),
+           "time": documents.Field(float, required=False)}
+_STEP = {"end": float, "tokens": documents.Field(int, required=False)}
 
 
 def init_tokens(cfg: dict, base: str = "") -> int:
@@ -33,8 +51,7 @@ def init_tokens(cfg: dict, base: str = "") -> int:
   config_path = os.path.join(run_dir, "config.json")
   if kind != "checkpoints" or not step.isdigit() or not os.path.exists(config_path):
     return 0
-  with open(config_path, encoding="utf-8") as f:
-    source_cfg = json.load(f)
+  source_cfg = run_shape(config_path)
   return int(step) * source_cfg["train"]["batch_size"] * source_cfg["data"]["seq_len"] * max(
       source_cfg["learners"]["count"], 1)
 
@@ -52,14 +69,19 @@ def eval_curve(workdir: str, base: str = "") -> list[dict]:
   learners added or removed midway count), or, for a data-parallel run, which has none, the
   step times the tokens per step; plus those of the checkpoint it started from (`init_tokens`,
   `base` resolving a relative `train.init_from`)."""
-  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
-    cfg = json.load(f)
+  cfg = run_shape(os.path.join(workdir, "config.json"))
   per_step = cfg["train"]["batch_size"] * cfg["data"]["seq_len"] * max(
       cfg["learners"]["count"], 1)
-  steps = sorted((r["end"], r.get("tokens", 0))
-                 for r in read_jsonl(os.path.join(workdir, "activity.jsonl"))
-                 if r["kind"] == "step")
-  records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  activity = os.path.join(workdir, "activity.jsonl")
+  steps = sorted((s["end"], s.get("tokens", 0)) for s in (
+      documents.fields(r, _STEP, activity, "step record: ")
+      for r in read_jsonl(activity) if r.get("kind") == "step"))
+  metrics_file = os.path.join(workdir, "metrics.jsonl")
+  records = read_jsonl(metrics_file)
+  for r in records:  # the fields read below, typed, on the records that have them
+    documents.fields(r, {"t": float}, metrics_file, "record: ")
+    if "eval/loss" in r:
+      r.update(documents.fields(r, _RECORD, metrics_file, "eval record: "))
   t0 = records[0]["t"] if records else 0.0
   trained_from = _first_train_t(records)
   start = init_tokens(cfg, base)

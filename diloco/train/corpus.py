@@ -28,6 +28,7 @@ import re
 import sysconfig
 from typing import Iterator
 
+from diloco import documents as documents_lib
 from diloco.errors import ConfigError
 from diloco.train import storage
 
@@ -131,22 +132,25 @@ def _parquet_documents(path: str, key: str) -> Iterator[str]:
     yield from _text_column(pf.iter_batches(batch_size=1024, columns=cols), schema, key, name)
 
 
-def _read_json(path: str) -> dict:
-  return storage.read_json(path)
-
-
 def datasets_arrow_files(path: str, split: str) -> list[str]:
   """The Arrow files of one split of a `save_to_disk` or cache directory, in row order."""
   if not storage.isdir(path):
     raise ConfigError(f"data.path: {path!r} is not a directory (source=datasets expects one "
                       "written by Dataset.save_to_disk or DatasetDict.save_to_disk)")
   if storage.isfile(storage.join(path, "dataset_dict.json")):       # a DatasetDict
-    splits = _read_json(storage.join(path, "dataset_dict.json"))["splits"]
+    listing = storage.join(path, "dataset_dict.json")
+    splits = documents_lib.fields(documents_lib.obj(storage.read_json(listing), listing),
+                                  {"splits": list}, listing)["splits"]
     if split not in splits:
       raise ConfigError(f"data.split: {split!r} is not a split of {path!r}; it has {splits}")
     path = storage.join(path, split)
   if storage.isfile(storage.join(path, "state.json")):              # a Dataset
-    names = [f["filename"] for f in _read_json(storage.join(path, "state.json"))["_data_files"]]
+    state = storage.join(path, "state.json")
+    entries = documents_lib.fields(documents_lib.obj(storage.read_json(state), state),
+                                   {"_data_files": list}, state)["_data_files"]
+    names = [documents_lib.fields(documents_lib.obj(e, state, f"_data_files[{i}]"),
+                                  {"filename": str}, state, f"_data_files[{i}].")["filename"]
+             for i, e in enumerate(entries)]
     files = [storage.join(path, n) for n in names]
     missing = [f for f in files if not storage.isfile(f)]
     if missing:

@@ -27,6 +27,7 @@ import grain
 import numpy as np
 from absl import logging
 
+from diloco import documents
 from diloco.errors import ConfigError
 from diloco.settings import BYTES, NON_NEGATIVE, OneOf, Range, frozen, require, setting
 from diloco.train import corpus, storage, tokenizers
@@ -142,7 +143,13 @@ def read_meta(directory: str) -> dict:
   if not storage.isfile(path):
     raise ConfigError(f"data.path: {directory!r} has no {META_FILE}; write shards with "
                       "scripts/prepare_data.py")
-  return storage.read_json(path)
+  meta = documents.obj(storage.read_json(path), path)
+  meta.update(documents.fields(meta, {"seq_len": int, "vocab_size": int, "shards": dict}, path))
+  for split, names in meta["shards"].items():
+    documents.value(names, list, path, f"shards.{split}")
+    for i, name in enumerate(names):
+      documents.value(name, str, path, f"shards.{split}[{i}]")
+  return meta
 
 
 def shard_paths(cfg: DataConfig, split: str) -> list[str]:
@@ -155,6 +162,9 @@ def shard_paths(cfg: DataConfig, split: str) -> list[str]:
     raise ConfigError(f"data.path: {cfg.path!r}: ArrayRecord's reader opens local files and "
                       f"{', '.join(ARRAY_RECORD_URLS)} URLs only; copy the shards or mount the "
                       "bucket (e.g. gcsfuse)")
+  if split not in meta["shards"]:
+    raise ConfigError(f"data.path: {storage.join(cfg.path, META_FILE)} lists no {split!r} "
+                      f"shards; it has {sorted(meta['shards'])}")
   paths = [storage.join(cfg.path, name) for name in meta["shards"][split]]
   missing = [p for p in paths if not storage.isfile(p)]
   if missing:

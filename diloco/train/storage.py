@@ -11,13 +11,13 @@ read a file's contents, so a run checks its data at start however large the corp
 from __future__ import annotations
 
 import glob
-import json
 import os
 import posixpath
 import re
 from typing import IO, Any
 
-from diloco.errors import ConfigError
+from diloco import documents
+from diloco.errors import ConfigError, DocumentError
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -111,6 +111,16 @@ def open_file(path: str, mode: str = "rb") -> IO[Any]:
   return fs.open(inner, mode)
 
 
-def read_json(path: str) -> Any:
-  with open_file(path, "r") as f:
-    return json.load(f)
+def read_json(path: str, what: str = "") -> Any:
+  """The JSON document at `path` (a local file or a URL), read through `diloco.documents`:
+  bounded in size and depth, one DocumentError naming the file (as `what`, default the path)
+  when it cannot be read or is not JSON."""
+  name = what or path
+  try:
+    with open_file(path, "rb") as f:
+      data = f.read(documents.MAX_BYTES + 1)
+  except OSError as e:
+    raise DocumentError(name, "", f"cannot be read ({e.strerror or e})") from None
+  if len(data) > documents.MAX_BYTES:
+    raise DocumentError(name, "", f"is larger than {documents.MAX_BYTES} bytes")
+  return documents.parse(data, name)
