@@ -246,3 +246,11 @@ def test_the_module_reference_check_finds_what_it_should():
   assert "assign" in _top_level_names(REPO / "diloco" / "sync" / "ownership.py")
   assert _resolves("diloco.sync.ownership.assign") and not _resolves("diloco.sync.syncer_shards")
   assert not _resolves("diloco.sync.ownership.gone")
+
+
+def test_the_build_notes_stay_short():
+  """BUILD_NOTES.md holds the current figures, one per row; their history is git's."""
+  text = (REPO / "BUILD_NOTES.md").read_text(encoding="utf-8")
+  assert len(text.split()) <= 2500, len(text.split())
+  rows = [line for line in text.splitlines() if line.startswith("| ")]
+  assert all(len(row) <= 700 for row in rows), max(rows, key=len)[:200]

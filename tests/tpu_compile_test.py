@@ -104,6 +104,21 @@ def test_each_learner_stays_on_its_slice_and_data_parallel_crosses(two_slices):
   assert two_slices.fits and two_slices.chip == "v5e"
 
 
+def test_the_data_parallel_bytes_between_slices_sit_beside_the_ledgers(two_slices):
+  """The ledger's figure for D = 2 datacenters is the gradient once per step, 2 (D - 1) / D = 1
+  times the parameters, in closed form; the program's is every chip's DCN payloads."""
+  from diloco.model import presets, transformer
+  params = transformer.param_counts(presets.get("tiny"))["total"]
+  led = two_slices.ledger
+  assert led.ledger_bytes_bf16 == pytest.approx(2 * params)
+  assert led.ledger_bytes_f32 == pytest.approx(4 * params)
+  dp = next(p for p in two_slices.programs if p.name == "data-parallel step")
+  assert led.compiled_bytes_per_slice == 4 * dp.cross_slice_bytes
+  # tiny's f32 gradient crosses, its 64-wide dimensions padded to TPU tiles of 128.
+  assert led.ledger_bytes_f32 <= led.compiled_bytes_per_slice <= 4 * led.ledger_bytes_f32
+  assert led.ratio == led.compiled_bytes_per_slice / led.ledger_bytes_bf16
+
+
 def test_the_program_checks_run_on_the_tpu_program(two_slices):
   for p in two_slices.programs:
     assert p.fits and 0 < p.hbm_bytes < tpu_topology.CHIPS["v5e"].hbm_bytes

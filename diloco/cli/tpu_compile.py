@@ -89,10 +89,17 @@ def _body() -> None:
   report = aot.compile_run(cfg, FLAGS.topology, FLAGS.slices, learners=FLAGS.learners,
                            data_parallel=FLAGS.data_parallel,
                            dcn_bytes_per_s=FLAGS.dcn_gbps_per_chip * 1e9 / 8, on_program=show)
+  if not FLAGS.json and report.ledger:
+    led = report.ledger
+    print(f"data-parallel between slices: {led.compiled_bytes_per_slice / 1e6:.2f} MB per slice "
+          f"per step in the program; the bandwidth ledger charges {led.ledger_bytes_bf16 / 1e6:.2f}"
+          f" MB (bf16 gradients) or {led.ledger_bytes_f32 / 1e6:.2f} MB (f32): {led.ratio:.2f}x "
+          "its bf16 figure")
   if not FLAGS.json:
     print(f"{report.slices} x {report.topology}: "
           f"{'every program fits' if report.fits else 'a program does not fit'}")
-  print(json.dumps({"fits": report.fits, **dataclasses.asdict(report)}))
+  print(json.dumps({"fits": report.fits, **dataclasses.asdict(report),
+                    "dcn_ratio_to_ledger": report.ledger.ratio if report.ledger else None}))
   if not report.fits:
     sys.exit(1)
 

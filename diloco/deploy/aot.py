@@ -26,8 +26,10 @@ from diloco.config.run_config import Config
 from diloco.deploy import tpu_topology
 from diloco.errors import ConfigError
 from diloco.learner import island
+from diloco.model import transformer
 from diloco.programs import collectives as collectives_lib
 from diloco.programs import program_digest
+from diloco.sim import bandwidth
 from diloco.train import flops as flops_lib
 from diloco.train import mesh as mesh_lib
 
@@ -77,6 +79,20 @@ class Program:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Ledger:
+  """The data-parallel step's bytes between slices, from its program, beside what the
+  bandwidth ledger (`diloco.sim.bandwidth`) charges a datacenter for the same step."""
+  compiled_bytes_per_slice: int  # every chip of a slice's DCN payloads, per step
+  ledger_bytes_bf16: float  # the ledger at its default (bf16 gradients)
+  ledger_bytes_f32: float  # the ledger with f32 gradients, as the parameters are kept
+
+  @property
+  def ratio(self) -> float:
+    """Compiled over the ledger's bf16 figure."""
+    return self.compiled_bytes_per_slice / self.ledger_bytes_bf16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Report:
   topology: str
   chip: str
@@ -84,6 +100,7 @@ class Report:
   hbm_per_chip: int
   dcn_bytes_per_s_per_chip: float
   programs: tuple[Program, ...]
+  ledger: Ledger | None = None  # with the data-parallel step over several slices
 
   @property
   def fits(self) -> bool:
@@ -260,6 +277,21 @@ def compile_run(cfg: Config, topology: str, slices: int = 1, *, learners: str = 
     add(_program("data-parallel step", step, state.mesh, dp.train.batch_size, spec.chip,
                  _step_flops(cfg, dp.train.batch_size, len(devices)), dcn_bytes_per_s,
                  arguments=state.abstract))
+  dp_step = next((p for p in programs if p.name == "data-parallel step" and not p.refused), None)
   return Report(topology=spec.name, chip=spec.chip.name, slices=slices,
                 hbm_per_chip=spec.chip.hbm_bytes, dcn_bytes_per_s_per_chip=dcn_bytes_per_s,
-                programs=tuple(programs))
+                programs=tuple(programs),
+                ledger=None if dp_step is None else ledger(cfg, dp_step, spec.chips, slices))
+
+
+def ledger(cfg: Config, dp_step: Program, chips_per_slice: int, slices: int) -> Ledger:
+  """`Ledger` of a compiled data-parallel step: the ledger's own formula at one step a
+  second, so that its Gbit/s are bits per step."""
+  params = transformer.param_counts(cfg.model)["total"]
+
+  def per_step(bits: int) -> float:
+    rate = bandwidth.estimate(params=params, step_time=1.0, datacenters=slices, fragments=1,
+                              H=1, tau=1, bits=bits, dp_bits=bits)
+    return rate.dp_gbps * 1e9 / 8
+  return Ledger(compiled_bytes_per_slice=dp_step.cross_slice_bytes * chips_per_slice,
+                ledger_bytes_bf16=per_step(16), ledger_bytes_f32=per_step(32))

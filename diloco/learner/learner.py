@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
+from optax.contrib import MuonState
 
 from diloco import fragments as fragments_lib
 from diloco import outer
@@ -371,16 +372,22 @@ _copy_leaves = jax.jit(_copies)
 
 
 def _zero_moments(opt_state, paths: set[str]):
-  """AdamW state with mu and nu of the given parameter paths set to zero."""
+  """The inner optimizer's state with the moments of the given parameter paths set to zero:
+  AdamW's mu and nu, Muon's momentum (a parameter the other part of Muon takes is masked out
+  of its state: left as it is)."""
+
+  def zero(tree):
+    flat = fragments_lib.flatten_tree(tree)
+    flat = {k: jnp.zeros_like(v) if k in paths and hasattr(v, "shape") else v
+            for k, v in flat.items()}
+    return fragments_lib.unflatten_tree(flat)
 
   def reset(node):
     if isinstance(node, optax.ScaleByAdamState):
-      def zero(tree):
-        flat = fragments_lib.flatten_tree(tree)
-        flat = {k: jnp.zeros_like(v) if k in paths else v for k, v in flat.items()}
-        return fragments_lib.unflatten_tree(flat)
       return node._replace(mu=zero(node.mu), nu=zero(node.nu))
+    if isinstance(node, MuonState):
+      return node._replace(mu=zero(node.mu))
     return node
 
   return jax.tree.map(reset, opt_state,
-                      is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
+                      is_leaf=lambda n: isinstance(n, (optax.ScaleByAdamState, MuonState)))

@@ -66,6 +66,28 @@ def _check_model(cfg: ModelConfig, state: nnx.State) -> None:
                         f"{unknown}; known: {sorted(known)} (diloco/model/sharding.py)")
 
 
+def _keys(path) -> tuple:
+  return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+
+
+def optimizer_shardings(opt_state: PyTree, params: PyTree, param_shardings: PyTree,
+                        other: NamedSharding) -> PyTree:
+  """Each optimizer-state leaf placed as the parameter it belongs to (the one whose key path
+  ends its own, shape for shape: AdamW's and Muon's moments), every other leaf (counts, Muon's
+  coefficients) by `other`. Works for any optimizer's state, masked parts included (Muon's
+  optax.partition leaves a parameter out of the part that does not take it)."""
+  shapes = {_keys(p): leaf.shape for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+  placed = {_keys(p): s for p, s in jax.tree_util.tree_leaves_with_path(param_shardings)}
+
+  def place(path, leaf):
+    keys = _keys(path)
+    for start in range(len(keys)):
+      if shapes.get(keys[start:]) == getattr(leaf, "shape", None):
+        return placed[keys[start:]]
+    return other
+  return jax.tree_util.tree_map_with_path(place, opt_state)
+
+
 def make_spec(cfg: ModelConfig, tx: optax.GradientTransformation,
               mesh: jax.sharding.Mesh) -> StateSpec:
   graphdef, abstract_state = abstract_params(cfg)
@@ -74,9 +96,7 @@ def make_spec(cfg: ModelConfig, tx: optax.GradientTransformation,
   params = nnx.to_pure_dict(abstract_state)
   opt_state = jax.eval_shape(tx.init, params)
   replicated = NamedSharding(mesh, P())
-  opt_shardings = optax.tree_map_params(
-      tx, lambda _, sharding: sharding, opt_state, param_shardings,
-      transform_non_params=lambda _: replicated)
+  opt_shardings = optimizer_shardings(opt_state, params, param_shardings, replicated)
   shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
   shapes = {"params": params, "opt_state": opt_state,
             "step": jax.ShapeDtypeStruct((), jnp.int32)}
