@@ -11,6 +11,7 @@ network, and every estimate that uses it says so.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -98,12 +99,10 @@ def devices(topology: Slice, slices: int = 1) -> list:
   libtpu's description of the slice; ConfigError when libtpu is not installed."""
   if not 1 <= slices <= MAX_SLICES:
     raise ConfigError(f"--slices={slices}: must be 1 to {MAX_SLICES}")
-  try:
-    import libtpu  # noqa: F401
-    from jax.experimental import topologies
-  except ImportError as e:
+  from jax.experimental import topologies
+  if importlib.util.find_spec("libtpu") is None:  # jax[tpu]'s compiler, found by JAX itself
     raise ConfigError("compiling for a TPU needs libtpu: pip install -e \".[tpu]\" (it runs "
-                      f"on any host; {e})") from None
+                      "on any host)")
   # libtpu lets one process at a time on a host hold it (a lock file) unless told otherwise;
   # compiling uses no chip, so a compile may run beside a run or another compile.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

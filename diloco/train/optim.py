@@ -38,8 +38,9 @@ class OptimConfig:
   grad_clip_norm: float = setting(1.0, NON_NEGATIVE, "0 = no clipping")
   # Weight of the z-loss (log^2 of the softmax normaliser) that keeps logits small.
   z_loss_weight: float = setting(1e-4, NON_NEGATIVE)
-  # name="muon": the matrices' peak learning rate (on the same warmup and decay) and momentum.
+  # name="muon": the matrices' peak learning rate (on the same warmup and decay).
   muon_learning_rate: float = setting(0.02, Range(low=0, low_open=True, finite=True))
+  # name="muon": the matrices' momentum (Nesterov).
   muon_beta: float = setting(0.95, FRACTION)
 
 
