@@ -89,6 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     from diloco.cli import train  # pylint: disable=import-outside-toplevel
     train.run_cli()
     return
+  if name != "compile":  # which sets its own platforms
+    from diloco.deploy import accelerators  # pylint: disable=import-outside-toplevel
+    platforms = accelerators.platforms_without_absent_tpu()
+    if platforms:
+      import jax  # pylint: disable=import-outside-toplevel
+      jax.config.update("jax_platforms", platforms)
   importlib.import_module(module).main([f"diloco {name}", *args])
 
 

@@ -27,6 +27,7 @@ from ml_collections import config_flags as ml_config_flags
 
 from diloco.cli import config_flags, interrupt, preflight
 from diloco.config import run_config
+from diloco.deploy import accelerators
 
 _CONFIG = ml_config_flags.DEFINE_config_file(
     "config", None, "Config and preset: a shipped name (dp:small, decoupled:tiny) or a file "
@@ -190,6 +191,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 def run_cli() -> None:
   """`python -m diloco.main` and the `train` subcommand of `diloco` (diloco/cli/commands.py)."""
+  platforms = accelerators.platforms_without_absent_tpu()
+  if platforms:
+    jax.config.update("jax_platforms", platforms)
   jax.config.config_with_absl()
   app.run(main, flags_parser=_parse_flags)
 

@@ -55,6 +55,18 @@ def _tpu_chips() -> list[str]:
   return [str(i) for i in range(len(found))]
 
 
+def platforms_without_absent_tpu(environ: Mapping[str, str] = os.environ) -> str | None:
+  """With libtpu installed (the `test` and `tpu` extras, for `diloco compile`) on a host with no
+  TPU chip, JAX would still start the TPU plugin, which prints warnings and finds nothing: the
+  platforms for this process's JAX to try instead (a GPU is still found), None when
+  JAX_PLATFORMS is set or there is a chip or no libtpu. Never put in the environment: the
+  launcher reads JAX_PLATFORMS as the user's choice, and sets its children's itself."""
+  if (not environ.get("JAX_PLATFORMS") and importlib.util.find_spec("libtpu") is not None
+      and not _tpu_chips()):
+    return "cuda,cpu"
+  return None
+
+
 def _listed(value: str) -> list[str]:
   return [x.strip() for x in value.split(",") if x.strip()]
 
