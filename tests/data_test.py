@@ -687,3 +687,24 @@ def test_an_eval_set_that_would_only_repeat_the_split_is_refused():
   with pytest.raises(ConfigError, match=rf"train.eval_batches: {10**9} batches of 8 sequences "
                                         rf"would repeat the eval split's {windows} windows"):
     data.eval_batches(cfg, batch_size=8, num_batches=10**9)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("bad.jsonl", b'{"text": "fine"}\n{"text": "caf\xe9"}\n', r"bad.jsonl:2 is not UTF-8"),
+    ("surrogate.jsonl", b'{"text": "a"}\n{"text": "\\ud800"}\n',
+     r"surrogate.jsonl:2: field 'text' holds a lone surrogate"),
+    ("deep.jsonl", b"[" * 100_000 + b"\n", r"deep.jsonl:1 is not valid JSON"),
+    ("cut.jsonl.gz", None, r"cut.jsonl.gz is cut short or not gzip after line"),
+    ("notgzip.jsonl.gz", b'{"text": "plain"}\n', r"notgzip.jsonl.gz is cut short or not gzip"),
+])
+def test_a_bad_record_names_its_file_and_line_as_the_corpus_streams(tmp_path, name, content,
+                                                                    message):
+  import gzip
+  if content is None:  # a gzipped corpus cut off half way
+    whole = gzip.compress(b"".join(b'{"text": "line %d"}\n' % i for i in range(2000)))
+    content = whole[:len(whole) // 2]
+  (tmp_path / name).write_bytes(content)
+  cfg = data.DataConfig(source="jsonl", path=str(tmp_path / name))
+  with pytest.raises(ConfigError, match=message) as e:
+    list(corpus_lib.documents(cfg))
+  assert "\n" not in str(e.value)

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import functools
 import gzip
-import io
 import json
 import os
 import re
 import sysconfig
+import zlib
 from typing import Iterator
 
 from diloco import documents as documents_lib
@@ -82,22 +82,40 @@ def _check_text(value, key: str, where: str):
   if value is not None and not isinstance(value, str):
     raise ConfigError(f"data.text_key: field {key!r} at {where} is a {type(value).__name__}, "
                       "not a string")
+  if value and any("\ud800" <= c <= "\udfff" for c in value):  # JSON's \ud800 escapes
+    raise ConfigError(f"data.path: {where}: field {key!r} holds a lone surrogate, which is no "
+                      "text UTF-8 can carry")
   return value
+
+
+def _lines(name: str, binary) -> Iterator[tuple[int, str]]:
+  """(line number, text) of a JSON-lines file as it streams: a line that is not UTF-8, or a
+  gzip file that is cut short or corrupt, is a one-line error naming the file (and line)."""
+  lineno = 0
+  try:
+    for lineno, raw in enumerate(binary, 1):
+      try:
+        yield lineno, raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ConfigError(f"data.path: {name}:{lineno} is not UTF-8 ({e.reason} at byte "
+                          f"{e.start})") from None
+  except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+    raise ConfigError(f"data.path: {name} is cut short or not gzip after line {lineno} "
+                      f"({e})") from None
 
 
 def _jsonl_documents(path: str, key: str) -> Iterator[str]:
   for name in text_files(path, () if _is_single(path) else _SUFFIXES["jsonl"]):
     with storage.open_file(name, "rb") as raw:
       binary = gzip.GzipFile(fileobj=raw) if name.endswith(".gz") else raw
-      f = io.TextIOWrapper(binary, encoding="utf-8")
-      for lineno, line in enumerate(f, 1):
+      for lineno, line in _lines(name, binary):
         if not line.strip():
           continue
         where = f"{name}:{lineno}"
         try:
           record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ConfigError(f"data.path: {where} is not valid JSON ({e})") from None
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+          raise ConfigError(f"data.path: {where} is not valid JSON ({str(e)[:100]})") from None
         if not isinstance(record, dict):
           raise ConfigError(f"data.path: {where} is a JSON {type(record).__name__}, not an object")
         if key not in record:
