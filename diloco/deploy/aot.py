@@ -147,16 +147,15 @@ def _argument_buffers(arguments) -> tuple[Buffer, ...]:
   return tuple(sorted(found, key=lambda b: -b.bytes))
 
 
-def _refused(name, error, mesh, batch, arguments, compile_s) -> Program:
+def _refused(name, error, mesh, batch, arguments, compile_s, slices) -> Program:
   found = _REFUSED.search(str(error))
   if not found:
     raise error
   temps = int(float(found.group(1)) * _UNITS[found.group(2)])
   shards = _argument_buffers(arguments)
   args = sum(b.bytes for b in shards)
-  devices = list(mesh.devices.flat)
   return Program(
-      name=name, chips=len(devices), slices=tuple(sorted(set(mesh_lib.slice_indices(devices)))),
+      name=name, chips=mesh.devices.size, slices=slices,
       mesh=dict(mesh.shape), batch=batch, compile_s=round(compile_s, 2), argument_bytes=args,
       output_bytes=0, temp_bytes=temps, alias_bytes=0, hbm_bytes=args + temps, fits=False,
       largest=shards[:_LARGEST], refused=str(error).strip().splitlines()[0],
@@ -185,6 +184,9 @@ def _program(name: str, lowered, mesh, batch: int, chip: tpu_topology.Chip, flop
   """`lowered` compiled and read; `slice_label` names the slice of a program compiled for a
   single-slice description (its devices carry slice 0); `arguments` (its inputs' abstract
   values) name the largest shards when the compiler refuses a program too large for HBM."""
+  devices = list(mesh.devices.flat)
+  slice_of = mesh_lib.slice_indices(devices)
+  slices = tuple(sorted(set(slice_of))) if slice_label is None else (slice_label,)
   start = time.perf_counter()
   try:
     with _without_persistent_cache():
@@ -192,15 +194,13 @@ def _program(name: str, lowered, mesh, batch: int, chip: tpu_topology.Chip, flop
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
-    return _refused(name, e, mesh, batch, arguments or (), time.perf_counter() - start)
+    return _refused(name, e, mesh, batch, arguments or (), time.perf_counter() - start, slices)
   compile_s = time.perf_counter() - start
   text = compiled.as_text() or ""
   stats = compiled.memory_analysis()
   args, outs = stats.argument_size_in_bytes, stats.output_size_in_bytes
   temps, alias = stats.temp_size_in_bytes, stats.alias_size_in_bytes
   hbm = args + outs + temps - alias
-  devices = list(mesh.devices.flat)
-  slice_of = mesh_lib.slice_indices(devices)
   found = collectives_lib.collectives(text)
   crossing = [c for c in found if collectives_lib.crosses(c, slice_of)]
   cross_bytes = sum(c.bytes_per_call for c in crossing)
@@ -209,8 +209,7 @@ def _program(name: str, lowered, mesh, batch: int, chip: tpu_topology.Chip, flop
   f32 = digest.f32_dots(F32_DOT_MIN_FLOPS)
   ici_bytes = sum(c.bytes_per_call for c in found) - cross_bytes
   return Program(
-      name=name, chips=len(devices),
-      slices=tuple(sorted(set(slice_of))) if slice_label is None else (slice_label,),
+      name=name, chips=len(devices), slices=slices,
       mesh=dict(mesh.shape), batch=batch, compile_s=round(compile_s, 2), argument_bytes=args,
       output_bytes=outs, temp_bytes=temps, alias_bytes=alias, hbm_bytes=hbm,
       fits=hbm <= chip.hbm_bytes, largest=() if hbm <= chip.hbm_bytes else _largest(text),
