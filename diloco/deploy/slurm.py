@@ -268,7 +268,7 @@ def submit(cfg: Config, workdir: str, store: str, env: dict[str, str] | None = N
     extra = [f"--dependency=afterok:{':'.join(ids.values())}"] if job.depends_on_all else []
     try:
       ids[job.name] = sbatch(paths[job.name], extra, env)
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:  # OSError: no sbatch to run
       raise RuntimeError(f"{e}; {_undo(ids, workdir, env)}") from None
   _record(workdir, {"submitted_at": time.time(), "jobs": ids})
   return ids
