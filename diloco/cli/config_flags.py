@@ -14,12 +14,14 @@ import difflib
 import inspect
 import io
 import re
+import sys
 import textwrap
 import tokenize
 from typing import Any
 
 import ml_collections
 
+from diloco.cli import command
 from diloco.config import files as config_files
 from diloco.config import run_config
 
@@ -237,3 +239,14 @@ def summary(cfg: run_config.Config) -> list[str]:
       out += textwrap.wrap(f"{group}: " + " ".join(changed), width=100,
                            subsequent_indent="    ", break_on_hyphens=False)
   return out + [f"seed: {cfg.seed}"]
+
+
+def run_command(flag_values, argv: list[str], body, prog: str) -> None:
+  """`command.run` for a subcommand that takes --config: the file and preset resolved first,
+  one line when they cannot be (`prog` names the command when argv has no program name)."""
+  try:
+    argv = with_config_resolved(list(argv))
+  except run_config.ConfigError as e:
+    sys.exit(f"{argv[0] if argv else prog}: error: {e}")
+  command.run(flag_values, argv, body)
+

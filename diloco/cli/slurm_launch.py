@@ -113,11 +113,7 @@ def _requeues(workdir: str, cfg: run_config.Config) -> dict:
 
 def main(argv: list[str]) -> None:
   """`argv[0]` is the program name; the rest are this command's flags (module docstring)."""
-  try:
-    argv = config_flags.with_config_resolved(list(argv))
-  except ConfigError as e:
-    sys.exit(f"{argv[0] if argv else 'diloco slurm'}: error: {e}")
-  command.run(FLAGS, argv, _body)
+  config_flags.run_command(FLAGS, argv, _body, "diloco slurm")
 
 
 if __name__ == "__main__":

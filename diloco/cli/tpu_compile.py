@@ -105,11 +105,8 @@ def _body() -> None:
 
 
 def main(argv: list[str]) -> None:
-  try:
-    argv = config_flags.with_config_resolved(list(argv))
-  except ConfigError as e:
-    sys.exit(f"{argv[0] if argv else 'diloco compile'}: error: {e}")
-  command.run(FLAGS, argv, _body)
+  """`argv[0]` is the program name; the rest are this command's flags (module docstring)."""
+  config_flags.run_command(FLAGS, argv, _body, "diloco compile")
 
 
 if __name__ == "__main__":
