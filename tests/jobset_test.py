@@ -158,6 +158,7 @@ def test_bad_overrides_are_named(override):
     ({"store": "/tmp/store"}, "--store"),
     ({"store": "s3://bucket/run"}, "--store"),
     ({"learners": "0"}, "--learners"),
+    ({"learners": "100000"}, "--learners: need 1 to 512"),  # once rendered for minutes
     ({"tpu_type": "v4-8"}, "--tpu_type"),
     ({"tpu_type": "v5p-7"}, "--tpu_type"),
     ({"tpu_type": "v5p-32"}, "--topology"),  # no default shape: must be given

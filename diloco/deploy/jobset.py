@@ -200,6 +200,11 @@ def image(args: flags.FlagValues) -> str:
   return DEFAULT_IMAGE["cuda" if args.gpu_type is not None else "tpu"]
 
 
+# The API server stores an object of at most 1.5 MiB (etcd's request limit); each learner adds a
+# replicated job of about 1.6 kB to the manifest (measured for gemma_2b on v5p-128).
+MAX_LEARNERS = 512
+
+
 def build_jobset(args: flags.FlagValues) -> dict:
   """The JobSet as a dict; FlagError names the first bad flag."""
   if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", args.name or ""):
@@ -208,8 +213,10 @@ def build_jobset(args: flags.FlagValues) -> dict:
   if not image(args) or re.search(r"\s", image(args)):
     raise FlagError(f"--image: {args.image!r} is not a container image reference")
   store = check_store(args.store)
-  if args.learners is None or args.learners < 1:
-    raise FlagError(f"--learners: need at least one learner, got {args.learners}")
+  if args.learners is None or not 1 <= args.learners <= MAX_LEARNERS:
+    raise FlagError(f"--learners: need 1 to {MAX_LEARNERS} learners, got {args.learners} (a "
+                    "JobSet's manifest holds a replicated job per learner, about 1.6 kB each, "
+                    "and the API server takes objects up to 1.5 MiB)")
   devices = accelerator(args)
   overrides = parse_overrides(args.override)
   config, cfg = _check_config(args.config, devices, overrides)
