@@ -200,7 +200,7 @@ def test_a_learner_retries_its_delivery_until_space_is_freed(where):
   root, disk = where
   store = Store(root)
   disk.left = 0
-  link = LearnerStoreLink(store, 0, 0, poll_s=0.01, send_queue=1)
+  link = LearnerStoreLink(store, 0, 0, poll_s=0.01, shapes=None, send_queue=1)
   try:
     link.deliver(_payload(4))
     deadline = time.monotonic() + 60

@@ -42,7 +42,8 @@ def _merged(fragment, version):
 def pair(tmp_path):
   kv: dict = {}
   store = Store(tmp_path)
-  links = [hosts_lib.AgreedLink(store, 0, 0, _DictHosts(h, kv), poll_s=60.0) for h in (0, 1)]
+  links = [hosts_lib.AgreedLink(store, 0, 0, _DictHosts(h, kv), poll_s=60.0, shapes=None)
+           for h in (0, 1)]
   yield links
   for link in links:
     link.close()
@@ -115,7 +116,8 @@ def test_only_host_0_writes_to_the_store(pair, tmp_path):
 
 
 def test_one_host_agrees_with_itself(tmp_path):
-  link = hosts_lib.AgreedLink(Store(tmp_path), 0, 0, hosts_lib.HostGroup(), poll_s=60.0)
+  link = hosts_lib.AgreedLink(Store(tmp_path), 0, 0, hosts_lib.HostGroup(), poll_s=60.0,
+                              shapes=None)
   try:
     link._fetched(_merged(1, 3))
     assert link.latest(1) is None  # nothing is visible before an agreement

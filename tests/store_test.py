@@ -323,7 +323,7 @@ def test_learner_link_delivers_and_prefetches_merged(where):
   s = _syncer()
   for m in s.initial(0.0):
     store.merged.put(m, s.momentum, {"round": None, "state": s.export_state()})
-  link = LearnerStoreLink(store, 3, 0, poll_s=0.01, heartbeat_every_s=0.01)
+  link = LearnerStoreLink(store, 3, 0, poll_s=0.01, shapes=None, heartbeat_every_s=0.01)
   try:
     link.wait_initial(PLAN.num_fragments, timeout=30)
     assert link.latest_version(0) == 0 and link.latest_version(1) == 0
@@ -342,7 +342,7 @@ def test_learner_link_outbox_is_bounded_and_loses_nothing(tmp_path):
   """At `send_queue` deliveries waiting for a slow link, `deliver` waits (backpressure) instead
   of buffering without bound; every delivery still reaches the store."""
   store = Store(tmp_path)
-  link = LearnerStoreLink(store, 0, 0, poll_s=0.01, up=wan.Link(latency_ms=300), send_queue=1)
+  link = LearnerStoreLink(store, 0, 0, poll_s=0.01, shapes=None, up=wan.Link(latency_ms=300), send_queue=1)
   try:
     for step in (4, 8, 12):
       link.deliver(_payload(0, 0, _params(step), step=step))
@@ -363,7 +363,7 @@ def test_learner_link_outlives_a_version_collected_before_it_read_it(where):
   for m in s.initial(0.0):
     store.merged.put(m, s.momentum, {"round": None, "state": s.export_state()})
   store.blobs.write_json("merged/index.json", {"0": 7, "1": 0})  # f0_v7 is gone (never written)
-  link = LearnerStoreLink(store, 0, 0, poll_s=0.01)
+  link = LearnerStoreLink(store, 0, 0, poll_s=0.01, shapes=None)
   try:
     link.wait_for(1, 0, timeout=30)
     assert link.latest_version(0) == -1 and link.latest_version(1) == 0  # still alive
@@ -569,7 +569,7 @@ def test_learner_link_routes_each_delivery_to_its_shard_and_polls_every_index(wh
   wrong = 1 - OWNER[0]
   shards[wrong].merged.put(_merged(0, 9, seed=5), zeros(0), {"round": None})
   assert store_lib.global_index(shards, OWNER)[0] == 1
-  link = LearnerStoreLink(shards[0].shared, 0, 0, poll_s=0.01, shards=shards, owner=OWNER)
+  link = LearnerStoreLink(shards[0].shared, 0, 0, poll_s=0.01, shapes=None, shards=shards, owner=OWNER)
   try:
     link.wait_initial(PLAN.num_fragments, timeout=30)
     assert {p: link.latest_version(p) for p in range(PLAN.num_fragments)} == {
@@ -597,7 +597,7 @@ def test_a_learner_link_waits_for_every_shard(where):
   p = OWNER.index(0)
   shards[0].merged.put(_merged(p, 0), {k: np.zeros(SHAPES[k], np.float32)
                                        for k in PLAN.fragments[p]}, {"round": None})
-  link = LearnerStoreLink(shards[0].shared, 0, 0, poll_s=0.01, shards=shards, owner=OWNER)
+  link = LearnerStoreLink(shards[0].shared, 0, 0, poll_s=0.01, shapes=None, shards=shards, owner=OWNER)
   try:
     with pytest.raises(TimeoutError, match=r"shards/s1/merged"):
       link.wait_initial(PLAN.num_fragments, timeout=0.5)
@@ -660,3 +660,10 @@ def test_init_from_a_store_assembles_g_from_every_shards_newest_version(tmp_path
   params, _ = export.read_params(root, read_store=global_view.read_store)
   flat = fragments.flatten_tree(params)
   assert all(np.array_equal(flat[k], want[k]) for k in want)
+
+
+def test_a_learner_link_must_say_which_shapes_it_takes(tmp_path):
+  """`shapes` has no default: a library caller that forgets it would take a version of any
+  paths and shapes the store holds (the processes pass the plan's)."""
+  with pytest.raises(TypeError, match="shapes"):
+    LearnerStoreLink(Store(str(tmp_path)), 0, 0, poll_s=0.01)  # pylint: disable=missing-kwoa

@@ -354,7 +354,7 @@ def test_heartbeat_records_of_wrong_types_are_skipped_by_the_link(tmp_path, reco
 def test_a_corrupt_index_never_stops_a_commit_or_a_learners_poll_thread(tmp_path, index):
   store, s, records, link = _store_syncer(tmp_path)
   (tmp_path / "merged" / "index.json").write_text(index)
-  learner = LearnerStoreLink(store, 0, 0, poll_s=0.01)
+  learner = LearnerStoreLink(store, 0, 0, poll_s=0.01, shapes=None)
   _beat_record(store, 1)
   store.payloads.put(_delivery(step=4))
   syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=1.0)
@@ -441,7 +441,7 @@ def test_a_learner_skips_a_non_finite_version_and_takes_the_next(tmp_path):
   store, s, _, link = _store_syncer(tmp_path)
   link.close()
   _plant_non_finite(store, s, 1)
-  learner = LearnerStoreLink(store, 0, 0, poll_s=0.01)
+  learner = LearnerStoreLink(store, 0, 0, poll_s=0.01, shapes=None)
   time.sleep(0.5)  # dozens of polls of the index naming the planted version
   assert learner.latest(0).version == 0  # never applied: the newest usable one instead
   good = Merged(0, 2, _params(5), 2.0)

@@ -38,16 +38,17 @@ class LearnerStoreLink:
   """A learner process's transport: queued writes up, prefetched merged fragments down."""
 
   def __init__(self, store: Store, learner: int, incarnation: int, *, poll_s: float,
+               shapes: list[dict[str, tuple]] | None,
                up: wan.Link | None = None, down: wan.Link | None = None,
                heartbeat_every_s: float = 0.2, send_queue: int = 8,
                on_fetch: Callable[[Merged], None] | None = None,
-               shards: list[Store] | None = None, owner: tuple[int, ...] | None = None,
-               shapes: list[dict[str, tuple]] | None = None):
+               shards: list[Store] | None = None, owner: tuple[int, ...] | None = None):
     """`on_fetch` sees every merged version the poller downloads (on its thread). At most
     `send_queue` deliveries wait for upload; `deliver` blocks while it is full. `shards`: the
     syncer shards' stores (`store.shard_stores`; None: `store` alone), `owner[p]` the shard
     of fragment p (`ownership.assign`). `shapes[p]`: fragment p's {path: shape} under the
-    plan; a version of other paths or shapes is never taken (None: the marker's own)."""
+    plan; a version of other paths or shapes is never taken. Required: None (take the marker's
+    own shapes) is for a store whose writer the caller trusts, and must be said."""
     self.store, self.learner, self.incarnation = store, learner, incarnation
     self._shards = list(shards) if shards else [store]
     if len(self._shards) > 1 and owner is None:
