@@ -431,7 +431,7 @@ def test_syncer_recovers_the_last_durable_round_exactly(where, tmp_path):
 
   fresh = _syncer()
   ok, merged_keys, committed = syncer_process.recover(store, fresh, 2, max_staleness=8)
-  syncer_process.repair_tape(tape_path, fresh.rounds, committed)
+  syncer_process.repair_tape(tape_path, fresh.rounds, committed, versions=None)
   assert ok and fresh.rounds == 5 and fresh.versions == [3, 2]
   for k, v in durable_params.items():
     np.testing.assert_array_equal(fresh.global_params()[k], v)
@@ -456,7 +456,7 @@ def test_repair_tape_drops_the_rounds_of_versions_recover_refused(tmp_path):
   ok, _, committed = syncer_process.recover(store, fresh, 2, max_staleness=8)
   assert ok and fresh.versions == [3, 1] and fresh.rounds == 5
   syncer_process.repair_tape(tape_path, fresh.rounds, committed,
-                             {p: fresh.versions[p] for p in fresh.owned})
+                             versions={p: fresh.versions[p] for p in fresh.owned})
   with open(tape_path, encoding="utf-8") as f:
     listed = [json.loads(line) for line in f]
   assert [r["round"] for r in listed] == [0, 1, 2, 4]

@@ -125,14 +125,15 @@ def _newest_usable(store: Store, syncer: Syncer, p: int, max_staleness: int):
   return None
 
 
-def repair_tape(path: str, rounds: int, committed: list[dict],
-                versions: dict[int, int] | None = None) -> None:
+def repair_tape(path: str, rounds: int, committed: list[dict], *,
+                versions: dict[int, int] | None) -> None:
   """Leaves `path` with every committed round (< `rounds`) exactly once, in round order.
 
   `versions`: {fragment: the version `recover` resumed it from}; a record of that fragment
   at a newer version (one `recover` refused: torn, non-finite, off the plan) is dropped, so
   the tape never lists a merge that G does not hold, and the version number the next round
-  reuses is listed once."""
+  reuses is listed once. Required: None (a fresh start, nothing resumed) must be said, so that
+  a caller that resumed cannot keep a refused round by forgetting it."""
   versions = versions or {}
 
   def refused(r: dict) -> bool:
@@ -145,8 +146,8 @@ def repair_tape(path: str, rounds: int, committed: list[dict],
       for line in f:
         try:
           record = json.loads(line)
-        except json.JSONDecodeError:
-          continue  # torn by a crash mid-write
+        except (json.JSONDecodeError, RecursionError):
+          continue  # torn by a crash mid-write (or not a record of ours)
         if (isinstance(record, dict) and isinstance(record.get("round"), int)
             and 0 <= record["round"] < rounds and not refused(record)):
           records.setdefault(record["round"], record)
@@ -267,7 +268,7 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
   os.makedirs(tape_dir(cfg, workdir), exist_ok=True)
   tape_path = os.path.join(tape_dir(cfg, workdir), TAPE_FILE)
   repair_tape(tape_path, syncer.rounds, boot.committed,
-              {p: syncer.versions[p] for p in syncer.owned} if boot.recovered else None)
+              versions={p: syncer.versions[p] for p in syncer.owned} if boot.recovered else None)
   who = (f"syncer shard {cfg.sync.shard}/{cfg.sync.shards}" if cfg.sync.shards > 1
          else "syncer")
   print(f"{who}: {'resumed at round ' + str(syncer.rounds) if boot.recovered else 'started'}, "
