@@ -1054,3 +1054,82 @@ def test_period_stage_runs_other_seeds_and_the_report_averages_them(tmp_path):
       "| data-parallel (the reference) | 2.0100 ±0.010 (2 seeds) | | |"]
   assert "### The same over the seeds (mean ± half the seeds' spread)" in "\n".join(
       report_batch.sections(found))
+
+
+def test_muon_rate_is_the_configs_default_and_an_unknown_optimizer_is_refused():
+  from diloco.train import optim
+  assert config.MUON_LR == optim.OptimConfig().muon_learning_rate
+  assert config.OPTIMIZERS == optim.INNER_OPTIMIZERS
+  assert config.model_label("tiny", "muon") == "tiny+muon" and config.model_label("tiny") == "tiny"
+  assert (config.preset_of("tiny+muon"), config.optimizer_of("tiny+muon")) == ("tiny", "muon")
+  assert config.params("tiny+muon") == config.params("tiny")
+  with pytest.raises(ValueError, match="optimizer must be one of"):
+    config.model_label("tiny", "sgd")
+  with pytest.raises(ValueError, match="trains with AdamW"):
+    config.dp(0, STEPS, muon_lr=0.01)
+  assert stages.muon_of("overwrite outer 1/0 inner 0.006 muon 0.04 H=15") == 0.04
+  assert stages.inner_of("overwrite outer 1/0 inner 0.006 muon 0.04 H=15") == 0.006
+  assert stages.parse_setting("overwrite outer 1/0 muon 0.04") == ("overwrite", (1.0, 0.0))
+  with pytest.raises(ValueError, match="muon LR"):
+    stages.muon_of("outer 1/0 muon fast")
+
+
+def _muon_cfg(kind: str, m: int, setting: str = "", seed: int = 0) -> dict:
+  optim = {"learning_rate": stages.inner_of(setting) or config.PRESET_INNER_LR["tiny"],
+           "name": "muon", "muon_learning_rate": stages.muon_of(setting) or config.MUON_LR}
+  outer = setting.partition(" inner ")[0] if kind != "data-parallel" else ""
+  return _cfg(kind, m, outer, seed) | {"optim": optim}
+
+
+def test_optim_stage_tunes_muons_own_reference_then_runs_the_adamw_picks(tmp_path):
+  out = str(tmp_path)
+  _stage_one(out, LOSSES)  # AdamW: both methods pick outer 1/0 at every M
+  # AdamW's reference at another inner rate than the preset's: Muon's AdamW part trains at it.
+  fake_run(out, "dp_inner", _cfg("data-parallel", 1) | {"optim": {"learning_rate": 0.006}}, 1.9)
+  with pytest.raises(ValueError, match="AdamW data-parallel runs of the nano model"):
+    stages.stage_optim(rows.collect(out), STEPS, "nano", "muon", (2, 4))
+  planned = stages.stage_optim(rows.collect(out), STEPS, "tiny", "muon", (2, 4))
+  assert [r.method for r in planned] == ["tiny+muon data-parallel inner 0.006 muon 0.01",
+                                         "tiny+muon data-parallel inner 0.006",
+                                         "tiny+muon data-parallel inner 0.006 muon 0.04"]
+  overrides = dict(planned[2].overrides)
+  assert planned[2].config == "configs/dp.py:tiny"
+  assert (overrides["optim.name"], overrides["optim.muon_learning_rate"],
+          overrides["optim.learning_rate"]) == ("muon", 0.04, 0.006)
+  assert "optim.muon_learning_rate" not in dict(planned[1].overrides)
+  for i, (setting, loss) in enumerate((("inner 0.006 muon 0.01", 1.85), ("inner 0.006", 1.82),
+                                       ("inner 0.006 muon 0.04", 1.80))):
+    fake_run(out, f"muon_dp{i}", _muon_cfg("data-parallel", 1, setting), loss)
+  found = rows.with_methods(rows.collect(out))
+  muon_dp = {r["method"] for r in found if r["model"] == "tiny+muon"}
+  # Muon's reference is its own best rate, never AdamW's (1.9), and AdamW's stays its own.
+  assert muon_dp == {"data-parallel", "data-parallel inner 0.006 muon 0.01",
+                     "data-parallel inner 0.006"}
+  assert {r["eval_loss"] for r in found if r["method"] == "data-parallel"} == {1.8, 1.9}
+  methods = stages.stage_optim(rows.collect(out), STEPS, "tiny", "muon", (2, 4))[3:]
+  suffix = " inner 0.006 muon 0.04"
+  assert [r.method for r in methods] == [
+      f"tiny+muon diloco M=2 outer 1/0{suffix}", f"tiny+muon decoupled M=2 overwrite outer 1/0{suffix}",
+      f"tiny+muon diloco M=4 outer 1/0{suffix}", f"tiny+muon decoupled M=4 overwrite outer 1/0{suffix}"]
+  assert {r.config for r in methods} == {"configs/diloco.py:tiny", "configs/decoupled.py:tiny"}
+  assert {dict(r.overrides)["optim.name"] for r in methods} == {"muon"}
+  losses = {("diloco", 2): 1.83, ("decoupled", 2): 1.836, ("diloco", 4): 1.854,
+            ("decoupled", 4): 1.872}
+  for (kind, m), loss in losses.items():
+    setting = ("overwrite " if kind == "decoupled" else "") + "outer 1/0" + suffix
+    fake_run(out, f"muon_{kind}{m}", _muon_cfg(kind, m, setting), loss)
+  found = rows.with_methods(rows.collect(out))
+  # Each row reads back as the run the stage planned.
+  planned_names = {r.method.partition(" ")[2] for r in methods}
+  assert planned_names <= {r["method"] for r in found if r["model"] == "tiny+muon"}
+  # Seeds 2 and 3 of the Muon group: its own reference and picks.
+  second = stages.stage_two(rows.collect(out), STEPS, (2, 4), "tiny+muon")
+  assert (second[0].method, second[0].seed) == ("tiny+muon data-parallel inner 0.006 muon 0.04", 1)
+  assert {(r.method, r.seed) for r in second[1:]} == {(r.method, 1) for r in methods}
+  # The per-switch table: gaps to the same optimizer's data-parallel (1.8), M = 4 against
+  # AdamW's (1.9); the 20N trend across sizes stays AdamW's.
+  table = report.optimizer_table(found)
+  assert "| tiny+muon | 40 | Decoupled DiLoCo | 1.8000 (1) |  | +2.00% (1) | +4.00% (1) |  | " \
+         "1.8720 (-1.47%) |" in table
+  assert "| tiny | 40 | Decoupled DiLoCo | 1.9000 (1) |" in table
+  assert all(model == "tiny" for _, model, _ in report.size_points(found))

@@ -138,16 +138,50 @@ PERIOD_LEARNERS = (2, 4)
 # and adds Nesterov at the low rate the study found best at M = 1.
 OUTER_BELOW = ((0.8, 0.0), (0.6, 0.0), (0.4, 0.9))
 FRAGMENT_STEPS = 5
+# --stage=optim --preset=P --optimizer=O: the protocol with another inner optimizer. Its runs
+# form a group of their own, model "P+O" (`model_label`), whose data-parallel reference trains
+# with O too, so each DiLoCo method's gap is to data-parallel with the same inner optimizer.
+# Data-parallel at batch DP_BATCH with O's matrix rate at MUON_LR times each of MUON_SCALES
+# (the AdamW part of the model at the P reference's tuned inner rate); then both DiLoCo
+# methods at each M of SIZE_LEARNERS at that reference's rates and at the outer setting each
+# picked in P's AdamW group. Stages 2 and 3 with the same --preset and --optimizer seed them.
+OPTIMIZERS = ("adamw", "muon")
+MUON_LR = 0.02  # optim.muon_learning_rate's default (tests check it against the config)
+MUON_SCALES = (0.5, 1.0, 2.0)
 # The config preset of a model preset where the names differ: configs/diloco.py and
 # configs/decoupled.py call the `small` model's preset `cpu` (configs/dp.py has both).
 CONFIG_PRESET = {"small": "cpu"}
 
 
+def model_label(preset: str, optimizer: str = "adamw") -> str:
+  """The `model` of a row: the preset's name, "+<optimizer>" after it unless AdamW (the
+  study's), so each inner optimizer's runs are a group with its own reference."""
+  if optimizer not in OPTIMIZERS:
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+  return preset if optimizer == "adamw" else f"{preset}+{optimizer}"
+
+
+def preset_of(model: str) -> str:
+  """"tiny+muon" -> "tiny": the model preset of a row's `model`."""
+  return model.partition("+")[0]
+
+
+def optimizer_of(model: str) -> str:
+  """"tiny+muon" -> "muon", "tiny" -> "adamw"."""
+  return model.partition("+")[2] or "adamw"
+
+
+def preset_inner_lr(model: str) -> float | None:
+  """The inner (AdamW) peak learning rate the configs set for a row's model."""
+  return PRESET_INNER_LR.get(preset_of(model))
+
+
 @functools.cache
 def params(preset: str) -> int:
-  """N of a model preset, counted from its abstract shapes (never typed)."""
+  """N of a model preset (or a row's `model`), counted from its abstract shapes (never
+  typed)."""
   from diloco.model import presets, transformer  # pylint: disable=import-outside-toplevel
-  return transformer.param_counts(presets.get(preset))["total"]
+  return transformer.param_counts(presets.get(preset_of(preset)))["total"]
 
 
 def tiny_params() -> int:
@@ -194,6 +228,25 @@ def inner_label(lr: float) -> str:
   return f" inner {lr:g}"
 
 
+def muon_label(lr: float) -> str:
+  """The suffix of a Muon setting whose matrix rate is not MUON_LR (after any inner rate)."""
+  return f" muon {lr:g}"
+
+
+def _optimizer_overrides(model: str, muon_lr: float | None) -> tuple[tuple, str]:
+  """The overrides and setting suffix of a `model_label`'s inner optimizer."""
+  optimizer = optimizer_of(model)
+  model_label(preset_of(model), optimizer)  # an unknown optimizer fails here
+  if optimizer == "adamw":
+    if muon_lr is not None:
+      raise ValueError(f"muon_lr is a Muon rate; model {model!r} trains with AdamW")
+    return (), ""
+  overrides = (("optim.name", optimizer),)
+  if muon_lr is None:
+    return overrides, ""
+  return overrides + (("optim.muon_learning_rate", muon_lr),), muon_label(muon_lr)
+
+
 def _common(steps: int, batch: int, seq_len: int, eval_every: int, *,
             eval_windows: int = EVAL_WINDOWS, warmup: int = WARMUP) -> tuple:
   """The overrides every run of a comparison shares: the same tokens per step in all, the
@@ -206,18 +259,22 @@ def _common(steps: int, batch: int, seq_len: int, eval_every: int, *,
 def dp(seed: int, steps: int, batch: int = DP_BATCH, preset: str = "tiny",
        seq_len: int = SEQ_LEN, eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH,
        extra: tuple = (), inner_lr: float | None = None, named_batch: bool = False,
-       **common) -> Run:
+       muon_lr: float | None = None, **common) -> Run:
   """Data-parallel at `batch` sequences per step (one learner's batch when < `dp_batch`).
-  `extra` overrides are appended; `common` goes to `_common` (eval_windows, warmup);
-  `inner_lr` replaces the preset's peak learning rate (a method of its own, not the
-  reference); `named_batch` names `dp_batch` in the run's name (`batch_tag`)."""
+  `preset` may name an inner optimizer (`model_label`). `extra` overrides are appended;
+  `common` goes to `_common` (eval_windows, warmup); `inner_lr` replaces the preset's peak
+  learning rate and `muon_lr` Muon's (each a method of its own, not the reference);
+  `named_batch` names `dp_batch` in the run's name (`batch_tag`)."""
   method = "data-parallel" if batch == dp_batch else f"data-parallel B={batch}"
   if inner_lr is not None:
     extra = (("optim.learning_rate", inner_lr),) + tuple(extra)
     method += inner_label(inner_lr)
+  chosen, suffix = _optimizer_overrides(preset, muon_lr)
+  extra, method = chosen + tuple(extra), method + suffix
   # The batch is split over the mesh's devices: below DEVICES sequences, fewer devices.
   devices = (("devices", batch),) if batch < DEVICES else ()
-  return Run(f"{preset}{batch_tag(dp_batch, named_batch)} {method}", f"configs/dp.py:{preset}",
+  return Run(f"{preset}{batch_tag(dp_batch, named_batch)} {method}",
+             f"configs/dp.py:{preset_of(preset)}",
              seed,
              _common(steps, batch, seq_len, eval_every, **common) + extra,
              labels=(("model", preset), ("kind", "data-parallel"), ("M", 1),
@@ -228,11 +285,11 @@ def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, step
            receipt: str = "overwrite", preset: str = "tiny", seq_len: int = SEQ_LEN,
            eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH, extra: tuple = (),
            inner_lr: float | None = None, period: int = PERIOD, named_batch: bool = False,
-           **common) -> Run:
+           muon_lr: float | None = None, **common) -> Run:
   """Synchronous DiLoCo (`kind` = "diloco") or Decoupled with `receipt`, M = `learners`,
-  each learner on `dp_batch` / M sequences; `inner_lr` replaces the preset's inner peak
-  learning rate and `period` the study's H (each names itself in the setting);
-  `named_batch` as for `dp`."""
+  each learner on `dp_batch` / M sequences; `preset`, `muon_lr` and `named_batch` as for
+  `dp`; `inner_lr` replaces the preset's inner peak learning rate and `period` the study's H
+  (each names itself in the setting)."""
   batch = dp_batch // learners
   lr, momentum = outer
   overrides = _common(steps, batch, seq_len, eval_every, **common) + (
@@ -253,12 +310,15 @@ def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, step
   if inner_lr is not None:
     overrides += (("optim.learning_rate", inner_lr),)
     setting += inner_label(inner_lr)
-  setting += period_label(period)
+  chosen, suffix = _optimizer_overrides(preset, muon_lr)
+  overrides += chosen
+  setting += suffix + period_label(period)
   # Each learner's batch is split over its DEVICES / M devices: below DEVICES sequences in
   # all, dp_batch devices (dp_batch / M each).
   devices = (("devices", dp_batch),) if dp_batch < DEVICES else ()
   return Run(f"{preset}{batch_tag(dp_batch, named_batch)} {kind} M={learners} {setting}",
-             f"configs/{kind}.py:{CONFIG_PRESET.get(preset, preset)}", seed,
+             f"configs/{kind}.py:{CONFIG_PRESET.get(preset_of(preset), preset_of(preset))}",
+             seed,
              overrides + extra, labels=(("model", preset), ("kind", kind), ("M", learners),
                                 ("batch", batch), ("setting", setting)) + devices)
 

@@ -31,6 +31,12 @@ def gap(loss: float, reference: float) -> float:
   return 100.0 * (loss / reference - 1.0)
 
 
+def other_rate(method: str) -> bool:
+  """Whether a data-parallel method names a rate its batch is not tuned to (a row of its own:
+  `rows.with_methods`)."""
+  return " inner " in f" {method}" or " muon " in f" {method}"
+
+
 def picked_stats(group: list[dict]) -> dict[tuple[str, int], dict]:
   """(kind, M) -> seed statistics of the picked setting; ("data-parallel", M) for the
   data-parallel runs at one learner's batch, ("data-parallel", 0) for the reference."""
@@ -40,7 +46,7 @@ def picked_stats(group: list[dict]) -> dict[tuple[str, int], dict]:
   for s in stats.values():
     # The reference ("data-parallel") and one learner's batch ("data-parallel B=<batch>"),
     # each at its batch's tuned inner rate; other inner rates have rows of their own.
-    if s["kind"] == "data-parallel" and " inner " not in f" {s['method']}":
+    if s["kind"] == "data-parallel" and not other_rate(s["method"]):
       batch = next(r["batch"] for r in group if r["method"] == s["method"])
       full = max(r["batch"] for r in group if r["kind"] == "data-parallel")
       out[("data-parallel", 0 if batch == full else full // batch)] = s
@@ -204,6 +210,8 @@ def size_points(rows: list[dict]) -> list[tuple[int, str, dict]]:
   sweep: `report_batch`)."""
   sizes, at_dp_batch = [], set()
   for (model, _), group in rows_lib.groups(rows).items():
+    if config.optimizer_of(model) != "adamw":
+      continue  # the trend is AdamW's (the study's); another optimizer: `optimizer_table`
     n = config.params(model)
     if max(r["tokens"] for r in group) < 0.98 * config.TOKENS_PER_PARAM * n:
       continue  # a partial budget inflates every gap; not a point of the 20N trend
@@ -268,6 +276,39 @@ def size_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def optimizer_table(rows: list[dict]) -> str:
+  """Per model preset and steps trained with more than one inner optimizer: each method's
+  gap per M to data-parallel with the *same* inner optimizer (picked settings, mean over the
+  seeds in brackets), and Decoupled M = 4's loss against AdamW data-parallel's: does the
+  switch narrow the gap, or only move both sides?"""
+  by_preset: dict[tuple[str, int], dict[str, list[dict]]] = {}
+  for (model, steps), group in rows_lib.groups(rows).items():
+    by_preset.setdefault((config.preset_of(model), steps), {})[model] = group
+  ms = config.SIZE_LEARNERS
+  header = ["model", "steps", "method", "data-parallel (same optimizer)"] + [
+      f"M = {m}" for m in ms] + ["M = 4 against AdamW data-parallel"]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for (preset, steps), models in sorted(by_preset.items()):
+    if len(models) < 2 or preset not in models:
+      continue
+    adamw_dp = picked_stats(models[preset]).get(("data-parallel", 0))
+    for model in sorted(models, key=lambda m: (m != preset, m)):
+      ps = picked_stats(models[model])
+      dp = ps.get(("data-parallel", 0))
+      if dp is None:
+        continue
+      for kind in ("diloco", "decoupled"):
+        cells = [f"{gap(ps[(kind, m)]['mean'], dp['mean']):+.2f}% ({len(ps[(kind, m)]['seeds'])})"
+                 if (kind, m) in ps else "" for m in ms]
+        m4 = ps.get((kind, 4))
+        against = (f"{m4['mean']:.4f} ({gap(m4['mean'], adamw_dp['mean']):+.2f}%)"
+                   if m4 and adamw_dp else "")
+        if any(cells):
+          lines.append(f"| {model} | {steps} | {KIND_NAMES[kind]} | {dp['mean']:.4f} "
+                       f"({len(dp['seeds'])}) | " + " | ".join(cells) + f" | {against} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def budget_note(model: str, group: list[dict]) -> str:
   """The group's token budget against 20N, labelled partial when it is less."""
   n = config.params(model)
@@ -309,10 +350,10 @@ def carried_from(row: dict) -> str:
 def reference_note(group: list[dict]) -> list[str]:
   """Which inner learning rate the data-parallel reference trains at, among those run."""
   full = [r for r in group if r["kind"] == "data-parallel"
-          and (r["method"] == "data-parallel" or " inner " in f" {r['method']}")
+          and (r["method"] == "data-parallel" or other_rate(r["method"]))
           and not r["method"].startswith("data-parallel B=")]
   def rate_of(r: dict) -> float:
-    return stages.inner_of(r.get("setting", "")) or config.PRESET_INNER_LR.get(r["model"], 0.0)
+    return stages.inner_of(r.get("setting", "")) or config.preset_inner_lr(r["model"]) or 0.0
 
   rates = sorted({rate_of(r) for r in full})
   if len(rates) < 2:
@@ -323,7 +364,7 @@ def reference_note(group: list[dict]) -> list[str]:
           "seed-0 eval loss at its batch among " + ", ".join(f"{x:g}" for x in rates)
           + " (the others are rows of their own below); the DiLoCo methods' rates are in "
           "their settings (none named: the preset's "
-          f"{config.PRESET_INNER_LR.get(chosen[0]['model'], 0.0):g}).", ""]
+          f"{config.preset_inner_lr(chosen[0]['model']) or 0.0:g}).", ""]
 
 
 def section(model: str, steps: int, group: list[dict], folder: str,

@@ -31,17 +31,25 @@ def receipt_of(sync: dict) -> str:
 
 
 def describe(cfg: dict) -> dict:
-  """The labels of a run from its config.json: model, kind, M, batch, setting, and a DiLoCo
-  kind's H ("period"; its setting ends in " H=<H>" when H is not the study's)."""
+  """The labels of a run from its config.json: model (with its inner optimizer unless AdamW:
+  `config.model_label`), kind, M, batch, setting, and a DiLoCo kind's H ("period"; its
+  setting ends in " H=<H>" when H is not the study's)."""
   count, sync, outer = cfg["learners"]["count"], cfg["sync"], cfg["outer"]
   labels = {"model": cfg["model"].get("name") or "custom", "M": max(count, 1),
             "batch": cfg["train"]["batch_size"], "steps": cfg["train"]["steps"],
             "seed": cfg.get("seed", 0)}
-  inner = cfg.get("optim", {}).get("learning_rate")
+  optim = cfg.get("optim", {})
+  inner = optim.get("learning_rate")
   preset_inner = config.PRESET_INNER_LR.get(labels["model"])
   own_inner = ""
   if inner is not None and preset_inner is not None and abs(inner - preset_inner) > 1e-12:
     own_inner = config.inner_label(inner)
+  # Another inner optimizer is a group of its own ("tiny+muon"); Muon's rate joins the setting.
+  optimizer = optim.get("name", "adamw")
+  labels["model"] = config.model_label(labels["model"], optimizer)
+  muon = optim.get("muon_learning_rate", config.MUON_LR)
+  if optimizer == "muon" and abs(muon - config.MUON_LR) > 1e-12:
+    own_inner += config.muon_label(muon)
   if count == 0:
     return dict(labels, kind="data-parallel", setting=own_inner.strip())
   period = sync.get("period", config.PERIOD)
@@ -179,7 +187,7 @@ def with_methods(rows: list[dict]) -> list[dict]:
       key, setting = (r["model"], r["steps"]), r.get("setting", "")
       r["method"] = "data-parallel" if r["batch"] == full[key] else f"data-parallel B={r['batch']}"
       if setting != tuned[key + (r["batch"],)]:  # not the inner rate its batch is tuned to
-        rate = setting or config.inner_label(config.PRESET_INNER_LR.get(r["model"], 0.0)).strip()
+        rate = setting or config.inner_label(config.preset_inner_lr(r["model"]) or 0.0).strip()
         r["method"] += f" {rate}"
     else:
       r["method"] = f"{r['kind']} M={r['M']} {r['setting']}"

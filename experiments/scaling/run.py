@@ -21,7 +21,7 @@ from experiments import harness
 from experiments.scaling import config, figures, pool, report, report_batch, stages
 from experiments.scaling import rows as rows_lib
 
-STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "m1", "size", "batch",
+STAGES = ("1", "2", "3", "all", "small", "m8", "inner", "cross", "m1", "size", "batch", "optim",
           "period", "outer", "none")
 
 
@@ -34,10 +34,14 @@ def define_flags() -> None:
                     "method at the other's pick), m1 (M = 1 controls, config.M1_RUNS), size (the "
                     "protocol at --preset, config.SIZE_*), batch (stage size at each global "
                     "batch of --batches), period (H at each of --periods, Decoupled at each of "
-                    "--receipts), outer (the DiLoCo methods at each of --outer), none.")
+                    "--receipts), outer (the DiLoCo methods at each of --outer), optim (the "
+                    "protocol with --optimizer inside, config.MUON_*), none.")
   flags.DEFINE_enum("preset", "tiny", ("tiny", "nano", "mini"),
                     "The model of --stage=size, batch, period, inner, 2 and 3 (its steps: 20N "
                     "unless --steps).")
+  flags.DEFINE_enum("optimizer", "adamw", config.OPTIMIZERS,
+                    "The inner optimizer of --stage=optim, 2 and 3: another than AdamW is a "
+                    "group of its own, model '<preset>+<optimizer>'.")
   flags.DEFINE_integer("steps", 0, "Steps per run of --preset's model; 0: 20N tokens.")
   flags.DEFINE_integer("small_steps", config.SMALL_STEPS, "Steps of the `small` runs.")
   flags.DEFINE_list("learners", [str(m) for m in config.LEARNERS], "The values of M "
@@ -103,6 +107,9 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
   if stage == "outer":
     return stages.stage_outer(found, steps, preset, learners, outers or config.OUTER_BELOW,
                               receipts)
+  if stage == "optim":
+    return stages.stage_optim(found, steps, config.preset_of(preset),
+                              config.optimizer_of(preset), learners)
   if stage == "2":
     return stages.stage_two(found, steps, learners, preset)
   if stage == "3":
@@ -167,6 +174,13 @@ def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str =
               ""]
   for (model, steps), group in sorted(rows_lib.groups(found).items()):
     parts += report.section(model, steps, group, folder, prefix)
+  by_optimizer = report.optimizer_table(found)
+  if by_optimizer:
+    parts += ["## The inner optimizer: each method against data-parallel with the same one", "",
+              "A model named `P+muon` trains with Muon inside (`--stage=optim`, then stages 2 "
+              "and 3 with `--optimizer=muon`); its section above has its own reference, sweep "
+              "and plots. The last column compares with AdamW data-parallel's loss: a switch "
+              "that lowers both sides alike narrows no gap.", "", by_optimizer, ""]
   trend = report.trend_table(found)
   if trend:
     parts += ["## Decoupled M = 4 against data-parallel, every model size", "", trend, ""]
@@ -255,6 +269,11 @@ def main(argv):
   f = flags.FLAGS
   steps = f.steps or config.compute_optimal_steps(f.preset)
   learners = tuple(int(m) for m in f.learners)
+  if f.optimizer != "adamw" and f.stage not in ("optim", "2", "3", "none"):
+    raise app.UsageError(f"--optimizer={f.optimizer} goes with --stage=optim, 2 or 3, "
+                         f"not --stage={f.stage}")
+  if f.stage == "optim" and f.optimizer == "adamw":
+    raise app.UsageError("--stage=optim needs --optimizer (another than adamw)")
   if f.stage == "period" and not f["learners"].present:
     learners = config.PERIOD_LEARNERS
   batches = _batches(f.batches, learners) if f.stage == "batch" else config.BATCH_SWEEP
@@ -264,7 +283,7 @@ def main(argv):
                    only=f.only, parallel=f.parallel, threads=f.threads,
                    label=f.machine_label, folder=f.results_dir, seed=f.seed,
                    dry_run=f.dry_run, inner_scales=tuple(float(s) for s in f.inner_scales),
-                   preset=f.preset, batches=batches,
+                   preset=config.model_label(f.preset, f.optimizer), batches=batches,
                    outers=_outers(f.outer) if f["outer"].present else None,
                    receipts=_receipts(f.receipts), size_scales=_scales(f.size_scales),
                    periods=_periods(f.periods))

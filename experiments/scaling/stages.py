@@ -28,12 +28,19 @@ def _without_period(setting: str) -> str:
   return f" {setting}".partition(" H=")[0][1:]
 
 
+def _without_muon(setting: str) -> str:
+  """The setting before its " muon LR" and " H=<H>" suffixes."""
+  return f" {_without_period(setting)}".partition(" muon ")[0][1:]
+
+
 def parse_setting(setting: str) -> tuple[str, tuple[float, float]]:
   """"keep_local outer 1/0" -> ("keep_local", (1.0, 0.0)); "outer 0.8/0.9" -> overwrite.
-  An " inner LR" suffix is read by `inner_of`, a last " H=<H>" by `period_of`."""
+  An " inner LR" suffix is read by `inner_of`, then " muon LR" by `muon_of`, a last
+  " H=<H>" by `period_of`."""
   inner_of(setting)  # a malformed suffix fails here too
+  muon_of(setting)
   period_of(setting)
-  receipt, _, outer = _without_period(setting).partition(" inner ")[0].rpartition("outer ")
+  receipt, _, outer = _without_muon(setting).partition(" inner ")[0].rpartition("outer ")
   lr, _, momentum = outer.partition("/")
   try:
     return receipt.strip() or "overwrite", (float(lr), float(momentum))
@@ -43,8 +50,8 @@ def parse_setting(setting: str) -> tuple[str, tuple[float, float]]:
 
 def inner_of(setting: str) -> float | None:
   """The inner learning rate a setting names ("... inner 0.0015"), None for the preset's."""
-  # Data-parallel's setting reads "inner LR"; an " H=<H>" suffix follows the rate.
-  _, found, inner = f" {_without_period(setting)}".partition(" inner ")
+  # Data-parallel's setting reads "inner LR"; " muon LR" and " H=<H>" follow the rate.
+  _, found, inner = f" {_without_muon(setting)}".partition(" inner ")
   if not found:
     return None
   try:
@@ -53,17 +60,29 @@ def inner_of(setting: str) -> float | None:
     raise ValueError(f"setting {setting!r}: expected '... inner LR' with a number") from None
 
 
+def muon_of(setting: str) -> float | None:
+  """Muon's matrix rate a setting names ("... muon 0.04"), None for config.MUON_LR."""
+  _, found, rate = f" {_without_period(setting)}".partition(" muon ")
+  if not found:
+    return None
+  try:
+    return float(rate)
+  except ValueError:
+    raise ValueError(f"setting {setting!r}: expected '... muon LR' with a number") from None
+
+
 def method_run(kind: str, learners: int, setting: str, seed: int, steps: int,
                preset: str = "tiny", batch: int = config.DP_BATCH) -> Run:
   """The run of a method at global batch `batch` (data-parallel at `batch` / `learners`, or
   a DiLoCo kind with `setting`, its H included) at `seed`."""
   shape = config.batch_shape(batch)
   if kind == "data-parallel":
-    return config.dp(seed, steps, batch // learners, preset,
-                     inner_lr=inner_of(setting) if setting else None, **shape)
+    return config.dp(seed, steps, batch // learners, preset, inner_lr=inner_of(setting),
+                     muon_lr=muon_of(setting), **shape)
   receipt, outer = parse_setting(setting)
   return config.diloco(kind, learners, outer, seed, steps, receipt, preset,
-                       inner_lr=inner_of(setting), period=period_of(setting), **shape)
+                       inner_lr=inner_of(setting), period=period_of(setting),
+                       muon_lr=muon_of(setting), **shape)
 
 
 def _batch(group: list[dict]) -> int:
@@ -181,7 +200,7 @@ def stage_inner(rows: list[dict], steps: int, learners=(config.INNER_M,),
   batch want another inner step than data-parallel's?"""
   reference = _reference(rows, steps, preset)
   ref_inner = inner_of(reference) if reference else None
-  base = ref_inner or config.PRESET_INNER_LR[preset]
+  base = ref_inner or config.preset_inner_lr(preset)
   runs = [config.dp(0, steps, preset=preset, inner_lr=base * scale)
           for scale in scales if scale > 1]
   wanted = [("diloco", "overwrite"), ("decoupled", "overwrite")]
@@ -260,7 +279,7 @@ def stage_size(rows: list[dict], steps: int, pick_steps: int, preset: str,
   data-parallel at the preset's inner rate times each of `scales`; once all of them have rows,
   synchronous DiLoCo and Decoupled (overwrite) at each M of `learners` at the reference's
   inner rate (`size_methods`)."""
-  base = config.PRESET_INNER_LR[preset]
+  base = config.preset_inner_lr(preset)
   runs = [config.dp(0, steps, batch, preset=preset,
                     inner_lr=None if scale == 1 else base * scale, **config.batch_shape(batch))
           for scale in scales]
@@ -279,11 +298,14 @@ def stage_size(rows: list[dict], steps: int, pick_steps: int, preset: str,
 
 def size_methods(rows: list[dict], steps: int, pick_steps: int, preset: str, learners,
                  inner: float | None, *, batch: int = config.DP_BATCH,
-                 pick_preset: str = "tiny") -> list[Run]:
-  """Stage size's DiLoCo runs at inner rate `inner` (None: the preset's): at each M, each
-  method first at the outer setting it picked in `pick_preset`'s group at `pick_steps` (the
-  runs or carried rows), then at `config.SIZE_OUTER`'s neighbours."""
+                 pick_preset: str = "tiny", muon: float | None = None,
+                 beside=config.SIZE_OUTER) -> list[Run]:
+  """Stage size's DiLoCo runs at inner rate `inner` (None: the preset's) and Muon rate `muon`
+  (None: config.MUON_LR, or no Muon): at each M, each method first at the outer setting it
+  picked in `pick_preset`'s group at `pick_steps` (the runs or carried rows), then at the
+  neighbours `beside`."""
   suffix = config.inner_label(inner) if inner is not None else ""
+  suffix += config.muon_label(muon) if muon is not None else ""
   picked_from = _tiny(rows, pick_steps, pick_preset)
   firsts, neighbours = [], []
   for m in learners:
@@ -295,8 +317,34 @@ def size_methods(rows: list[dict], steps: int, pick_steps: int, preset: str, lea
       firsts += [method_run(kind, m, prefix + config.outer_label(*o) + suffix, 0, steps, preset,
                             batch) for o in outers]
       neighbours += [method_run(kind, m, prefix + config.outer_label(*o) + suffix, 0, steps,
-                                preset, batch) for o in config.SIZE_OUTER if o not in outers]
+                                preset, batch) for o in beside if o not in outers]
   return firsts + neighbours
+
+
+def stage_optim(rows: list[dict], steps: int, preset: str, optimizer: str,
+                learners=config.SIZE_LEARNERS, scales=config.MUON_SCALES) -> list[Run]:
+  """Seed 0 of the protocol with inner optimizer `optimizer` at `preset` (its group:
+  `config.model_label`): data-parallel with Muon's matrix rate at config.MUON_LR times each of
+  `scales`, the rest of the model at the AdamW reference's inner rate; once all have rows,
+  both DiLoCo methods at each M of `learners` at that group's reference rates, each at the
+  outer setting it picked in the AdamW group (`size_methods`, no neighbours)."""
+  if optimizer != "muon":
+    raise ValueError(f"--stage=optim compares 'muon' with AdamW, got --optimizer={optimizer!r}")
+  adamw = _tiny(rows, steps, preset)
+  if not any(r["method"] == "data-parallel" for r in adamw):
+    raise ValueError(f"--stage=optim needs the AdamW data-parallel runs of the {preset} model "
+                     f"at {steps} steps (its reference's inner rate)")
+  inner = inner_of(_reference(rows, steps, preset))
+  label = config.model_label(preset, optimizer)
+  rates = [None if scale == 1 else config.MUON_LR * scale for scale in scales]
+  runs = [config.dp(0, steps, preset=label, inner_lr=inner, muon_lr=rate) for rate in rates]
+  done = {(inner_of(r["setting"]), muon_of(r["setting"])) for r in _tiny(rows, steps, label)
+          if r["kind"] == "data-parallel" and r["seed"] == 0 and r["batch"] == config.DP_BATCH}
+  if any((inner, rate) not in done for rate in rates):
+    return runs  # the reference is picked from all of them first
+  reference = _reference(rows, steps, label)
+  return runs + size_methods(rows, steps, steps, label, learners, inner_of(reference),
+                             pick_preset=preset, muon=muon_of(reference), beside=())
 
 
 def batch_steps(preset: str, batch: int, steps: int) -> int:
