@@ -40,7 +40,8 @@ method and M at its own best B. Stage period: H at each of `PERIODS` beside 30 a
 4, both methods at their batch-32 picks, Decoupled with a fragment due every 5 steps (and at
 each receipt of `--receipts`); these runs name their H and never enter the picks. Stage outer:
 both methods at each outer setting of `OUTER_BELOW` (or `--outer`) in one group; these runs
-join its picks.
+join its picks. Stage optim (`--optimizer=muon`): the protocol with Muon inside, a group of
+its own (`model_label`) whose data-parallel reference trains with Muon too (`MUON_*`).
 
 Targets: M = 1 at or below data-parallel; Decoupled M = 2 within 1.5 % and M = 4 within 3 %
 of data-parallel; Decoupled no worse than synchronous DiLoCo at the same M beyond the seeds'
