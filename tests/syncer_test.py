@@ -250,3 +250,31 @@ def test_a_restart_takes_heartbeats_of_learners_with_no_step_time_yet(without_ti
   for m in (0, 1):
     want = 0.5 if m in without_time else 0.9 * 1.0 + 0.1 * 0.5  # fresh, or carried on
     assert again.registry[m].step_time == pytest.approx(want)
+
+
+@pytest.mark.parametrize("restart", [0, 1, 2, 3])
+def test_outer_momentum_restarts_every_r_rounds_like_a_numpy_oracle(restart):
+  """One learner, K = 1, five rounds: Nesterov whose buffer is zero after rounds R, 2R, ...
+  (0: never, optax's sgd with Nesterov)."""
+  plan = fragments.plan_fragments(SHAPES, num_fragments=1)
+  lr, mu = 0.5, 0.9
+  s = syncer_lib.Syncer(_params(0), plan, SyncConfig(quorum=1, gamma=0.0),
+                        OuterConfig(learning_rate=lr, momentum=mu, momentum_restart=restart),
+                        sync_delay_s=0.0)
+  g = {k: v.astype(np.float64) for k, v in s.global_params().items()}
+  b = {k: np.zeros_like(v) for k, v in g.items()}
+  for r in range(1, 6):
+    theta = _params(10 + r)
+    merged, _ = s.tick(float(r), _beats(float(r), 0),
+                       [_payload(0, theta, base=r - 1, step=4 * r)])
+    assert [m.version for m in merged] == [r]
+    for k in g:  # one delivery: RDA and the mean are the delivery itself
+      grad = g[k] - theta[k]
+      b[k] = mu * b[k] + grad
+      g[k] = g[k] - lr * (grad + mu * b[k])
+      if restart and r % restart == 0:
+        b[k] = np.zeros_like(b[k])
+      np.testing.assert_allclose(s.params[k], g[k], rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(s.momentum[k], b[k], rtol=1e-4, atol=1e-5)
+  if restart:
+    assert all(not s.momentum[k].any() for k in g) == (5 % restart == 0)

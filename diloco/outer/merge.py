@@ -21,7 +21,7 @@ import numpy as np
 
 from diloco.outer import kernels
 from diloco.outer.quantize import QUANT_BITS
-from diloco.settings import AT_LEAST_ONE, FRACTION, OneOf, Range, frozen, setting
+from diloco.settings import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, OneOf, Range, frozen, setting
 
 PyTree = Any
 
@@ -54,6 +54,9 @@ class OuterConfig:
   # Outer SGD with Nesterov momentum on the merged outer gradient.
   learning_rate: float = setting(0.7, Range(low=0, low_open=True, finite=True))
   momentum: float = setting(0.9, FRACTION)
+  # Outer-momentum restarts: every this many rounds of a fragment its momentum buffer is set
+  # back to zero after the step (the next round starts Nesterov afresh). 0 = never.
+  momentum_restart: int = setting(0, NON_NEGATIVE, "0 = never")
   # Merge weight of a delivery: tokens2_per_step (tokens^2 / steps) | tokens | uniform.
   weights: str = setting("tokens2_per_step", OneOf(WEIGHT_SCHEMES))
   # rda (radial-directional averaging of non-embedding tensors) | mean (weighted mean).

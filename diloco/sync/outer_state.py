@@ -143,8 +143,13 @@ class OuterState:
         self.outer_cfg.momentum, method=self.outer_cfg.merge, workspace=self._merge_workspace)
 
   def commit(self, p: int) -> int:
-    """After a merge: measures G_p for the next bound, bumps its version, keeps its history;
-    returns the new version."""
+    """After a merge: restarts the momentum of G_p at every `momentum_restart`-th round,
+    measures G_p for the next bound, bumps its version, keeps its history; returns the new
+    version."""
+    restart = self.outer_cfg.momentum_restart
+    if restart and (self.versions[p] + 1) % restart == 0:  # a restart: round R, 2R, ...
+      for k in self.plan.fragments[p]:
+        self.momentum[k].fill(0.0)
     # The bound keeps G and the momentum finite; checked here in the pass that also measures
     # them for the next round's bound. Failing it is a bug in the bound, not bad input.
     self.norms[p] = self._measure(p)
