@@ -889,9 +889,12 @@ def test_outer_stage_runs_each_setting_at_the_groups_reference_and_batch(tmp_pat
     ("outer", ["a/b"], None), ("receipts", ["keep_local"], ("keep_local",)),
     ("receipts", ["keep"], None), ("receipts", [], None),
     ("periods", ["4", "3"], (4, 3)), ("periods", [str(config.TAU)], None),
-    ("periods", ["0"], None), ("periods", ["4.5"], None), ("periods", [], None)])
+    ("periods", ["0"], None), ("periods", ["4.5"], None), ("periods", [], None),
+    ("restarts", ["0", "4", "4"], (0, 4)), ("restarts", ["-1"], None),
+    ("restarts", ["x"], None), ("restarts", [], None)])
 def test_outer_receipts_and_periods_flags_parse_or_say_which_flag(flag, values, ok):
-  parse = {"outer": run._outers, "receipts": run._receipts, "periods": run._periods}[flag]
+  parse = {"outer": run._outers, "receipts": run._receipts, "periods": run._periods,
+           "restarts": run._restarts}[flag]
   if ok is not None:
     assert parse(values) == ok
   else:
@@ -1133,3 +1136,25 @@ def test_optim_stage_tunes_muons_own_reference_then_runs_the_adamw_picks(tmp_pat
          "1.8720 (-1.47%) |" in table
   assert "| tiny | 40 | Decoupled DiLoCo | 1.9000 (1) |" in table
   assert all(model == "tiny" for _, model, _ in report.size_points(found))
+
+
+def test_outer_stage_restarts_the_momentum_of_settings_that_have_one_and_reads_it_back(tmp_path):
+  out = str(tmp_path)
+  _stage_one(out, LOSSES)
+  planned = stages.stage_outer(rows.collect(out), STEPS, "tiny", (4,),
+                               outers=((1.0, 0.0), (0.6, 0.9)), restarts=(0, 8))
+  assert [r.method for r in planned] == [
+      "tiny diloco M=4 outer 1/0", "tiny diloco M=4 outer 0.6/0.9",
+      "tiny diloco M=4 outer 0.6/0.9 restart 8", "tiny decoupled M=4 overwrite outer 1/0",
+      "tiny decoupled M=4 overwrite outer 0.6/0.9",
+      "tiny decoupled M=4 overwrite outer 0.6/0.9 restart 8"]
+  assert dict(planned[5].overrides)["outer.momentum_restart"] == 8
+  assert "outer.momentum_restart" not in dict(planned[4].overrides)
+  setting = "overwrite outer 0.6/0.9 restart 8 H=15"
+  cfg = _cfg("decoupled", 4, "overwrite outer 0.6/0.9")
+  cfg["outer"]["momentum_restart"] = 8
+  cfg["sync"]["period"] = 15
+  assert rows.describe(cfg)["setting"] == setting
+  assert stages.restart_of(setting) == 8 and stages.period_of(setting) == 15
+  again = stages.method_run("decoupled", 4, setting, 1, STEPS)
+  assert dict(again.overrides)["outer.momentum_restart"] == 8 and again.method.endswith(setting)

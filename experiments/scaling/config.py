@@ -234,6 +234,11 @@ def muon_label(lr: float) -> str:
   return f" muon {lr:g}"
 
 
+def restart_label(rounds: int) -> str:
+  """The suffix of a setting that restarts the outer momentum (after any Muon rate)."""
+  return f" restart {rounds}"
+
+
 def _optimizer_overrides(model: str, muon_lr: float | None) -> tuple[tuple, str]:
   """The overrides and setting suffix of a `model_label`'s inner optimizer."""
   optimizer = optimizer_of(model)
@@ -286,11 +291,12 @@ def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, step
            receipt: str = "overwrite", preset: str = "tiny", seq_len: int = SEQ_LEN,
            eval_every: int = EVAL_EVERY, *, dp_batch: int = DP_BATCH, extra: tuple = (),
            inner_lr: float | None = None, period: int = PERIOD, named_batch: bool = False,
-           muon_lr: float | None = None, **common) -> Run:
+           muon_lr: float | None = None, restart: int = 0, **common) -> Run:
   """Synchronous DiLoCo (`kind` = "diloco") or Decoupled with `receipt`, M = `learners`,
   each learner on `dp_batch` / M sequences; `preset`, `muon_lr` and `named_batch` as for
-  `dp`; `inner_lr` replaces the preset's inner peak learning rate and `period` the study's H
-  (each names itself in the setting)."""
+  `dp`; `inner_lr` replaces the preset's inner peak learning rate, `period` the study's H and
+  `restart` > 0 restarts the outer momentum every that many rounds of a fragment (each names
+  itself in the setting)."""
   batch = dp_batch // learners
   lr, momentum = outer
   overrides = _common(steps, batch, seq_len, eval_every, **common) + (
@@ -313,6 +319,9 @@ def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, step
     setting += inner_label(inner_lr)
   chosen, suffix = _optimizer_overrides(preset, muon_lr)
   overrides += chosen
+  if restart:
+    overrides += (("outer.momentum_restart", restart),)
+    suffix += restart_label(restart)
   setting += suffix + period_label(period)
   # Each learner's batch is split over its DEVICES / M devices: below DEVICES sequences in
   # all, dp_batch devices (dp_batch / M each).

@@ -54,8 +54,9 @@ def describe(cfg: dict) -> dict:
     return dict(labels, kind="data-parallel", setting=own_inner.strip())
   period = sync.get("period", config.PERIOD)
   labels["period"] = period
+  restart = outer.get("momentum_restart", 0)
   setting = (config.outer_label(outer["learning_rate"], outer["momentum"]) + own_inner
-             + config.period_label(period))
+             + (config.restart_label(restart) if restart else "") + config.period_label(period))
   if sync["quorum"] == 0 and sync["num_fragments"] == 1:
     return dict(labels, kind="diloco", setting=setting)
   return dict(labels, kind="decoupled", setting=f"{receipt_of(sync)} {setting}")

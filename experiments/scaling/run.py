@@ -58,6 +58,8 @@ def define_flags() -> None:
   flags.DEFINE_list("outer", [f"{lr:g}/{mom:g}" for lr, mom in config.OUTER_BELOW],
                     "--stage=outer: the outer settings, LR/MOMENTUM each; --stage=period: "
                     "each method at these instead of its pick's (only when given).")
+  flags.DEFINE_list("restarts", ["0"], "--stage=outer: the outer-momentum restart periods "
+                    "R (rounds of a fragment; 0: never) of each setting with momentum.")
   flags.DEFINE_list("periods", [str(h) for h in config.PERIODS],
                     "--stage=period: the periods H beside the study's 30 (each above "
                     f"Decoupled's tau = {config.TAU}).")
@@ -77,13 +79,14 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
                preset: str = "tiny", batches=config.BATCH_SWEEP, outers=None,
                receipts=("overwrite",),
                size_scales=config.SIZE_INNER_SCALES,
-               periods=config.PERIODS) -> list[harness.Run]:
+               periods=config.PERIODS, restarts=(0,)) -> list[harness.Run]:
   """The runs of `stage`, derived from `found` (default: the runs `outdir` holds now; the
   runner passes those plus the rows carried from the earlier results.json, `rows.merged`).
   `preset` (stages size, batch, period, inner, 2 and 3) names the model; stage size reads
   tiny's picks at 20N, stages batch and period `preset`'s own at `steps`. `outers`: stage
   outer's settings (default `config.OUTER_BELOW`), or stage period's in place of each method's
-  pick (default: the picks'). `periods`: stage period's H values beside the study's."""
+  pick (default: the picks'). `periods`: stage period's H values beside the study's;
+  `restarts`: stage outer's outer-momentum restart periods (0: never)."""
   if found is None:
     found = rows_lib.collect(outdir)
   if stage == "1":
@@ -106,7 +109,7 @@ def stage_runs(stage: str, outdir: str, steps: int, learners: tuple[int, ...],
                                seed=seed, outers=outers)
   if stage == "outer":
     return stages.stage_outer(found, steps, preset, learners, outers or config.OUTER_BELOW,
-                              receipts)
+                              receipts, restarts)
   if stage == "optim":
     return stages.stage_optim(found, steps, config.preset_of(preset),
                               config.optimizer_of(preset), learners)
@@ -123,7 +126,7 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
             dry_run: bool = False, inner_scales=config.INNER_SCALES,
             preset: str = "tiny", batches=config.BATCH_SWEEP, outers=None,
             receipts=("overwrite",), size_scales=config.SIZE_INNER_SCALES,
-            periods=config.PERIODS) -> float:
+            periods=config.PERIODS, restarts=(0,)) -> float:
   """Runs `stage` ("all": 1, 2, 3 in turn, each derived from the previous; "size" and
   "batch": twice, the second pass once the data-parallel references are known); returns the
   wall seconds spent. A run with a row in `folder`'s results.json (carried from another
@@ -137,7 +140,7 @@ def execute(stage: str, outdir: str, steps: int, learners: tuple[int, ...], *,
     carried = {r["run"] for r in found if "carried_commit" in r}
     runs = [r for r in stage_runs(s, outdir, steps, learners, small_steps, found, seed,
                                   inner_scales, preset, batches, outers, receipts,
-                                  size_scales, periods)
+                                  size_scales, periods, restarts)
             if (not only or any(o in r.method for o in only)) and r.name not in carried]
     # In `only`'s order (the first entry a run matches), so a queue starts with what matters.
     runs.sort(key=lambda r: next((i for i, o in enumerate(only) if o in r.method), 0))
@@ -256,6 +259,18 @@ def _periods(values: list[str]) -> tuple[int, ...]:
   return periods
 
 
+def _restarts(values: list[str]) -> tuple[int, ...]:
+  """--restarts as integers >= 0 (0: never restart), each at most once."""
+  try:
+    restarts = tuple(dict.fromkeys(int(v) for v in values))
+  except ValueError:
+    restarts = ()
+  if not restarts or any(r < 0 for r in restarts):
+    raise app.UsageError(f"--restarts: {','.join(values)!r}: expected integers >= 0 "
+                         "(rounds of a fragment; 0: never)")
+  return restarts
+
+
 def _receipts(values: list[str]) -> tuple[str, ...]:
   bad = [v for v in values if v not in config.RECEIPTS]
   if bad or not values:
@@ -286,7 +301,7 @@ def main(argv):
                    preset=config.model_label(f.preset, f.optimizer), batches=batches,
                    outers=_outers(f.outer) if f["outer"].present else None,
                    receipts=_receipts(f.receipts), size_scales=_scales(f.size_scales),
-                   periods=_periods(f.periods))
+                   periods=_periods(f.periods), restarts=_restarts(f.restarts))
     if f.dry_run:
       return
   write_report(f.outdir, f.results_dir, wall_s=wall)

@@ -12,35 +12,46 @@ from experiments.harness import Run
 from experiments.scaling import config
 from experiments.scaling import rows as rows_lib
 
+# The suffixes a setting may end in, in this order:
+# "overwrite outer 1/0.9 inner 0.006 muon 0.04 restart 8 H=15" (data-parallel: "inner 0.006").
+SUFFIXES = (" inner ", " muon ", " restart ", " H=")
+
+
+def _before(setting: str, key: str) -> str:
+  """`setting` cut before its suffix `key` and every later one."""
+  text = f" {setting}"
+  for k in SUFFIXES[SUFFIXES.index(key):]:
+    text = text.partition(k)[0]
+  return text[1:]
+
+
+def _suffix(setting: str, key: str, kind: type, what: str):
+  """The value of suffix `key` ("... muon 0.04" -> 0.04), None when the setting names none."""
+  _, found, rest = f" {setting}".partition(key)
+  if not found:
+    return None
+  later = SUFFIXES[SUFFIXES.index(key) + 1:]
+  value = _before(rest, later[0]) if later else rest
+  try:
+    return kind(value)
+  except ValueError:
+    raise ValueError(f"setting {setting!r}: expected '...{key}{what}' with a number") from None
+
 
 def period_of(setting: str) -> int:
   """The H a setting names ("... H=15"), the study's PERIOD when it names none."""
-  _, found, period = f" {setting}".partition(" H=")
-  if not found:
-    return config.PERIOD
-  try:
-    return int(period)
-  except ValueError:
-    raise ValueError(f"setting {setting!r}: expected '... H=<int>' last") from None
-
-
-def _without_period(setting: str) -> str:
-  return f" {setting}".partition(" H=")[0][1:]
-
-
-def _without_muon(setting: str) -> str:
-  """The setting before its " muon LR" and " H=<H>" suffixes."""
-  return f" {_without_period(setting)}".partition(" muon ")[0][1:]
+  period = _suffix(setting, " H=", int, "<int>")
+  return config.PERIOD if period is None else period
 
 
 def parse_setting(setting: str) -> tuple[str, tuple[float, float]]:
   """"keep_local outer 1/0" -> ("keep_local", (1.0, 0.0)); "outer 0.8/0.9" -> overwrite.
-  An " inner LR" suffix is read by `inner_of`, then " muon LR" by `muon_of`, a last
-  " H=<H>" by `period_of`."""
+  The `SUFFIXES` are read by `inner_of`, `muon_of`, `restart_of` and `period_of`."""
   inner_of(setting)  # a malformed suffix fails here too
   muon_of(setting)
+  restart_of(setting)
   period_of(setting)
-  receipt, _, outer = _without_muon(setting).partition(" inner ")[0].rpartition("outer ")
+  receipt, _, outer = _before(setting, " inner ").rpartition("outer ")
   lr, _, momentum = outer.partition("/")
   try:
     return receipt.strip() or "overwrite", (float(lr), float(momentum))
@@ -50,25 +61,17 @@ def parse_setting(setting: str) -> tuple[str, tuple[float, float]]:
 
 def inner_of(setting: str) -> float | None:
   """The inner learning rate a setting names ("... inner 0.0015"), None for the preset's."""
-  # Data-parallel's setting reads "inner LR"; " muon LR" and " H=<H>" follow the rate.
-  _, found, inner = f" {_without_muon(setting)}".partition(" inner ")
-  if not found:
-    return None
-  try:
-    return float(inner)
-  except ValueError:
-    raise ValueError(f"setting {setting!r}: expected '... inner LR' with a number") from None
+  return _suffix(setting, " inner ", float, "LR")
 
 
 def muon_of(setting: str) -> float | None:
   """Muon's matrix rate a setting names ("... muon 0.04"), None for config.MUON_LR."""
-  _, found, rate = f" {_without_period(setting)}".partition(" muon ")
-  if not found:
-    return None
-  try:
-    return float(rate)
-  except ValueError:
-    raise ValueError(f"setting {setting!r}: expected '... muon LR' with a number") from None
+  return _suffix(setting, " muon ", float, "LR")
+
+
+def restart_of(setting: str) -> int:
+  """The outer-momentum restart period a setting names ("... restart 8"), 0 for none."""
+  return _suffix(setting, " restart ", int, "<rounds>") or 0
 
 
 def method_run(kind: str, learners: int, setting: str, seed: int, steps: int,
@@ -82,7 +85,7 @@ def method_run(kind: str, learners: int, setting: str, seed: int, steps: int,
   receipt, outer = parse_setting(setting)
   return config.diloco(kind, learners, outer, seed, steps, receipt, preset,
                        inner_lr=inner_of(setting), period=period_of(setting),
-                       muon_lr=muon_of(setting), **shape)
+                       muon_lr=muon_of(setting), restart=restart_of(setting), **shape)
 
 
 def _batch(group: list[dict]) -> int:
@@ -374,10 +377,11 @@ def stage_batch(rows: list[dict], steps: int, preset: str, learners=config.SIZE_
 
 
 def _setting(kind: str, receipt: str, outer: tuple[float, float], inner: float | None,
-             period: int = config.PERIOD) -> str:
+             period: int = config.PERIOD, restart: int = 0) -> str:
   """The setting string of a DiLoCo run (synchronous DiLoCo names no receipt)."""
   return ((f"{receipt} " if kind == "decoupled" else "") + config.outer_label(*outer)
-          + (config.inner_label(inner) if inner is not None else "") + config.period_label(period))
+          + (config.inner_label(inner) if inner is not None else "")
+          + (config.restart_label(restart) if restart else "") + config.period_label(period))
 
 
 def stage_period(rows: list[dict], steps: int, preset: str, learners=config.PERIOD_LEARNERS,
@@ -411,21 +415,25 @@ def stage_period(rows: list[dict], steps: int, preset: str, learners=config.PERI
 
 
 def stage_outer(rows: list[dict], steps: int, preset: str, learners=config.PERIOD_LEARNERS,
-                outers=config.OUTER_BELOW, receipts=("overwrite",)) -> list[Run]:
+                outers=config.OUTER_BELOW, receipts=("overwrite",),
+                restarts=(0,)) -> list[Run]:
   """Seed 0 of synchronous DiLoCo and Decoupled (each receipt of `receipts`) at each M of
   `learners` and each outer setting of `outers`, at `preset`'s group at `steps`: its global
-  batch and its data-parallel reference's inner rate. The runs join the group, so the picks
-  (and stages two and three) follow the rule over the wider grid."""
+  batch and its data-parallel reference's inner rate, with the outer momentum restarted every
+  R rounds for each R of `restarts` (0: never; a setting without momentum has nothing to
+  restart and runs at 0 only). The runs join the group, so the picks (and stages two and
+  three) follow the rule over the wider grid."""
   group = _tiny(rows, steps, preset)
-  reference = _reference(rows, steps, preset)
-  if not reference:
+  # The reference's setting is "" at the preset's inner rate: ask for its rows instead.
+  if not any(r["kind"] == "data-parallel" for r in group):
     raise ValueError(f"--stage=outer needs the data-parallel runs of the {preset} model at "
                      f"{steps} steps")
-  inner, batch = inner_of(reference), _batch(group)
-  return [method_run(kind, m, _setting(kind, receipt, outer, inner), 0, steps, preset, batch)
+  inner, batch = inner_of(_reference(rows, steps, preset)), _batch(group)
+  return [method_run(kind, m, _setting(kind, receipt, outer, inner, restart=r), 0, steps,
+                     preset, batch)
           for m in learners for kind in ("diloco", "decoupled")
           for receipt in (receipts if kind == "decoupled" else ("overwrite",))
-          for outer in outers]
+          for outer in outers for r in restarts if r == 0 or outer[1] > 0]
 
 
 def batch_plan(rows: list[dict], steps: int, preset: str, learners, runs: list[Run],
