@@ -278,3 +278,48 @@ def test_outer_momentum_restarts_every_r_rounds_like_a_numpy_oracle(restart):
       np.testing.assert_allclose(s.momentum[k], b[k], rtol=1e-4, atol=1e-5)
   if restart:
     assert all(not s.momentum[k].any() for k in g) == (5 % restart == 0)
+
+
+@pytest.mark.parametrize("rule", ["paper", "align"])
+def test_align_drops_a_stale_deliverys_part_against_the_momentum_like_a_numpy_oracle(rule):
+  """K = 1: learner 0 closes round 1 (momentum b = its outer gradient); learner 1 then
+  delivers from version 0. Under "align", a tensor whose outer gradient d has d.b < 0 merges
+  d - (d.b / b.b) b; one with d.b > 0 merges as under "paper"."""
+  plan = fragments.plan_fragments(SHAPES, num_fragments=1)
+  lr, mu = 0.5, 0.9
+  s = syncer_lib.Syncer(_params(0), plan, SyncConfig(quorum=1, gamma=0.0),
+                        OuterConfig(learning_rate=lr, momentum=mu, stale=rule),
+                        sync_delay_s=0.0)
+  g0 = {k: v.astype(np.float64) for k, v in s.global_params().items()}
+  theta0 = _params(1)
+  merged, _ = s.tick(1.0, _beats(1.0, 0, 1), [_payload(0, theta0)])
+  assert [m.version for m in merged] == [1]
+  b = {k: g0[k] - theta0[k] for k in g0}  # mu * 0 + g
+  g1 = {k: g0[k] - lr * (b[k] + mu * b[k]) for k in g0}
+  rng = np.random.default_rng(7)
+  # layers/0: d = -b/2 + noise (against the momentum); layers/1: d = +b/2 + noise (with it).
+  sign = {"embedder/embedding": -1.0, "layers/0/w": -1.0, "layers/1/w": 1.0}
+  theta1 = {k: (g1[k] - sign[k] * 0.5 * b[k]
+                + 0.01 * rng.standard_normal(SHAPES[k])).astype(np.float32) for k in g0}
+  merged, _ = s.tick(2.0, (), [_payload(1, theta1, base=0)])
+  assert [m.version for m in merged] == [2]
+  corrected = 0
+  for k in g0:
+    d = g1[k] - theta1[k]
+    dot = float(np.sum(d * b[k]))
+    if rule == "align" and dot < 0:
+      d = d - dot / float(np.sum(b[k] * b[k])) * b[k]
+      corrected += 1
+    assert (dot < 0) == (sign[k] < 0)
+    mom = mu * b[k] + d
+    np.testing.assert_allclose(s.params[k], g1[k] - lr * (d + mu * mom), rtol=1e-4, atol=1e-5)
+  assert corrected == (2 if rule == "align" else 0)
+
+
+def test_align_leaves_a_tensor_without_momentum_or_along_it_unchanged():
+  from diloco.sync import outer_state
+  g = np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5
+  np.testing.assert_array_equal(outer_state.align_with_momentum(g.copy(), np.zeros_like(g)), g)
+  np.testing.assert_array_equal(outer_state.align_with_momentum(g.copy(), 2 * g), g)
+  out = outer_state.align_with_momentum(g.copy(), -g)  # exactly against: nothing is left
+  np.testing.assert_allclose(out, np.zeros_like(g), atol=1e-6)

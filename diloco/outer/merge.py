@@ -35,8 +35,10 @@ MERGE_METHODS = ("rda", "mean")
 ANCHORS = ("syncer", "base")
 
 # What a stale delivery counts for (the syncer's `_outer_gradient`): "paper", anchored like any
-# other; "rebase", the learner's own progress from its base, scaled down by its staleness.
-STALE_RULES = ("paper", "rebase")
+# other; "rebase", the learner's own progress from its base, scaled down by its staleness;
+# "align", anchored like "paper" with, per tensor, its component against the outer momentum
+# removed when the two point apart.
+STALE_RULES = ("paper", "rebase", "align")
 
 # RDA falls back to the weighted mean when |sum_m w_m unit(d_m)| <= RDA_DIRECTION_EPS * sum_m w_m
 # (sums over the non-zero deltas). The float32 round-off of that sum is about 1e-7 of its bound,
@@ -67,6 +69,10 @@ class OuterConfig:
   # count it toward the quorum with its token weight. "paper": its outer gradient is anchored
   # at the current G (docs/design.md 2.4). "rebase": it is the learner's own progress
   # G_base - theta, scaled by 1 / (1 + staleness), so it no longer undoes the rounds it missed.
+  # "align": as "paper", then each tensor whose outer gradient d points against the fragment's
+  # momentum b (d.b < 0) loses its component along b, d - (d.b / b.b) b: the pull back toward
+  # the learner's older lineage, kept where it agrees with the trajectory (the projection case
+  # of HeLoCo's direction-aware correction, arXiv 2606.00271).
   stale: str = setting("paper", OneOf(STALE_RULES))
   # 0 sends float32 values; 16 / 8 / 4 / 2 / 1 send a quantised delta from the base version
   # (bf16; int8, int4, int2 max-abs codes per block; 1 = sign times the block's mean |x|).

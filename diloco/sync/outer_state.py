@@ -17,6 +17,7 @@ import numpy as np
 from diloco import fragments as fragments_lib
 from diloco import outer
 from diloco.delivery import Delivery
+from diloco.outer import kernels
 from diloco.outer.merge import OuterConfig
 from diloco.sync import intake
 
@@ -25,6 +26,21 @@ def fragment_norm(tensors) -> float:
   """L2 norm over a fragment's tensors: float32 dot products (BLAS), no temporaries; inf if
   one overflows float32's sum of squares."""
   return math.sqrt(sum(intake.sum_of_squares(t) for t in tensors))
+
+
+def align_with_momentum(grad: np.ndarray, momentum: np.ndarray) -> np.ndarray:
+  """`outer.stale="align"` on one float32 tensor (in place when C-contiguous; returned): when
+  `grad . momentum < 0`, removes the component of `grad` along `momentum` (chunk dots added
+  in float64, as `kernels.sq_norms`); a zero momentum changes nothing."""
+  grad = np.ascontiguousarray(grad, np.float32)
+  g, b = grad.reshape(-1), momentum.reshape(-1)
+  dot = sum((float(g[s:s + kernels.CHUNK].dot(b[s:s + kernels.CHUNK]))
+             for s in range(0, g.size, kernels.CHUNK)), 0.0)
+  if dot < 0:
+    coeff = np.float32(dot / kernels.sq_norms([b], np.dtype(np.float32))[0])
+    for s in range(0, g.size, kernels.CHUNK):
+      g[s:s + kernels.CHUNK] -= coeff * b[s:s + kernels.CHUNK]
+  return grad
 
 
 class OuterState:
@@ -72,7 +88,9 @@ class OuterState:
     A stale delivery (its base is older than the current version) is anchored at the
     syncer's current G under `outer.stale="paper"`, so it also pulls G back toward the
     learner's older lineage; under `"rebase"` it is its own progress `G_base - theta`, scaled
-    by `1 / (1 + staleness)` like a delayed gradient in staleness-aware asynchronous SGD.
+    by `1 / (1 + staleness)` like a delayed gradient in staleness-aware asynchronous SGD;
+    under `"align"` it is anchored as under "paper" and `align_with_momentum` drops, per
+    tensor, the part that points against the outer momentum.
     """
     p, base = payload.fragment, payload.base_version
     staleness = self.versions[p] - base
@@ -89,6 +107,8 @@ class OuterState:
     if rebase:
       for g in grad.values():
         g *= np.float32(1.0 / (1.0 + staleness))
+    if self.outer_cfg.stale == "align" and staleness > 0:
+      grad = {k: align_with_momentum(g, self.momentum[k]) for k, g in grad.items()}
     return grad
 
   def _delta_buffers(self, slot: int, paths: list[str]) -> dict[str, np.ndarray]:
