@@ -116,10 +116,19 @@ MAX_INT = 2**31 - 1
 _CONTROL = frozenset(chr(c) for c in range(32)) | {"\x7f"}
 
 
-def _general_problem(value: Any, rule: Rule | None) -> str | None:
+# What a free-text value (a prompt, a shell line) may hold beside printable characters.
+TEXT_CONTROL = frozenset("\n\t")
+
+
+def general_problem(value: Any, rule: Rule | None = None, *, text: bool = False) -> str | None:
+  """What breaks the general rules in `value` (None: nothing); `rule` is the value's own (a
+  Range past MAX_INT allows larger ints); `text` admits newlines and tabs (free text)."""
   if isinstance(value, str):
-    if any(c in _CONTROL or "\ud800" <= c <= "\udfff" for c in value):
-      return f"must hold no control character or lone surrogate, got {value!r}"
+    allowed = TEXT_CONTROL if text else frozenset()
+    if any(c in _CONTROL and c not in allowed or "\ud800" <= c <= "\udfff" for c in value):
+      what = "lone surrogate or control character but newline and tab" if text else (
+          "control character or lone surrogate")
+      return f"must hold no {what}, got {value!r}"
     return None
   if not _is_number(value) or isinstance(rule, OneOf):
     return None
@@ -137,11 +146,30 @@ def check_fields(group: str, values: Any) -> None:
   for f in dataclasses.fields(values):
     rule = f.metadata.get("rule")
     value = getattr(values, f.name)
-    problem = _general_problem(value, rule)
+    problem = general_problem(value, rule)
     if problem:
       raise ConfigError(f"{group}.{f.name}: {problem}")
     if rule is not None and not rule.admits(value):
       raise ConfigError(f"{group}.{f.name}: {message(rule, value, f.metadata.get('note', ''))}")
+
+
+def check_flags(flag_values: Any, names=None, text_flags=()) -> None:
+  """ConfigError naming the first flag (of `names`, default all of `flag_values`) whose value
+  breaks the general rules of config fields (`general_problem`): a number finite and
+  at most `MAX_INT` in size (unless the flag's own upper bound is larger), a string
+  free of control characters and lone surrogates (`text_flags`: free text, newlines and tabs
+  allowed). `flag_values`: an absl FlagValues; every command runs this before its body
+  (`diloco.cli.command.run`), so every flag of every command keeps the rules."""
+  for name in flag_values if names is None else names:
+    flag = flag_values[name]
+    if flag.name != name:
+      continue  # a short name of another flag
+    high = getattr(flag.parser, "upper_bound", None)
+    rule = Range(high=high) if high is not None and high > MAX_INT else None
+    for value in flag.value if isinstance(flag.value, list) else [flag.value]:
+      problem = general_problem(value, rule, text=name in text_flags)
+      if problem:
+        raise ConfigError(f"--{name}: {problem}")
 
 
 def require(ok: bool, field: str, message_text: str) -> None:

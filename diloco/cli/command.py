@@ -15,11 +15,14 @@ from collections.abc import Callable
 
 from absl import app, flags, logging
 
+from diloco import settings
 from diloco.errors import ConfigError
 
 
-def run(flag_values: flags.FlagValues, argv: list[str], body: Callable[[], None]) -> None:
-  """Parses `argv` (argv[0] is the program name) into `flag_values`, then calls `body`."""
+def run(flag_values: flags.FlagValues, argv: list[str], body: Callable[[], None], *,
+        text_flags=()) -> None:
+  """Parses `argv` (argv[0] is the program name) into `flag_values`, checks every flag
+  (`settings.check_flags`; `text_flags` hold free text), then calls `body`."""
   prog = argv[0] if argv else "diloco"
   if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
     print(f"usage: {prog} [flags]\n{flag_values.get_help()}")
@@ -34,6 +37,7 @@ def run(flag_values: flags.FlagValues, argv: list[str], body: Callable[[], None]
   if len(extra) > 1:
     sys.exit(f"{prog}: error: unexpected arguments {extra[1:]}")
   try:
+    settings.check_flags(flag_values, text_flags=text_flags)
     body()
   except ConfigError as e:
     sys.exit(f"{prog}: error: {e}")

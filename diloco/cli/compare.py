@@ -29,8 +29,9 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from diloco import documents
+from diloco import documents, settings
 from diloco.cli import benchmarks
+from diloco.errors import ConfigError
 from diloco.observe import curves
 
 COLUMNS = ("run", "eval_loss", "initial_loss", "tokens", "time_s", "eval_windows", "goodput",
@@ -157,6 +158,14 @@ def main(argv: list[str]) -> None:
   try:
     workdirs = FLAGS([_PROG, *argv[1:]])[1:]
   except flags.Error as e:
+    sys.exit(f"{_PROG}: error: {e}")
+  try:
+    settings.check_flags(FLAGS)
+    for workdir in workdirs:
+      problem = settings.general_problem(workdir)
+      if problem:
+        raise ConfigError(f"workdir {problem}")
+  except ConfigError as e:
     sys.exit(f"{_PROG}: error: {e}")
   if not workdirs:
     sys.exit(f"{_PROG}: error: give the workdirs of the runs to compare")

@@ -118,7 +118,7 @@ def _sample() -> None:
 
 def main(argv: list[str]) -> None:
   """`argv[0]` is the program name; the rest are this command's flags (module docstring)."""
-  command.run(FLAGS, argv, _sample)
+  command.run(FLAGS, argv, _sample, text_flags=("prompt",))
 
 
 if __name__ == "__main__":

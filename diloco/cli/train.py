@@ -25,6 +25,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags as ml_config_flags
 
+from diloco import settings
 from diloco.cli import config_flags, interrupt, preflight
 from diloco.config import run_config
 from diloco.deploy import accelerators
@@ -56,6 +57,10 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", None, "With --coordinator_address: the learner's number of hosts.")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "With --coordinator_address: this host's index (0 talks to the store).")
+
+# This module's own flags (absl's and JAX's are not the command's to check).
+_OWN_FLAGS = (_CONFIG_HELP, _CONFIG_JSON, _WORKDIR, _ROLE, _LEARNER_ID, _STORE, _JAX_DISTRIBUTED,
+              _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)
 
 
 def _load_config() -> run_config.Config:
@@ -125,6 +130,10 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     sys.exit(f"usage error: unexpected arguments {argv[1:]}; flags are --NAME=VALUE "
              "(see --help)")
+  try:  # the flags of this module; the config's fields have their own rules
+    settings.check_flags(flags.FLAGS, names=[f.name for f in _OWN_FLAGS])
+  except run_config.ConfigError as e:
+    sys.exit(f"flag error: {e}")
   if _CONFIG_HELP.value is not None:
     try:
       print(config_flags.help_text(_CONFIG.value, _CONFIG_HELP.value))

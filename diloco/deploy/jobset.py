@@ -52,8 +52,10 @@ from collections.abc import Sequence
 import yaml
 from absl import flags
 
+from diloco import settings
 from diloco.config import run_config
 from diloco.deploy import gke_nodes
+from diloco.errors import ConfigError
 
 # The repository: the image carries it, so a config must be one of its files.
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -355,6 +357,10 @@ def parse_args(argv: Sequence[str]) -> flags.FlagValues:
   rest = fv(["make_jobset.py", *argv])
   if len(rest) > 1:
     raise FlagError(f"unexpected arguments: {rest[1:]}")
+  try:
+    settings.check_flags(fv)
+  except ConfigError as e:
+    raise FlagError(str(e)) from None
   return fv
 
 
@@ -378,7 +384,7 @@ def main(argv: Sequence[str]) -> int:
   """`run` on flags parsed from `argv` (without the program name), for callers in Python."""
   try:
     args = parse_args(argv)
-  except flags.Error as e:
+  except (flags.Error, FlagError) as e:
     print(f"make_jobset.py: error: {e}", file=sys.stderr)
     return 2
   return run(args)
