@@ -83,6 +83,17 @@ def test_compare_command_works_outside_the_checkout(tmp_path):
   assert "report_dri" in bad_flag.stderr
 
 
+def test_a_report_dir_that_is_a_file_is_refused_in_one_line_and_kept(tmp_path):
+  a = _run(tmp_path / "a", evals=[(0, 100.0, 5.0), (10, 110.0, 2.0)])
+  target = tmp_path / "notes.txt"
+  target.write_text("mine")
+  with pytest.raises(SystemExit) as e:
+    compare.main(["diloco compare", a, f"--report_dir={target}"])
+  assert str(e.value.code) == (f"diloco compare: error: --report_dir: {str(target)!r} exists "
+                               "and is not a folder")
+  assert target.read_text() == "mine"
+
+
 def test_dozens_of_curves_stay_apart_and_the_legend_fits(tmp_path):
   styles = [tuple(sorted(curves.line_style(i).items())) for i in range(40)]
   assert len(set(styles)) == 40  # an experiment's runs: colour and dash together tell them apart

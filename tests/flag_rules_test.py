@@ -16,7 +16,7 @@ import pytest
 from absl import flags
 
 from diloco import settings
-from diloco.cli import commands, train
+from diloco.cli import commands, harness, train
 from diloco.deploy import jobset
 from diloco.errors import ConfigError
 
@@ -91,7 +91,7 @@ def test_every_flag_parses_and_passes_the_rule_or_is_refused_in_one_line(command
 # Valid values of the flags a command requires before it parses the others.
 REQUIRED = {"compile": ("--config=configs/decoupled.py:tiny", "--topology=v5e-4"),
             "slurm": ("--config=configs/decoupled.py:tiny", "--workdir=runs/never"),
-            "make_jobset": ("--name=r", "--store=gs://b/r", "--config=configs/decoupled.py:tiny",
+            "make_jobset": ("--name=r", "--store=gs://bucket/run", "--config=configs/decoupled.py:tiny",
                             "--learners=2", "--tpu_type=v5e-4")}
 
 
@@ -139,3 +139,37 @@ def test_the_training_command_checks_its_own_flags_in_one_line(tmp_path):
   assert out.returncode == 1 and not (tmp_path / "run").exists()
   assert out.stderr.strip().splitlines()[-1].startswith("flag error: --num_processes: must be")
   assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("name", sorted(harness._NUMBERS))
+def test_lm_evals_numeric_flags_are_checked_before_lm_eval_runs(name):
+  kind, low, open_low = harness._NUMBERS[name]
+  for raw in BAD:
+    for args in ([f"{name}={raw}"], [name, raw]):
+      try:
+        harness.check_args(["--tasks", "t", *args])
+      except ConfigError as e:
+        assert str(e).startswith(f"{name}: must") or str(e).startswith("argument "), e
+        continue
+      number = kind(raw)
+      assert math.isfinite(number) and (number > low if open_low else number >= low), raw
+  harness.check_args(["--limit", "0.5", "--num_fewshot=0", "--tasks", "a,b"])
+
+
+def test_every_integer_model_arg_is_bounded_and_bad_ones_name_the_arg():
+  """lm_eval's parser turns "inf" into a float and "10**18" into an int: each reaches the
+  model's arguments as lm_eval passes them, and is refused naming the arg or accepted (then
+  the missing run is what stops it)."""
+  from lm_eval import utils as lm_utils
+
+  from diloco.artifacts import harness_model
+  for name, (_, low, high) in harness_model.INT_ARGS.items():
+    for raw in (*BAD, str(low), str(high), str(high + 1)):
+      if raw == "" or "\n" in raw or "\t" in raw:
+        continue  # lm_eval's own syntax (key=value,...) cannot carry these
+      args = lm_utils.simple_parse_args_string(f"workdir=/nonexistent/run,{name}={raw}")
+      with pytest.raises(ConfigError) as e:
+        harness_model.DilocoLM.from_model_args(args)
+      accepted = raw in (str(low), str(high))
+      assert str(e.value).startswith("--model_args workdir" if accepted
+                                     else f"--model_args {name}: must"), (raw, e.value)

@@ -193,6 +193,15 @@ def test_main_writes_output_file(capsys, tmp_path):
   assert len(_jobs(yaml.safe_load(out.read_text()))) == 3
 
 
+@pytest.mark.parametrize("where", ["missing/folder/js.yaml", "."])
+def test_an_output_that_cannot_be_written_is_one_line_naming_the_flag(capsys, tmp_path, where):
+  out = tmp_path / where
+  assert make_jobset.main(_argv(output=str(out), learners="2")) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("make_jobset.py: error: --output: cannot write") and "\n" not in err
+  assert not (tmp_path / "missing").exists()
+
+
 def test_dry_run_subprocess_prints_only_yaml(tmp_path):
   proc = subprocess.run(
       [sys.executable, "scripts/make_jobset.py", "--dry_run",

@@ -27,6 +27,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from diloco import settings
 from diloco.artifacts import trained
 from diloco.errors import ConfigError
 from diloco.model import decode
@@ -66,7 +67,16 @@ def _token_scores(graphdef, state, tokens_BL1, vocab_limit: int):
   return target_BL, greedy_BL == targets_BL
 
 
-def _int_arg(args: dict, name: str, default, low: int):
+# The integer model args: (default, lowest, highest). The highest keep a typo from asking for
+# an allocation no host has (the batch as `diloco sample --num_samples`, lengths as its
+# `--max_tokens`).
+INT_ARGS = {"step": (None, 0, settings.MAX_INT), "batch_size": (DEFAULT_BATCH_SIZE, 1, 4096),
+            "max_length": (None, 2, 2**20), "max_gen_toks": (DEFAULT_MAX_GEN_TOKS, 1, 2**20)}
+
+
+def _int_arg(args: dict, name: str):
+  """`args[name]` (popped) as an integer within `INT_ARGS[name]`, its default when absent."""
+  default, low, high = INT_ARGS[name]
   value = args.pop(name, default)
   if value is None:
     return None
@@ -74,12 +84,12 @@ def _int_arg(args: dict, name: str, default, low: int):
     return default  # lm_eval's --batch_size=auto: no search here, the default
   try:
     number = int(value) if not isinstance(value, bool) and float(value) == int(value) else None
-  except (TypeError, ValueError):
+  except (TypeError, ValueError, OverflowError):  # not a number, NaN, an infinity
     number = None
   if number is None:
     raise ConfigError(f"--model_args {name}: must be an integer, got {value!r}")
-  if number < low:
-    raise ConfigError(f"--model_args {name}: must be >= {low}, got {number}")
+  if not low <= number <= high:
+    raise ConfigError(f"--model_args {name}: must be in [{low}, {high}], got {number}")
   return number
 
 
@@ -114,10 +124,11 @@ class DilocoLM(TemplateLM):
     workdir = args.pop("workdir", None)
     if not workdir:
       raise ConfigError("--model_args workdir: required: workdir=RUN_OR_EXPORT_FOLDER")
-    step = _int_arg(args, "step", None, 0)
-    batch_size = _int_arg(args, "batch_size", DEFAULT_BATCH_SIZE, 1)
-    max_length = _int_arg(args, "max_length", None, 2)
-    max_gen_toks = _int_arg(args, "max_gen_toks", DEFAULT_MAX_GEN_TOKS, 1)
+    problem = settings.general_problem(str(workdir))
+    if problem:
+      raise ConfigError(f"--model_args workdir: {problem}")
+    step, batch_size, max_length, max_gen_toks = (
+        _int_arg(args, name) for name in INT_ARGS)
     trust = args.pop("trust_export_code", False)
     if not isinstance(trust, bool):
       raise ConfigError(f"--model_args trust_export_code: must be true or false, got {trust!r}")

@@ -169,6 +169,9 @@ def main(argv: list[str]) -> None:
     sys.exit(f"{_PROG}: error: {e}")
   if not workdirs:
     sys.exit(f"{_PROG}: error: give the workdirs of the runs to compare")
+  report_dir = FLAGS.report_dir
+  if report_dir and os.path.lexists(report_dir) and not os.path.isdir(report_dir):
+    sys.exit(f"{_PROG}: error: --report_dir: {report_dir!r} exists and is not a folder")
   try:
     print(compare(workdirs, FLAGS.report_dir))
   except (ValueError, OSError) as e:

@@ -374,7 +374,12 @@ def run(args: flags.FlagValues) -> int:
   if args.dry_run or not args.output:
     sys.stdout.write(text)
     return 0
-  pathlib.Path(args.output).write_text(text, encoding="utf-8")
+  try:
+    pathlib.Path(args.output).write_text(text, encoding="utf-8")
+  except OSError as e:  # a missing folder, a directory, no permission: the user's path
+    print(f"make_jobset.py: error: --output: cannot write {args.output!r}: "
+          f"{e.strerror or e}", file=sys.stderr)
+    return 2
   print(f"wrote {args.output}: {args.learners} learner job(s) + syncer; "
         f"kubectl apply -f {args.output}")
   return 0
