@@ -463,6 +463,28 @@ def test_repair_tape_drops_the_rounds_of_versions_recover_refused(tmp_path):
   assert all(r["version"] <= fresh.versions[r["fragment"]] for r in listed)
 
 
+def test_recover_refuses_a_store_of_another_layout_even_without_the_layout_check(tmp_path):
+  """A library caller that skips `store_layout.claim`: a syncer whose plan has other shapes
+  must not take the store for a fresh one (and publish version 0 over the run's rounds)."""
+  store = Store(tmp_path / "store")
+  _five_committed_rounds(store, tmp_path)
+  before = {p: store.merged.versions(p) for p in range(2)}
+  rng = np.random.default_rng(0)
+  for transposed, message in ((("layers/1/w",), "have no usable committed version while others"),
+                              (("layers/1/w", "embedder/embedding"), "hold committed versions, "
+                               "none of which reads back")):
+    shapes = {k: s[::-1] if k in transposed else s for k, s in SHAPES.items()}
+    other = syncer_lib.Syncer({k: rng.standard_normal(v).astype(np.float32)
+                               for k, v in shapes.items()},
+                              fragments.plan_fragments(shapes, num_fragments=2),
+                              SyncConfig(quorum=1, gamma=0.0), OuterConfig(), sync_delay_s=0.0)
+    with pytest.raises(ConfigError, match=message):
+      syncer_process.recover(store, other, 2, max_staleness=8)
+  assert {p: store.merged.versions(p) for p in range(2)} == before  # nothing moved aside
+  fresh = Store(tmp_path / "empty")
+  assert syncer_process.recover(fresh, _syncer(), 2, max_staleness=8) == (False, set(), [])
+
+
 def test_wan_link_serialises_transfers_and_adds_latency():
   now = [0.0]
   link = wan.Link(8.0, 50.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))

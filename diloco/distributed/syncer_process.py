@@ -47,6 +47,7 @@ from diloco.distributed.lease import Lease
 from diloco.distributed.store import Store, shard_stores
 from diloco.distributed.store_names import WRITE_FAILED, merged_name
 from diloco.distributed.syncer_link import SyncerStoreLink
+from diloco.errors import ConfigError
 from diloco.learner.island import fragment_plan, initial_global
 from diloco.observe import metrics as metrics_lib
 from diloco.sync import intake, ownership
@@ -63,7 +64,9 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
 
   Each fragment resumes from its newest version that reads back whole, typed and finite
   (`MergedVersions.read` with the plan's shapes); newer ones that do not (corrupt or planted)
-  are moved aside, so their version numbers are free for the rounds to come. Returns
+  are moved aside, so their version numbers are free for the rounds to come. A store whose
+  versions none reads back (another layout, when the caller skipped `store_layout.claim`) is
+  refused, never restarted from the initial G. Returns
   (recovered?, keys (fragment, learner, incarnation, step) of deliveries that committed
   rounds merged, the committed rounds' tape records).
   """
@@ -71,11 +74,16 @@ def recover(store: Store, syncer: Syncer, num_fragments: int, max_staleness: int
   own = [p for p in syncer.owned if p < num_fragments]  # a shard recovers its fragments only
   found = {p: _newest_usable(store, syncer, p, max_staleness) for p in own}
   if not any(found.values()):
+    held = [p for p in own if store.merged.versions(p)]
+    if held:  # never a fresh start over a run's rounds (another layout, or all unreadable)
+      raise ConfigError(f"store {store.root}: fragments {held[:8]} hold committed versions, "
+                        "none of which reads back with this run's fragment plan and shapes; "
+                        "resume with the store's config, or start a new store")
     return False, set(), []
   missing = [p for p, f in found.items() if f is None]
   if missing:
-    raise RuntimeError(f"store {store.root}: fragments {missing[:8]} have no usable committed "
-                       "version while others have; the store is not from one run")
+    raise ConfigError(f"store {store.root}: fragments {missing[:8]} have no usable committed "
+                      "version while others have; the store is not from this run's layout")
   if fence is not None:
     fence()
   for p, (_, _, _, _, refused) in found.items():
