@@ -237,6 +237,28 @@ def test_bad_tasks_fail_in_one_line(run, argv, message):
   assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("body, message", [
+    ("output_type: nonsense\n", "ValueError: Got invalid output_type 'nonsense'"),
+    ("output_type: multiple_choice\ndataset_kwargs:\n  data_files:\n    test: MISSING\n"
+     "doc_to_text: x\ndoc_to_choice: choices\ndoc_to_target: answer\n",
+     "FileNotFoundError: Unable to find"),
+])
+def test_a_task_yaml_lm_eval_cannot_load_fails_in_one_line_naming_tasks(run, tmp_path, body,
+                                                                       message):
+  workdir, _, _ = run
+  folder = tmp_path / "tasks"
+  folder.mkdir()
+  body = body.replace("MISSING", str(tmp_path / "missing.jsonl"))
+  (folder / "broken.yaml").write_text(f"task: broken\ndataset_path: json\ntest_split: test\n"
+                                      f"{body}")
+  with pytest.raises(SystemExit) as e:
+    evaluate.main(["diloco evaluate", f"--workdir={workdir}", "--tasks=broken",
+                   f"--include_path={folder}"])
+  text = str(e.value.code)
+  assert text.startswith("diloco evaluate: error: --tasks: lm_eval cannot load a task's")
+  assert message in text and "\n" not in text, text
+
+
 def test_a_run_without_an_export_or_a_bad_model_arg_fails_in_one_line(run, tmp_path):
   workdir, tasks, _ = run
   with pytest.raises(SystemExit) as e:

@@ -11,8 +11,10 @@ compare`, which reads the results file only, imports no model code).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import traceback
 from typing import TYPE_CHECKING
 
 from diloco import documents
@@ -31,6 +33,29 @@ def _lm_eval():
   except ImportError:
     raise ConfigError(f"--tasks: scoring tasks needs lm-evaluation-harness; {_INSTALL}") from None
   return lm_eval
+
+
+# Where lm_eval loads the tasks named on its command line (`TaskManager.load`, its YAML, its
+# datasets): an error with this frame on its stack is about a task's config or data.
+_TASK_LOADER = ("lm_eval/tasks/manager.py", "load")
+
+
+@contextlib.contextmanager
+def task_config_errors():
+  """Turns an error lm_eval raises while it loads the tasks (a bad `output_type`, a missing
+  data file, a YAML that does not parse) into one ConfigError line naming --tasks; any other
+  error, the model's among them, keeps its traceback."""
+  try:
+    yield
+  except (ValueError, TypeError, KeyError, OSError, ImportError) as e:
+    frames = traceback.extract_tb(e.__traceback__)
+    if not any(f.filename.replace(os.sep, "/").endswith(_TASK_LOADER[0])
+               and f.name == _TASK_LOADER[1] for f in frames):
+      raise
+    first = (str(e).strip().splitlines() or [""])[0]
+    raise ConfigError(f"--tasks: lm_eval cannot load a task's config or data: "
+                      f"{type(e).__name__}: {first} (see the task's YAML and "
+                      "--include_path)") from None
 
 
 def task_names(spec: str) -> list[str]:
@@ -87,8 +112,9 @@ def evaluate(model: trained.Trained, workdir: str, *, tasks: str, include_path: 
   from diloco.artifacts import harness_model  # pylint: disable=import-outside-toplevel
   lm = harness_model.DilocoLM(model, batch_size=batch_size, max_length=max_length)
   resolved = list(dict.fromkeys(m for n in names for m in manager.match_tasks([n])))
-  results = evaluator.simple_evaluate(model=lm, tasks=resolved, num_fewshot=num_fewshot,
-                                      limit=limit, task_manager=manager, log_samples=False)
+  with task_config_errors():
+    results = evaluator.simple_evaluate(model=lm, tasks=resolved, num_fewshot=num_fewshot,
+                                        limit=limit, task_manager=manager, log_samples=False)
   results.pop("samples", None)
   results["config"]["model"] = "diloco"
   results["config"]["model_args"] = f"workdir={workdir}"

@@ -17,6 +17,7 @@ import math
 import sys
 
 from diloco import settings
+from diloco.cli import benchmarks
 from diloco.errors import ConfigError
 
 _PROG = "diloco lm_eval"
@@ -64,7 +65,8 @@ def main(argv: list[str]) -> None:
   saved = sys.argv
   sys.argv = ["lm_eval", *argv[1:]]
   try:
-    lm_eval_main.cli_evaluate()
+    with benchmarks.task_config_errors():
+      lm_eval_main.cli_evaluate()
   except ConfigError as e:
     sys.exit(f"{_PROG}: error: {e}")
   except ValueError as e:
