@@ -408,12 +408,17 @@ def store_shards(path: str) -> int:
 def read_params(path: str, what: str = "train.init_from",
                 read_store: StoreReader | None = None,
                 check: Callable[[PyTree], None] | None = None) -> tuple[PyTree, str]:
-  """(NumPy parameters, a description of their source) of an export, of a multi-process run's
+  """(NumPy parameters, a description of their source) of an export, of a Hugging Face folder
+  (`hf:FOLDER`, `hf_import`), of a multi-process run's
   store (G from every syncer shard's newest committed versions, read by `read_store`: the
   store belongs to the multi-process runtime, above this layer), or of a train-state or
   durable-run checkpoint (a step directory, or the newest step under WORKDIR/[run_]checkpoints).
   Errors name the flag or field `what`. `check` sees a checkpoint's or an export's saved
   shapes (Orbax metadata) before any array is read."""
+  from diloco.artifacts import hf_import  # pylint: disable=import-outside-toplevel  (imports this)
+  folder = hf_import.folder_of(path or "")
+  if folder is not None:  # its shapes are the folder's own (the run's model: `with_hf_start`)
+    return hf_import.read_params(folder, hf_import.model_config(folder, ModelConfig()))
   if not path or not os.path.exists(path):
     raise ConfigError(f"{what}: {path!r} does not exist")
   path = os.path.abspath(path)  # Orbax reads a relative checkpoint path's metadata wrongly

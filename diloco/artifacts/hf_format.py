@@ -36,7 +36,7 @@ _BYTE_SPECIALS = {"<bos>": tokenizers.ByteTokenizer.bos_id,
                   "<eos>": tokenizers.ByteTokenizer.eos_id}
 # Per-layer tensors: this project's name under layers/<i>/ -> (the HF name under
 # model.layers.<i>., how the array becomes the torch Linear's (out, in) weight).
-_LAYER_TENSORS = {
+LAYER_TENSORS = {
     "pre_attn_norm/scale": ("input_layernorm.weight", "vector"),
     "post_attn_norm/scale": ("post_attention_layernorm.weight", "vector"),
     "pre_mlp_norm/scale": ("pre_feedforward_layernorm.weight", "vector"),
@@ -143,7 +143,7 @@ def hf_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
   out = {"model.embed_tokens.weight": take("embedder/embedding"),
          "model.norm.weight": take("final_norm/scale")}
   for i in range(cfg.num_layers):
-    for name, (hf_name, kind) in _LAYER_TENSORS.items():
+    for name, (hf_name, kind) in LAYER_TENSORS.items():
       array = take(f"layers/{i}/{name}")
       if kind == "in_first":  # (D, N, H) or (D, F): the input axis first
         array = array.reshape(array.shape[0], -1).T

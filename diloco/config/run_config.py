@@ -22,6 +22,7 @@ from typing import Any
 import ml_collections
 
 from diloco import documents
+from diloco.artifacts import hf_import
 from diloco.config.slurm_config import SlurmConfig
 from diloco.errors import ConfigError
 from diloco.model import presets as model_presets
@@ -69,9 +70,10 @@ class TrainConfig:
   # versions from the store: the choice for large models) or "off" (no global evaluation).
   eval_mode: str = setting("background", OneOf(EVAL_MODES))
   # Start from these parameters instead of a fresh init: an export (WORKDIR/export or a
-  # workdir that has one), a data-parallel checkpoint (WORKDIR/checkpoints[/STEP]) or a
-  # durable run's checkpoint (WORKDIR/run_checkpoints[/STEP]). Fresh optimizer state; a
-  # workdir that already holds a checkpoint resumes instead.
+  # workdir that has one), a data-parallel checkpoint (WORKDIR/checkpoints[/STEP]), a
+  # durable run's checkpoint (WORKDIR/run_checkpoints[/STEP]) or hf:FOLDER, a Hugging Face
+  # Gemma 3 folder, whose config also sets the model's shape and tokenizer. Fresh optimizer
+  # state; a workdir that already holds a checkpoint resumes instead.
   init_from: str = ""
 
 
@@ -281,9 +283,24 @@ def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
   seed = raw.get("seed", 0)
   if not isinstance(seed, int) or isinstance(seed, bool):
     raise ConfigError(f"seed: must be an integer, got {seed!r}")
-  config = Config(**kwargs, seed=seed)
+  config = with_hf_start(Config(**kwargs, seed=seed))
   validate(config)
   return config
+
+
+def with_hf_start(cfg: Config) -> Config:
+  """`train.init_from=hf:FOLDER`: the model's shape and tokenizer come from the Hugging Face
+  folder (`hf_import`), everything else (speed switches, parameter dtype, data, the rest of
+  the run) from `cfg`. Any other config is returned as it is."""
+  folder = hf_import.folder_of(cfg.train.init_from)
+  if folder is None:
+    return cfg
+  model = hf_import.model_config(folder, cfg.model)
+  tokenizer = hf_import.tokenizer_of(folder)
+  data = cfg.data
+  if tokenizer is not None and data.source != "array_record":  # shards carry their own
+    data = dataclasses.replace(data, tokenizer=tokenizer)
+  return dataclasses.replace(cfg, model=model, data=data)
 
 
 def read_file(path: str, what: str = "--config_json") -> Config:
