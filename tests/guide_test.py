@@ -71,6 +71,7 @@ def test_the_guide_still_has_its_tiny_commands():
   for tool in ("sample", "evaluate", "to_safetensors"):
     assert any(c.startswith(f"python -m diloco.cli.{tool} ") for c in found), tool
   assert any(c.startswith("python -m diloco export ") for c in found)
+  assert any("--config.train.init_from=hf:runs/first/hf" in c for c in found)
 
 
 @pytest.mark.slow
@@ -93,6 +94,8 @@ def test_the_guides_tiny_commands_run_as_written(tmp_path):
     elif TRAIN.match(command):
       workdir = next(a.split("=", 1)[1] for a in argv if a.startswith("--workdir="))
       assert (tmp_path / workdir / "export").is_dir(), command
+      if "init_from=hf:" in command:  # the folder the export command wrote
+        assert "initialised from Hugging Face folder runs/first/hf" in proc.stdout
     elif "diloco.cli.sample" in command:
       assert proc.stdout.startswith("import "), proc.stdout
     elif "--tasks=" in command:  # lm-evaluation-harness tasks: a line per task, the JSON
