@@ -205,7 +205,7 @@ def test_damaged_weights_are_refused_naming_the_tensor(tmp_path):
       {k: np.zeros(v.shape, np.float32) for k, v in fragments.flatten_tree(
           _imported(folder)[1]).items()})
   with pytest.raises(ConfigError, match="final_norm/scale"):
-    export.load_init(f"hf:{folder}", abstract)
+    export.load_init(f"hf:{folder}", abstract, read_hf=hf_import.read_folder)
   assert cfg.embed_dim == 64
 
 

@@ -77,6 +77,10 @@ _DATA_FIELDS = {"tokenizer": Field(str, required=False),
 # (store path, its number of syncer shards) -> (flat global parameters, {fragment: version}):
 # how a runtime that knows the multi-process store lets `train.init_from` name one.
 StoreReader = Callable[[str, int], tuple[dict[str, np.ndarray], dict[int, int]]]
+# `train.init_from=hf:FOLDER`: the folder's parameters and a description (`hf_import`, which
+# reads exports too, so it lies above this module and comes in as this reader).
+HF_PREFIX = "hf:"
+HfReader = Callable[[str], tuple[PyTree, str]]
 
 
 def save(workdir: str, params: PyTree, *, model, data, seed: int, step: int, runtime: str,
@@ -407,18 +411,20 @@ def store_shards(path: str) -> int:
 
 def read_params(path: str, what: str = "train.init_from",
                 read_store: StoreReader | None = None,
-                check: Callable[[PyTree], None] | None = None) -> tuple[PyTree, str]:
+                check: Callable[[PyTree], None] | None = None,
+                read_hf: HfReader | None = None) -> tuple[PyTree, str]:
   """(NumPy parameters, a description of their source) of an export, of a Hugging Face folder
-  (`hf:FOLDER`, `hf_import`), of a multi-process run's
+  (`hf:FOLDER`, read by `read_hf`: `hf_import.read_folder`), of a multi-process run's
   store (G from every syncer shard's newest committed versions, read by `read_store`: the
   store belongs to the multi-process runtime, above this layer), or of a train-state or
   durable-run checkpoint (a step directory, or the newest step under WORKDIR/[run_]checkpoints).
   Errors name the flag or field `what`. `check` sees a checkpoint's or an export's saved
   shapes (Orbax metadata) before any array is read."""
-  from diloco.artifacts import hf_import  # pylint: disable=import-outside-toplevel  (imports this)
-  folder = hf_import.folder_of(path or "")
-  if folder is not None:  # its shapes are the folder's own (the run's model: `with_hf_start`)
-    return hf_import.read_params(folder, hf_import.model_config(folder, ModelConfig()))
+  if (path or "").startswith(HF_PREFIX):  # a Hugging Face folder: `hf_import`, above export
+    if read_hf is None:
+      raise ConfigError(f"{what}: {path!r} is a Hugging Face folder; give an export or a "
+                        "checkpoint here")
+    return read_hf(path[len(HF_PREFIX):])
   if not path or not os.path.exists(path):
     raise ConfigError(f"{what}: {path!r} does not exist")
   path = os.path.abspath(path)  # Orbax reads a relative checkpoint path's metadata wrongly
@@ -476,12 +482,15 @@ def bound_size(saved: PyTree, file: str) -> None:
                           "elements; not parameters of a model diloco builds")
 
 
-def load_init(path: str, abstract: PyTree, read_store: StoreReader | None = None) -> PyTree:
+def load_init(path: str, abstract: PyTree, read_store: StoreReader | None = None,
+              read_hf: HfReader | None = None) -> PyTree:
   """NumPy parameters for `train.init_from=path`, checked against `abstract` and cast to its
-  dtypes: an export, a multi-process run's store (through `read_store`), or the parameters of a
-  train-state or durable-run checkpoint."""
+  dtypes: an export, a multi-process run's store (through `read_store`), a Hugging Face
+  folder (`hf:FOLDER`, through `read_hf`), or the parameters of a train-state or durable-run
+  checkpoint."""
   params, source = read_params(
-      path, read_store=read_store, check=lambda saved: check_shapes(saved, abstract, path))
+      path, read_store=read_store, check=lambda saved: check_shapes(saved, abstract, path),
+      read_hf=read_hf)
   check_shapes(params, abstract, source)
   dtypes = {k: v.dtype for k, v in fragments_lib.flatten_tree(abstract).items()}
   flat = {k: np.asarray(v, dtypes[k]) for k, v in fragments_lib.flatten_tree(params).items()}

@@ -23,11 +23,11 @@ import numpy as np
 
 from diloco import documents
 from diloco import fragments as fragments_lib
-from diloco.artifacts import hf_format
+from diloco.artifacts import export, hf_format
 from diloco.errors import ConfigError, DocumentError
 from diloco.model.config import ModelConfig
 
-PREFIX = "hf:"
+PREFIX = export.HF_PREFIX
 CONFIG_FILE = "config.json"
 # The transformers architectures this project's transformer is exactly (architecture: model
 # type); every other one is refused, naming these.
@@ -256,7 +256,6 @@ def read_safetensors(path: str, budget: int) -> dict[str, np.ndarray]:
 def read_params(folder: str, cfg: ModelConfig) -> tuple[dict, str]:
   """(this project's parameter tree, a description) of the folder's weights for `cfg`
   (`model_config` of the folder); DocumentError naming a missing, extra or misshapen tensor."""
-  from diloco.artifacts import export  # pylint: disable=import-outside-toplevel
   files = _weight_files(folder)
   tensors: dict[str, np.ndarray] = {}
   where: dict[str, str] = {}
@@ -290,6 +289,12 @@ def read_params(folder: str, cfg: ModelConfig) -> tuple[dict, str]:
     raise DocumentError(where[min(tensors)], min(tensors), "has no counterpart in this "
                         f"transformer ({len(tensors)} such tensors)")
   return fragments_lib.unflatten_tree(flat), f"Hugging Face folder {folder}"
+
+
+def read_folder(folder: str) -> tuple[dict, str]:
+  """`read_params` for the model the folder describes (`export.HfReader`: its shapes are the
+  folder's own, as the run's model is: `run_config.with_hf_start`)."""
+  return read_params(folder, model_config(folder, ModelConfig()))
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[str, str, tuple[int, ...]]]:

@@ -111,8 +111,9 @@ def initial_global(init_fn, seed: int, cfg: LearnerConfig | None = None,
   parameters of `cfg.train.init_from` (shape-checked against `abstract_params`; a store is read
   by `read_store`, an `export.StoreReader` the runtime passes)."""
   if cfg is not None and cfg.train.init_from:
-    from diloco.artifacts import export  # pylint: disable=import-outside-toplevel
-    params = export.load_init(cfg.train.init_from, abstract_params, read_store)
+    from diloco.artifacts import export, hf_import  # pylint: disable=import-outside-toplevel
+    params = export.load_init(cfg.train.init_from, abstract_params, read_store,
+                              hf_import.read_folder)
     return {k: np.asarray(v) for k, v in fragments_lib.flatten_tree(params).items()}
   init = init_fn(jax.random.key(seed))
   return {k: np.asarray(v) for k, v in

@@ -18,7 +18,7 @@ import jax
 from absl import logging
 
 from diloco import fragments as fragments_lib
-from diloco.artifacts import export
+from diloco.artifacts import export, hf_import
 from diloco.config.run_config import Config, check_in_process_eval
 from diloco.distributed import global_view
 from diloco.errors import ConfigError
@@ -90,7 +90,8 @@ def _restore_or_create(cfg: Config, spec, ckpt, data_iter, identity: dict):
   state = train_state.create(cfg.model, spec, jax.random.key(cfg.seed))
   if cfg.train.init_from:
     state = dict(state, params=_device_params(export.load_init(
-        cfg.train.init_from, spec.abstract["params"], global_view.read_store), spec))
+        cfg.train.init_from, spec.abstract["params"], global_view.read_store,
+        hf_import.read_folder), spec))
   return state
 
 
