@@ -13,7 +13,7 @@ gemma_9b / moe_2_8b / moe_3_8b with 8 learners, one slice each (devices are grou
 by slice_index), reading pre-tokenised shards (`--config.data.path=gs://...`).
 """
 
-from diloco.config import run_config
+import diloco
 
 _TPU = ("gemma_2b", "gemma_5b", "gemma_9b", "moe_2_8b", "moe_3_8b")
 
@@ -22,7 +22,7 @@ def get_config(preset: str = "cpu"):
   if preset not in ("tiny", "nano", "mini", "cpu", "m35") + _TPU:
     raise ValueError(f"configs/decoupled.py: unknown preset {preset!r}; allowed: "
                      f"{['tiny', 'nano', 'mini', 'cpu', 'm35', *_TPU]}")
-  cfg = run_config.base_config({"tiny": "tiny", "cpu": "small"}.get(preset, preset))
+  cfg = diloco.base_config({"tiny": "tiny", "cpu": "small"}.get(preset, preset))
   cfg.learners.count = 4
   # Learners need no train-state checkpoints here (a restarted learner keeps its resume point
   # and loads G); the run checkpoints G, the syncer and those resume points every 32 rounds

@@ -8,13 +8,14 @@ with configs/decoupled.py's. Presets as in configs/decoupled.py.
 
 import os
 
-from diloco.config import run_config
+import diloco
 
 
 def get_config(preset: str = "cpu"):
-  cfg = run_config.load(os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
+  cfg = diloco.load_config_dict(
+      os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
   cfg.sync.num_fragments = 1
-  cfg.sync.quorum = run_config.ALL_LEARNERS  # K = M, whatever --config.learners.count says
+  cfg.sync.quorum = diloco.ALL_LEARNERS  # K = M, whatever --config.learners.count says
   cfg.sync.gamma = 0.0
   cfg.sync.receipt = "overwrite"  # DiLoCo's rule: every learner restarts from the merged G
   cfg.sync.period = {"tiny": 16, "nano": 16, "mini": 16, "cpu": 40, "m35": 30}.get(preset, 100)

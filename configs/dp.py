@@ -10,7 +10,7 @@ gemma_2b / gemma_5b / gemma_9b / moe_2_8b / moe_3_8b, which expect pre-tokenised
 shards (`--config.data.path=gs://.../shards`, see scripts/prepare_data.py).
 """
 
-from diloco.config import run_config
+import diloco
 
 _CPU = {
     "tiny": dict(seq_len=64, batch_size=16, steps=60, eval_every=30, lr=3e-3, warmup=10),
@@ -34,7 +34,7 @@ def get_config(preset: str = "small"):
   if preset not in _CPU and preset not in _TPU:
     raise ValueError(f"configs/dp.py: unknown preset {preset!r}; allowed: "
                      f"{sorted(_CPU) + list(_TPU)}")
-  cfg = run_config.base_config("small" if preset == "cpu" else preset)
+  cfg = diloco.base_config("small" if preset == "cpu" else preset)
   if preset in _CPU:
     p = _CPU[preset]
     cfg.data.seq_len = p["seq_len"]

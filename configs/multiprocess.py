@@ -13,11 +13,12 @@ docs/scale_out.md and scripts/make_jobset.py.
 
 import os
 
-from diloco.config import run_config
+import diloco
 
 
 def get_config(preset: str = "tiny"):
-  cfg = run_config.load(os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
+  cfg = diloco.load_config_dict(
+      os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
   cfg.checkpoint.every_steps = 8  # learners resume their own state after a kill
   cfg.checkpoint.max_to_keep = 2
   if preset in ("tiny", "cpu"):

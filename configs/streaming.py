@@ -7,12 +7,13 @@ Presets as in configs/decoupled.py.
 
 import os
 
-from diloco.config import run_config
+import diloco
 
 
 def get_config(preset: str = "cpu"):
-  cfg = run_config.load(os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
-  cfg.sync.quorum = run_config.ALL_LEARNERS  # K = M, whatever --config.learners.count says
+  cfg = diloco.load_config_dict(
+      os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
+  cfg.sync.quorum = diloco.ALL_LEARNERS  # K = M, whatever --config.learners.count says
   cfg.sync.gamma = 0.0
   cfg.sync.receipt = "mix"
   cfg.sync.mixing_alpha = 0.5

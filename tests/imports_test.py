@@ -155,7 +155,7 @@ LAYERS = (
     {"learner", "sim"},
     {"config"},
     {"runtime", "distributed", "deploy"},
-    {"cli", "main", "__main__"},
+    {"cli", "main", "__main__", "api"},
 )
 
 
@@ -218,7 +218,8 @@ def test_no_two_modules_share_a_name():
 
 # The vocabulary every layer imports, and `main.py`, which keeps `python -m diloco.main` working;
 # everything else lives in the subpackage named for its concept.
-TOP_LEVEL = {"__init__.py", "__main__.py", "delivery.py", "documents.py", "errors.py",
+# The vocabulary, the entry points (main, __main__) and the public API (api: `import diloco`).
+TOP_LEVEL = {"__init__.py", "__main__.py", "api.py", "delivery.py", "documents.py", "errors.py",
              "fragments.py", "main.py", "settings.py", "transport.py"}
 
 
