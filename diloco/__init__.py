@@ -1,7 +1,7 @@
 """Decoupled DiLoCo in JAX: asynchronous, fault-tolerant, low-bandwidth LM pre-training.
 
 The public API is `diloco.NAME` for the names of `diloco.api.__all__` (config groups,
-`load_config`, `run`, `load_model`, `export_hf`, `evaluate_tasks`), resolved on first use so
+`load_config`, `run`, `Hook`, `load_model`, `export_hf`, `evaluate_tasks`), resolved on first use so
 that `import diloco` imports nothing heavy (docs/reference.md, "The public API").
 """
 
@@ -12,7 +12,7 @@ _PUBLIC = frozenset((
     "CheckpointConfig", "LogConfig", "SyncConfig", "OuterConfig", "LearnersConfig",
     "StoreConfig", "LaunchConfig", "SlurmConfig", "base_config", "load_config_dict",
     "load_config", "ALL_LEARNERS", "ConfigError",
-    "run", "load_model", "export_hf", "evaluate_tasks"))
+    "run", "Hook", "HookView", "STOP", "load_model", "export_hf", "evaluate_tasks"))
 __all__ = sorted(_PUBLIC)
 
 

@@ -28,6 +28,7 @@ from diloco.config.run_config import (
 from diloco.config.slurm_config import SlurmConfig
 from diloco.errors import ConfigError
 from diloco.model.config import ModelConfig
+from diloco.observe.hooks import STOP, Hook, HookView
 from diloco.observe.tracking import LogConfig
 from diloco.outer.merge import OuterConfig
 from diloco.sync.policy import SyncConfig
@@ -42,8 +43,8 @@ __all__ = [
     "CheckpointConfig", "LogConfig", "SyncConfig", "OuterConfig", "LearnersConfig",
     "StoreConfig", "LaunchConfig", "SlurmConfig", "base_config", "load_config_dict",
     "load_config", "ALL_LEARNERS", "ConfigError",
-    # Training, and what a run leaves.
-    "run", "load_model", "export_hf", "evaluate_tasks",
+    # Training, a researcher's hooks into it, and what a run leaves.
+    "run", "Hook", "HookView", "STOP", "load_model", "export_hf", "evaluate_tasks",
 ]
 
 
@@ -70,12 +71,15 @@ def load_config(spec: str, overrides: dict[str, Any] | None = None) -> Config:
   return run_config.from_config_dict(raw)
 
 
-def run(cfg: Config, workdir: str) -> dict[str, float]:
+def run(cfg: Config, workdir: str, hooks=()) -> dict[str, float]:
   """Trains `cfg` in `workdir` in this process, as `python -m diloco.main` does (Decoupled
   DiLoCo when `learners.count` >= 1, else data-parallel); resumes a workdir that holds a
-  checkpoint. Returns the final evaluation (and accounting) metrics."""
+  checkpoint. `hooks`: `Hook`s run every N learner steps or syncer rounds (data-parallel has
+  learner hooks only). Returns the final evaluation (and accounting) metrics."""
   from diloco.runtime import data_parallel, decoupled  # pylint: disable=import-outside-toplevel
-  return (decoupled.run if cfg.learners.count else data_parallel.run)(cfg, workdir)
+  if not cfg.learners.count and any(h.on == "syncer" for h in hooks):
+    raise ConfigError("hooks: a data-parallel run has no syncer rounds; use on='learner'")
+  return (decoupled.run if cfg.learners.count else data_parallel.run)(cfg, workdir, hooks)
 
 
 def load_model(path: str, step: int | None = None, *, trust_code: bool = False):

@@ -18,8 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PUBLIC = {"Config", "ModelConfig", "DataConfig", "MeshConfig", "OptimConfig", "TrainConfig",
           "CheckpointConfig", "LogConfig", "SyncConfig", "OuterConfig", "LearnersConfig",
           "StoreConfig", "LaunchConfig", "SlurmConfig", "base_config", "load_config_dict",
-          "load_config", "ALL_LEARNERS", "ConfigError", "run", "load_model", "export_hf",
-          "evaluate_tasks"}
+          "load_config", "ALL_LEARNERS", "ConfigError", "run", "Hook", "HookView", "STOP",
+          "load_model", "export_hf", "evaluate_tasks"}
 
 
 def test_the_public_names_are_pinned_and_resolve():

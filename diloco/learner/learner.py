@@ -256,6 +256,15 @@ class Learner:
     self.transport.heartbeat(Heartbeat(self.id, self.incarnation, self.local_step, step_time,
                                        now))
 
+  def hook_parts(self, with_params: bool) -> tuple[int, Any, Any]:
+    """(local step, its metrics as they come off the device, a device copy of the parameters
+    when `with_params`, else None) for a hook's worker to read off this thread
+    (`diloco.observe.hooks`): the copy is dispatched, not awaited, so the next step's
+    donation of the parameters cannot reach what the hook reads."""
+    step, metrics = self._last_metrics if self._last_metrics else (self.local_step, {})
+    params = jax.tree.map(jnp.copy, self.state["params"]) if with_params else None
+    return step, metrics, params
+
   def read_metrics(self) -> tuple[int, dict[str, float]] | None:
     """Host values of the last dispatched step's metrics (blocks until it is done)."""
     if self._last_metrics is None:

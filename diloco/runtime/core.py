@@ -199,6 +199,8 @@ class Runtime:
                                                    len(self.slots) or None))
     self.transport = InMemoryTransport()
     self.lock = threading.Lock()  # guards the syncer against concurrent readers
+    # Set to end the run early (a hook's STOP): the drivers stop as at the last step.
+    self.stop_requested = threading.Event()
     self._poison_lock = threading.Lock()
     self.faults = faults_lib.parse(cfg.learners.faults)
     for f in self.faults:

@@ -15,6 +15,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
 from diloco import fragments as fragments_lib
@@ -23,6 +24,7 @@ from diloco.config.run_config import Config, check_in_process_eval
 from diloco.distributed import global_view
 from diloco.errors import ConfigError
 from diloco.model.sharding import batch_sharding
+from diloco.observe import hooks as hooks_lib
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import report, tracking
 from diloco.train import checkpoint as checkpoint_lib
@@ -95,11 +97,31 @@ def _restore_or_create(cfg: Config, spec, ckpt, data_iter, identity: dict):
   return state
 
 
-def run(cfg: Config, workdir: str) -> dict[str, float]:
-  """Trains `cfg` data-parallel in `workdir`, resuming if it holds a checkpoint.
+def _offer_hooks(runner: hooks_lib.HookRunner, step: int, device_metrics, params) -> None:
+  """Hands step `step` to the hooks due there: its metrics as they come off the device and,
+  for a hook that asks, a copy of the parameters the device makes in the background."""
+  due = runner.due("learner", step)
+  if not due:
+    return
+  copy = jax.tree.map(jnp.copy, params) if runner.wants_params(due) else None
+  runner.offer(due, step, lambda with_params: hooks_lib.learner_view(
+      step, None, device_metrics, copy if with_params else None))
+
+
+def run(cfg: Config, workdir: str, hooks=()) -> dict[str, float]:
+  """Trains `cfg` data-parallel in `workdir`, resuming if it holds a checkpoint; `hooks`
+  (`diloco.observe.hooks.Hook`, on="learner") see its steps, and one may end it early.
 
   Returns the last evaluation metrics.
   """
+  hook_runner = hooks_lib.HookRunner(hooks)
+  try:
+    return _run(cfg, workdir, hook_runner)
+  finally:
+    hooks_lib.report(hook_runner.close())
+
+
+def _run(cfg: Config, workdir: str, hook_runner: hooks_lib.HookRunner) -> dict[str, float]:
   mesh, config_json = _prepare(cfg, workdir)
   total = cfg.train.steps
   schedule = optim.lr_schedule(cfg.optim, total)
@@ -140,13 +162,18 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
         last_eval = evaluate(eval_fn, state["params"], eval_set)
         writer.write(0, last_eval)
       t_start = time.monotonic()
+      last = start
       for step in range(start + 1, total + 1):
         batch = jax.device_put(next(data_iter), tokens_sharding)
         state, device_metrics = step_fn(state, batch)
         flush()  # step - 1's metrics: ready by now, read while step runs
         pending = (step, device_metrics)
-        eval_due = evaluating and (
-            step == total or (cfg.train.eval_every and step % cfg.train.eval_every == 0))
+        last = step
+        if hook_runner:
+          _offer_hooks(hook_runner, step, device_metrics, state["params"])
+        stopping = hook_runner.stop.is_set()
+        eval_due = evaluating and (step == total or stopping or (
+            cfg.train.eval_every and step % cfg.train.eval_every == 0))
         if eval_due:
           flush()
           last_eval = evaluate(eval_fn, state["params"], eval_set)
@@ -157,28 +184,30 @@ def run(cfg: Config, workdir: str) -> dict[str, float]:
             print(f"step {step}: eval/loss {last_eval['eval/loss']:.4f} "
                   f"(perplexity {last_eval['eval/perplexity']:.2f})", flush=True)
         every = cfg.checkpoint.every_steps
-        if every and (step % every == 0 or step == total):
+        if every and (step % every == 0 or step == total or stopping):
           ckpt.save(step, state, data_iter, identity)
+        if stopping:
+          break
       flush()
       elapsed = time.monotonic() - t_start
-    trained = total - start
-    writer.track(total, {
+    trained = last - start
+    writer.track(last, {
         "accounting/wall_s": elapsed, "accounting/steps": trained,
         "accounting/tokens_per_s": trained * cfg.train.batch_size * cfg.data.seq_len
         / max(elapsed, 1e-9)})
     export.save(workdir, state["params"], model=cfg.model, data=cfg.data, seed=cfg.seed,
-                step=total, runtime="data_parallel",
+                step=last, runtime="data_parallel",
                 extra={"eval/loss": last_eval.get("eval/loss", float("nan"))})
   finally:
     writer.close()
     ckpt.close()
-  logging.info("trained steps %d..%d in %.1fs", start + 1, total, elapsed)
+  logging.info("trained steps %d..%d in %.1fs", start + 1, last, elapsed)
   records = metrics_lib.read_metrics(writer.path)
   metrics_lib.plot_loss(records, os.path.join(workdir, "loss.png"),
                         title=f"data-parallel, {cfg.model.name}")
   initial = next((r["eval/loss"] for r in records if r.get("step") == 0 and "eval/loss" in r),
                  None)  # a resumed run evaluated step 0 in an earlier process
   print(report.data_parallel_table(
-      workdir, eval_loss=last_eval.get("eval/loss"), initial_loss=initial, eval_step=total,
+      workdir, eval_loss=last_eval.get("eval/loss"), initial_loss=initial, eval_step=last,
       tokens=trained * cfg.train.batch_size * cfg.data.seq_len, train_s=elapsed), flush=True)
   return last_eval

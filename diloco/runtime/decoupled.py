@@ -19,10 +19,12 @@ import time
 import jax
 from absl import logging
 
+from diloco import fragments as fragments_lib
 from diloco.artifacts import export
 from diloco.config.run_config import Config, check_in_process_eval
 from diloco.model.sharding import batch_sharding
 from diloco.observe import accounting, fidelity, tracking
+from diloco.observe import hooks as hooks_lib
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import report as report_lib
 from diloco.runtime import run_checkpoint
@@ -69,12 +71,13 @@ class Status:
       print(line, flush=True)
 
 
-def run(cfg: Config, workdir: str) -> dict[str, float]:
-  """Trains `cfg` (learners.count >= 1) in `workdir`; returns final eval and accounting."""
-  return run_with_runtime(cfg, workdir)[1]
+def run(cfg: Config, workdir: str, hooks=()) -> dict[str, float]:
+  """Trains `cfg` (learners.count >= 1) in `workdir`; returns final eval and accounting.
+  `hooks` (`diloco.observe.hooks.Hook`) see the learners' steps and the syncer's rounds."""
+  return run_with_runtime(cfg, workdir, hooks)[1]
 
 
-def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, float]]:
+def run_with_runtime(cfg: Config, workdir: str, hooks=()) -> tuple[Runtime, dict[str, float]]:
   """`run`, also returning the runtime (syncer state, records) for tests and notebooks.
 
   Resumes from `workdir`'s newest committed run checkpoint if it has one (see
@@ -83,19 +86,21 @@ def run_with_runtime(cfg: Config, workdir: str) -> tuple[Runtime, dict[str, floa
   """
   os.makedirs(workdir, exist_ok=True)
   ckpt = run_checkpoint.RunCheckpointer(workdir, cfg)
+  hook_runner = hooks_lib.HookRunner(hooks)
   try:
-    return _run(cfg, workdir, ckpt)
+    return _run(cfg, workdir, ckpt, hook_runner)
   finally:
+    hooks_lib.report(hook_runner.close())
     ckpt.close()  # waits for the last save: a finished run's final checkpoint is committed
 
 
-def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer
-         ) -> tuple[Runtime, dict[str, float]]:
+def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer,
+         hook_runner: hooks_lib.HookRunner) -> tuple[Runtime, dict[str, float]]:
   """Prepare the workdir, build (or restore) the runtime, train, close the records, export G,
   report (`diloco.observe.report`, shared with the launcher)."""
   snapshot = _prepare(cfg, workdir, ckpt)
   rt = _runtime(cfg, workdir, ckpt, snapshot)
-  session = _Session(cfg, workdir, rt, ckpt, snapshot)
+  session = _Session(cfg, workdir, rt, ckpt, snapshot, hook_runner)
   try:
     try:
       final = session.train()
@@ -155,8 +160,14 @@ class _Session:
   """One run of the runtime: its writers, evals, checkpoints and the driver's callbacks."""
 
   def __init__(self, cfg: Config, workdir: str, rt: Runtime,
-               ckpt: run_checkpoint.RunCheckpointer, snapshot: run_checkpoint.Snapshot | None):
+               ckpt: run_checkpoint.RunCheckpointer, snapshot: run_checkpoint.Snapshot | None,
+               hook_runner: hooks_lib.HookRunner | None = None):
     self.cfg, self.workdir, self.rt, self.ckpt, self.snapshot = cfg, workdir, rt, ckpt, snapshot
+    self.hooks = hook_runner or hooks_lib.HookRunner()
+    rt.stop_requested = self.hooks.stop
+    if self.hooks:
+      first = rt.syncer.rounds  # a resumed run's rounds replayed from the tape are not new
+      rt.recorder.follow(lambda record: self._syncer_hooks(record, first))
     slot0 = rt.slots[0].spec
     self.eval_set = [jax.device_put(b, batch_sharding(slot0.mesh)) for b in data_lib.eval_batches(
         cfg.data, batch_size=cfg.train.batch_size, num_batches=cfg.train.eval_batches)]
@@ -236,7 +247,28 @@ class _Session:
       return
     self.write_learner(slot)
 
+  def _syncer_hooks(self, record: dict, first: int) -> None:
+    """The syncer's hooks due after this round (the syncer's thread: a hand-over only)."""
+    rounds = int(record.get("round", -1)) + 1
+    due = self.hooks.due("syncer", rounds) if rounds > first else []
+    if due:
+      read_g = lambda: fragments_lib.flatten_tree(self.rt.global_params())  # noqa: E731
+      self.hooks.offer(due, rounds, lambda with_params: hooks_lib.syncer_view(
+          rounds, record, read_g if with_params else None))
+
+  def _learner_hooks(self, slot: Slot) -> None:
+    """The learner's hooks due after this step (its thread, between steps: a hand-over)."""
+    learner = slot.learner
+    due = self.hooks.due("learner", learner.local_step)
+    if due:
+      step, metrics, params = learner.hook_parts(self.hooks.wants_params(due))
+      index = slot.index
+      self.hooks.offer(due, step, lambda with_params: hooks_lib.learner_view(
+          step, index, metrics, params if with_params else None))
+
   def on_step(self, slot: Slot) -> None:
+    if self.hooks:
+      self._learner_hooks(slot)
     self.write_learner(slot)
     every = self.cfg.checkpoint.every_rounds
     if self.virtual and every and self.rt.syncer.rounds >= self.last_saved + every:

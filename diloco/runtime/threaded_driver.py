@@ -178,7 +178,7 @@ class ThreadedDriver(Driver):
     pending = list(self.rt.faults)
     returns = self._returns
     next_eval = cfg.train.eval_every
-    while not self.done.is_set():
+    while not self.done.is_set() and not self.rt.stop_requested.is_set():
       now = self.now()
       while pending and pending[0].at <= now:
         self._fault(pending.pop(0))

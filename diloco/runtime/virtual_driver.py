@@ -168,7 +168,7 @@ class VirtualDriver(Driver):
       self._push(f.at, "fault", f)
     if cfg.train.eval_every:
       self._push(cfg.train.eval_every * cfg.learners.virtual_step_s, "eval")
-    while self._heap:
+    while self._heap and not self.rt.stop_requested.is_set():
       if all(s.status in ("idle", "retired", "done") for s in self.rt.slots):
         break
       self.sender.drain()  # a send reads the clock (its transit): none is left as it moves

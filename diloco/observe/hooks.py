@@ -1,0 +1,202 @@
+"""A researcher's own code in a run: `Hook(fn, every=N, on="learner" | "syncer")`.
+
+`fn(view)` runs every N learner steps (each learner's own count) or every N syncer rounds with a
+read-only `HookView`: the step or round, the metrics of that step (the learner's train/*,
+or the round's tape record), and, when the hook asks for them (`params=True`), the learner's
+parameters or the global parameters G, as host NumPy arrays that cannot be written.
+
+Nothing on a learner's hot path waits for a hook. Each hook has its own worker thread and a
+mailbox of one call: a call that finds the hook still busy with an earlier one is skipped
+(counted in `HookRunner.summary`), so a slow hook delays only itself. The learner only hands
+over references: its step's metrics as they come off the device, and for `params=True` a copy
+of its parameters that the device makes in the background (one more copy of them in device
+memory while the hook reads it); the worker thread reads them to the host. G is read by the
+worker thread too, at the round it was called for or a later one.
+
+A hook that raises is reported in one line naming it (`hook NAME at step S: Error: ...`); with
+`on_error="continue"` (the default) it is called again at its next step, with "stop" the run
+ends as if it had reached its last step (final evaluation, export, report), and a hook may end
+it on purpose by returning `STOP` (early stopping).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import sys
+import threading
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from diloco.errors import ConfigError
+
+KINDS = ("learner", "syncer")
+ON_ERROR = ("continue", "stop")
+STOP = "stop"  # what a hook returns to end the run
+
+
+@dataclasses.dataclass(frozen=True)
+class HookView:
+  """What a hook sees. `kind`: "learner" or "syncer"; `step`: the learner's local step or the
+  syncer's round count after the round; `learner`: the learner's id (None for the syncer);
+  `metrics`: read-only floats; `params`: read-only flat {path: array}, or None unless asked."""
+  kind: str
+  step: int
+  learner: int | None
+  metrics: Mapping[str, Any]
+  params: Mapping[str, np.ndarray] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+  """`fn(HookView)` every `every` learner steps or syncer rounds (`on`), with the parameters
+  when `params`; `name` (default: the function's) names it in reports."""
+  fn: Callable[[HookView], Any]
+  every: int
+  on: str = "learner"
+  params: bool = False
+  name: str = ""
+  on_error: str = "continue"
+
+  def __post_init__(self):
+    if not callable(self.fn):
+      raise ConfigError(f"hook {self.name or self.fn!r}: fn must be callable")
+    if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+      raise ConfigError(f"hook {self.label}: every must be an integer >= 1, got {self.every!r}")
+    if self.on not in KINDS:
+      raise ConfigError(f"hook {self.label}: on must be one of {KINDS}, got {self.on!r}")
+    if self.on_error not in ON_ERROR:
+      raise ConfigError(f"hook {self.label}: on_error must be one of {ON_ERROR}, got "
+                        f"{self.on_error!r}")
+
+  @property
+  def label(self) -> str:
+    return self.name or getattr(self.fn, "__name__", repr(self.fn))
+
+
+def read_only(flat: Mapping[str, Any]) -> Mapping[str, np.ndarray]:
+  """Host copies of `flat`'s arrays that cannot be written, in a mapping that cannot be."""
+  out = {}
+  for k, v in flat.items():
+    a = np.array(v)  # a host copy (device arrays are read here, off the hot path)
+    a.flags.writeable = False
+    out[k] = a
+  return types.MappingProxyType(out)
+
+
+def learner_view(step: int, learner: int | None, device_metrics: Mapping[str, Any],
+                 device_params: Any | None) -> HookView:
+  """A learner's view, read to the host on the hook's worker thread: its step's metrics (as
+  floats) and, when given, the parameters' copy (flattened to "/"-joined paths)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from diloco import fragments  # pylint: disable=import-outside-toplevel
+  metrics = {k: float(v) for k, v in jax.device_get(dict(device_metrics)).items()}
+  params = None
+  if device_params is not None:
+    params = read_only(fragments.flatten_tree(jax.device_get(device_params)))
+  return HookView("learner", step, learner, types.MappingProxyType(metrics), params)
+
+
+def syncer_view(rounds: int, record: Mapping[str, Any],
+                global_params: Callable[[], Mapping[str, np.ndarray]] | None) -> HookView:
+  """The syncer's view after `rounds` rounds: the round's tape record and, when given, G as
+  `global_params()` returns it (flat host arrays) when the worker reads it."""
+  params = read_only(global_params()) if global_params is not None else None
+  return HookView("syncer", rounds, None, types.MappingProxyType(dict(record)), params)
+
+
+def report(summary: Mapping[str, Mapping[str, int]]) -> None:
+  """One line per hook at the end of a run: its calls, the calls it skipped while busy, and
+  the errors it raised."""
+  for name, c in summary.items():
+    print(f"hook {name}: {c['calls']} calls, {c['skipped']} skipped while busy, "
+          f"{c['errors']} errors", flush=True)
+
+
+class _Worker:
+  """One hook's thread and its mailbox of one call."""
+
+  def __init__(self, hook: Hook, runner: HookRunner):
+    self.hook, self.runner = hook, runner
+    self.mailbox: queue.Queue = queue.Queue(maxsize=1)
+    self.calls = self.skipped = self.errors = 0
+    self.thread = threading.Thread(target=self._loop, name=f"hook-{hook.label}", daemon=True)
+    self.thread.start()
+
+  def offer(self, step: int, make: Callable[[], HookView]) -> bool:
+    try:
+      self.mailbox.put_nowait((step, make))
+      return True
+    except queue.Full:
+      self.skipped += 1
+      return False
+
+  def _loop(self) -> None:
+    while True:
+      item = self.mailbox.get()
+      if item is None:
+        return
+      step, make = item
+      self.calls += 1
+      try:
+        if self.hook.fn(make()) == STOP:
+          self.runner.request_stop(f"hook {self.hook.label} asked to stop at step {step}")
+      except Exception as e:  # noqa: BLE001  (the researcher's code: reported, never fatal)
+        self.errors += 1
+        line = f"hook {self.hook.label} at step {step}: {type(e).__name__}: {e}"
+        print(line.splitlines()[0] if line.strip() else line, file=sys.stderr, flush=True)
+        if self.hook.on_error == "stop":
+          self.runner.request_stop(f"hook {self.hook.label} failed at step {step}")
+
+
+class HookRunner:
+  """The hooks of a run: `due` is the cheap test on the hot path, `offer` hands a call to the
+  hook's worker, `stop` is set when a hook ends the run, `close` waits for the calls in
+  flight and returns each hook's counts."""
+
+  def __init__(self, hooks=()):
+    hooks = list(hooks)
+    for h in hooks:
+      if not isinstance(h, Hook):
+        raise ConfigError(f"hooks: expected diloco.Hook objects, got {h!r}")
+    self.stop = threading.Event()
+    self.reason = ""
+    self._workers = [_Worker(h, self) for h in hooks]
+
+  def __bool__(self) -> bool:
+    return bool(self._workers)
+
+  def due(self, kind: str, step: int) -> list[_Worker]:
+    return [w for w in self._workers if w.hook.on == kind and step % w.hook.every == 0]
+
+  def wants_params(self, workers: list[_Worker]) -> bool:
+    return any(w.hook.params for w in workers)
+
+  def offer(self, workers: list[_Worker], step: int,
+            make: Callable[[bool], HookView]) -> None:
+    """Hands `make(with_params)` to each of `workers` whose mailbox is free."""
+    for w in workers:
+      w.offer(step, (lambda p=w.hook.params: make(p)))
+
+  def request_stop(self, reason: str) -> None:
+    if not self.stop.is_set():
+      self.reason = reason
+      print(f"stopping the run: {reason}", file=sys.stderr, flush=True)
+      self.stop.set()
+
+  def close(self, timeout_s: float = 60.0) -> dict[str, dict[str, int]]:
+    """Lets each hook finish the call in its mailbox (at most `timeout_s` each: a hook still
+    running then is left to its daemon thread); returns each hook's counts."""
+    for w in self._workers:
+      try:
+        w.mailbox.put(None, timeout=timeout_s)  # after the call in its mailbox, if any
+      except queue.Full:
+        continue
+    for w in self._workers:
+      w.thread.join(timeout_s)
+    return {w.hook.label: {"calls": w.calls, "skipped": w.skipped, "errors": w.errors}
+            for w in self._workers}
