@@ -32,12 +32,18 @@ def test_a_busy_hook_skips_calls_and_a_failing_one_is_one_line(capsys):
       diloco.Hook(lambda v: diloco.STOP if v.step >= 4 else None, every=4, name="stopper")])
   for step in range(1, 9):
     runner.offer(runner.due("learner", step), step,
-                 lambda p, s=step: hooks.HookView("learner", s, 0, {}, None))
+                 lambda p, s=step: hooks.HookView("learner", s, 0, {}, None), source=0)
+    while not seen:  # the first call has started (and blocks) before the next comes
+      time.sleep(0.01)
+  # Another learner's call at the same time is not the first one's: it waits its turn.
+  runner.offer(runner.due("learner", 4), 4,
+               lambda p: hooks.HookView("learner", 4, 1, {}, None), source=1)
   time.sleep(0.5)
   release.set()
   counts = runner.close()
-  assert counts["slow"]["calls"] + counts["slow"]["skipped"] == 8
-  assert counts["slow"]["skipped"] > 0 and seen[0] == 1
+  assert counts["slow"]["calls"] + counts["slow"]["skipped"] == 9
+  # Learner 0: its first call ran and blocked, its second waited, the other six were skipped.
+  assert counts["slow"]["skipped"] == 6 and counts["slow"]["calls"] == 3 and seen[0] == 1
   assert counts["bad"]["errors"] == counts["bad"]["calls"] >= 1
   assert runner.stop.is_set() and "stopper asked to stop" in runner.reason
   err = capsys.readouterr().err

@@ -6,8 +6,9 @@ or the round's tape record), and, when the hook asks for them (`params=True`), t
 parameters or the global parameters G, as host NumPy arrays that cannot be written.
 
 Nothing on a learner's hot path waits for a hook. Each hook has its own worker thread and a
-mailbox of one call: a call that finds the hook still busy with an earlier one is skipped
-(counted in `HookRunner.summary`), so a slow hook delays only itself. The learner only hands
+mailbox that holds one waiting call per learner (and one for the syncer): a call whose
+learner's previous call has not started yet is skipped (counted, and printed at the end of
+the run), so a slow hook delays only itself. The learner only hands
 over references: its step's metrics as they come off the device, and for `params=True` a copy
 of its parameters that the device makes in the background (one more copy of them in device
 memory while the hook reads it); the worker thread reads them to the host. G is read by the
@@ -22,7 +23,6 @@ it on purpose by returning `STOP` (early stopping).
 from __future__ import annotations
 
 import dataclasses
-import queue
 import sys
 import threading
 import types
@@ -118,29 +118,42 @@ def report(summary: Mapping[str, Mapping[str, int]]) -> None:
 
 
 class _Worker:
-  """One hook's thread and its mailbox of one call."""
+  """One hook's thread and its mailbox: at most one waiting call per source (a learner, or
+  the syncer), so learners calling at the same time are all served, and a hook busy for long
+  skips a source's calls until that source's waiting one has started."""
 
   def __init__(self, hook: Hook, runner: HookRunner):
     self.hook, self.runner = hook, runner
-    self.mailbox: queue.Queue = queue.Queue(maxsize=1)
+    self._waiting: dict = {}  # source -> (step, make), oldest first
+    self._cv = threading.Condition()
+    self._closing = False
     self.calls = self.skipped = self.errors = 0
     self.thread = threading.Thread(target=self._loop, name=f"hook-{hook.label}", daemon=True)
     self.thread.start()
 
-  def offer(self, step: int, make: Callable[[], HookView]) -> bool:
-    try:
-      self.mailbox.put_nowait((step, make))
+  def offer(self, source, step: int, make: Callable[[], HookView]) -> bool:
+    with self._cv:
+      if self._closing or source in self._waiting:
+        self.skipped += 1
+        return False
+      self._waiting[source] = (step, make)
+      self._cv.notify()
       return True
-    except queue.Full:
-      self.skipped += 1
-      return False
+
+  def close(self) -> None:
+    with self._cv:
+      self._closing = True
+      self._cv.notify()
 
   def _loop(self) -> None:
     while True:
-      item = self.mailbox.get()
-      if item is None:
-        return
-      step, make = item
+      with self._cv:
+        while not self._waiting and not self._closing:
+          self._cv.wait()
+        if not self._waiting:
+          return  # closing, and every waiting call has run
+        source = next(iter(self._waiting))
+        step, make = self._waiting.pop(source)
       self.calls += 1
       try:
         if self.hook.fn(make()) == STOP:
@@ -148,7 +161,7 @@ class _Worker:
       except Exception as e:  # noqa: BLE001  (the researcher's code: reported, never fatal)
         self.errors += 1
         line = f"hook {self.hook.label} at step {step}: {type(e).__name__}: {e}"
-        print(line.splitlines()[0] if line.strip() else line, file=sys.stderr, flush=True)
+        print(line.splitlines()[0], file=sys.stderr, flush=True)
         if self.hook.on_error == "stop":
           self.runner.request_stop(f"hook {self.hook.label} failed at step {step}")
 
@@ -176,11 +189,12 @@ class HookRunner:
   def wants_params(self, workers: list[_Worker]) -> bool:
     return any(w.hook.params for w in workers)
 
-  def offer(self, workers: list[_Worker], step: int,
-            make: Callable[[bool], HookView]) -> None:
-    """Hands `make(with_params)` to each of `workers` whose mailbox is free."""
+  def offer(self, workers: list[_Worker], step: int, make: Callable[[bool], HookView],
+            source=None) -> None:
+    """Hands `make(with_params)` to each of `workers` that holds no waiting call of
+    `source` (a learner's id, or None for the syncer)."""
     for w in workers:
-      w.offer(step, (lambda p=w.hook.params: make(p)))
+      w.offer(source, step, (lambda p=w.hook.params: make(p)))
 
   def request_stop(self, reason: str) -> None:
     if not self.stop.is_set():
@@ -189,13 +203,10 @@ class HookRunner:
       self.stop.set()
 
   def close(self, timeout_s: float = 60.0) -> dict[str, dict[str, int]]:
-    """Lets each hook finish the call in its mailbox (at most `timeout_s` each: a hook still
+    """Lets each hook finish the calls in its mailbox (at most `timeout_s` each: a hook still
     running then is left to its daemon thread); returns each hook's counts."""
     for w in self._workers:
-      try:
-        w.mailbox.put(None, timeout=timeout_s)  # after the call in its mailbox, if any
-      except queue.Full:
-        continue
+      w.close()  # after the calls waiting in its mailbox
     for w in self._workers:
       w.thread.join(timeout_s)
     return {w.hook.label: {"calls": w.calls, "skipped": w.skipped, "errors": w.errors}

@@ -264,7 +264,7 @@ class _Session:
       step, metrics, params = learner.hook_parts(self.hooks.wants_params(due))
       index = slot.index
       self.hooks.offer(due, step, lambda with_params: hooks_lib.learner_view(
-          step, index, metrics, params if with_params else None))
+          step, index, metrics, params if with_params else None), source=index)
 
   def on_step(self, slot: Slot) -> None:
     if self.hooks:
