@@ -161,7 +161,10 @@ def test_report_writes_tables_plots_and_partial_label(tmp_path):
   run.write_report(outdir, folder)
   text = open(os.path.join(folder, "README.md")).read()
   assert "Partial run" in text  # 40 steps of 2048 tokens are far below 20N
-  assert "gpu-box" in text and "laptop" in text
+  # The README opens with the answer; every run and its machine are in the appendix.
+  assert "[appendix.md](appendix.md)" in text.split("## ", 1)[0]
+  appendix = open(os.path.join(folder, "appendix.md")).read()
+  assert "gpu-box" in appendix and "laptop" in appendix and "gpu-box" not in text
   assert os.path.getsize(os.path.join(folder, f"scaling_tiny_{STEPS}_gap.png")) > 0
   assert os.path.getsize(os.path.join(folder, f"scaling_tiny_{STEPS}_eval.png")) > 0
   results = json.load(open(os.path.join(folder, "results.json")))
@@ -292,7 +295,7 @@ def test_report_carries_rows_of_absent_runs_and_a_present_run_replaces_its_row(t
   assert kept["eval_loss"] == before["decoupled4keep_localouter1-0"]["eval_loss"]
   assert kept["machine"] == "gpu-box" and kept["carried_date"] == results["date"]
   assert kept["carried_commit"] == run.harness.commit()
-  text = open(os.path.join(folder, "README.md")).read()
+  text = open(os.path.join(folder, "appendix.md")).read()  # provenance: the appendix
   assert "20 of the 22 rows come from an earlier results.json" in text
   assert "runs made on gpu-box (18 runs), unrecorded (2 runs)." in text
   # Carried again, a row keeps the commit and date of its first carrying.

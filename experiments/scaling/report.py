@@ -331,7 +331,7 @@ def carried_note(rows: list[dict]) -> list[str]:
   lines = [f"**Carried rows.** {sum(len(g) for g in sources.values())} of the {len(rows)} rows "
            "come from an earlier results.json: their run directories are not in `--outdir` "
            "here, so each row is the one the runner wrote then from that run's files, with "
-           "its provenance; the `carried_from` column of each section's last table marks "
+           "its provenance; the `carried_from` column of each group's table below marks "
            "them. A run present in `--outdir` replaces its earlier row.", ""]
   for (commit, date), group in sorted(sources.items(), key=lambda kv: kv[0][1]):
     counts = collections.Counter(r.get("machine", "unrecorded") for r in group)
@@ -367,9 +367,20 @@ def reference_note(group: list[dict]) -> list[str]:
           f"{config.preset_inner_lr(chosen[0]['model']) or 0.0:g}).", ""]
 
 
+def every_run(model: str, steps: int, group: list[dict]) -> list[str]:
+  """The appendix's table of one (model, steps) group: every run, its goodput and machine."""
+  batch = rows_lib.global_batch(group)
+  at_batch = f", global batch {batch}" if batch != config.DP_BATCH else ""
+  return [f"## `{model}`, {steps} steps per learner{at_batch}: every run", "",
+          "`wall_s`: the run's own training time; `process_wall_s`: its whole process, "
+          "compilation included; machine and device from its provenance.json; goodput from "
+          "its accounting.json.", "", goodput_table(group), ""]
+
+
 def section(model: str, steps: int, group: list[dict], folder: str,
-            prefix: str) -> list[str]:
-  """The markdown of one (model, steps) group; writes its plots into `folder`."""
+            prefix: str, runs_table: bool = True) -> list[str]:
+  """The markdown of one (model, steps) group; writes its plots into `folder`. Without
+  `runs_table`, the every-run table is left to the appendix (`every_run`)."""
   from experiments.scaling import figures  # pylint: disable=import-outside-toplevel
   title = f"{model}, {steps} steps"
   tag = f"{prefix}_{model}_{steps}"
@@ -394,10 +405,11 @@ def section(model: str, steps: int, group: list[dict], folder: str,
                 f"rows at M = {config.M8_FROM} for M = 8 and M = {config.M1_FROM} for M = 1, "
                 "or a control of `--stage=m1`): " + ", ".join(unswept) + "; a star among them "
                 "picks a receipt mode, not an outer setting.", ""]
-  parts += ["### Every run (goodput from accounting.json)", "",
-            "`wall_s`: the run's own training time; `process_wall_s`: its whole process, "
-            "compilation included; machine and device from its provenance.json.", "",
-            goodput_table(group), ""]
+  if runs_table:
+    parts += ["### Every run (goodput from accounting.json)", "",
+              "`wall_s`: the run's own training time; `process_wall_s`: its whole process, "
+              "compilation included; machine and device from its provenance.json.", "",
+              goodput_table(group), ""]
   return parts
 
 

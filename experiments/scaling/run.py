@@ -167,38 +167,25 @@ def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str =
   results["date"] = harness.today()  # when carried rows say where they come from
   with open(path, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=2)
-  parts = [f"# Experiment `{prefix}`", "", f"Command: `{command}`", "", about.strip(), "",
+  appendix = "appendix.md" if prefix == config.NAME else f"{prefix}_appendix.md"
+  groups = sorted(rows_lib.groups(found).items())
+  parts = [f"# Experiment `{prefix}`", "", f"Command: `{command}`", "",
            f"Report generated {harness.today()} at commit `{results['commit'][:12]}` from "
-           f"{len(found)} finished runs ({wall_s / 60:.1f} min of runs in this invocation)."
-           " Which machine ran each run is in the last table of each section.", "",
-           *report.carried_note(found)]
+           f"{len(found)} finished runs ({wall_s / 60:.1f} min of runs in this invocation). "
+           f"Every run, the machine it ran on and where each carried row comes from: "
+           f"[{appendix}]({appendix}).", "", *_answer(found, folder, prefix),
+           "## The protocol", "", about.strip(), ""]
   if not found:
     parts += ["No finished runs yet: run the commands below, then this report is regenerated.",
               ""]
-  for (model, steps), group in sorted(rows_lib.groups(found).items()):
-    parts += report.section(model, steps, group, folder, prefix)
-  by_optimizer = report.optimizer_table(found)
-  if by_optimizer:
-    parts += ["## The inner optimizer: each method against data-parallel with the same one", "",
-              "A model named `P+muon` trains with Muon inside (`--stage=optim`, then stages 2 "
-              "and 3 with `--optimizer=muon`); its section above has its own reference, sweep "
-              "and plots. The last column compares with AdamW data-parallel's loss: a switch "
-              "that lowers both sides alike narrows no gap.", "", by_optimizer, ""]
-  trend = report.trend_table(found)
-  if trend:
-    parts += ["## Decoupled M = 4 against data-parallel, every model size", "", trend, ""]
-  by_size = report.size_table(found)
-  if by_size:
-    parts += ["## The gap against N at 20N, per M", "",
-              "Gap to each size's own data-parallel reference (picked settings, mean over the "
-              "seeds in brackets); only sizes trained at 20 tokens per parameter. The study's "
-              "rows are on another corpus and tokenizer: only gaps compare; its fitted laws are "
-              "quoted at tiny's N only (extrapolated 2.4 decades below its smallest model). Each "
-              "method's last row: the exponent a of gap ~ N^a, a least-squares line in "
-              "log-log over the sizes, at each M whose gap is at least 0.01% at every size.", "",
-              by_size, ""]
-    if figures.size_plot(found, os.path.join(folder, f"{prefix}_gap_against_n.png")):
-      parts += [f"![gap against N]({prefix}_gap_against_n.png)", ""]
+  for (model, steps), group in groups:
+    parts += report.section(model, steps, group, folder, prefix, runs_table=False)
+  with open(os.path.join(folder, appendix), "w", encoding="utf-8") as f:
+    f.write("\n".join([f"# Experiment `{prefix}`: every run", "",
+                        f"Generated with [{readme}]({readme}) from the same {len(found)} rows.",
+                        "", *report.carried_note(found),
+                        *(line for (model, steps), group in groups
+                          for line in report.every_run(model, steps, group))]))
   parts += report_batch.sections(found)
   for extra in ("usage.md", "gpu35m.md") if prefix == config.NAME else ():
     path = os.path.join(folder, extra)
@@ -211,6 +198,35 @@ def write_report(outdir: str, folder: str, *, wall_s: float = 0.0, prefix: str =
     with open(os.path.join(folder, readme), "w", encoding="utf-8") as f:
       f.write("\n".join(parts))
   return results
+
+
+def _answer(found: list[dict], folder: str, prefix: str) -> list[str]:
+  """The report's opening: the gap against N at 20N (table and plot), the per-optimizer gaps
+  and Decoupled M = 4 at every size; each section below has its group's details."""
+  parts = []
+  by_size = report.size_table(found)
+  if by_size:
+    parts += ["## The gap against N at 20N, per M", "",
+              "Gap to each size's own data-parallel reference (picked settings, mean over the "
+              "seeds in brackets); only sizes trained at 20 tokens per parameter. The study's "
+              "rows are on another corpus and tokenizer: only gaps compare; its fitted laws are "
+              "quoted at tiny's N only (extrapolated 2.4 decades below its smallest model). Each "
+              "method's last row: the exponent a of gap ~ N^a, a least-squares line in "
+              "log-log over the sizes, at each M whose gap is at least 0.01% at every size.", "",
+              by_size, ""]
+    if figures.size_plot(found, os.path.join(folder, f"{prefix}_gap_against_n.png")):
+      parts += [f"![gap against N]({prefix}_gap_against_n.png)", ""]
+  by_optimizer = report.optimizer_table(found)
+  if by_optimizer:
+    parts += ["## The inner optimizer: each method against data-parallel with the same one", "",
+              "A model named `P+muon` trains with Muon inside (`--stage=optim`, then stages 2 "
+              "and 3 with `--optimizer=muon`); its section below has its own reference, sweep "
+              "and plots. The last column compares with AdamW data-parallel's loss: a switch "
+              "that lowers both sides alike narrows no gap.", "", by_optimizer, ""]
+  trend = report.trend_table(found)
+  if trend:
+    parts += ["## Decoupled M = 4 against data-parallel, every model size", "", trend, ""]
+  return parts
 
 
 def _batches(values: list[str], learners: tuple[int, ...]) -> tuple[int, ...]:
