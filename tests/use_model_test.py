@@ -166,11 +166,13 @@ def test_sample_greedy_matches_the_uncached_reference_and_seeds_repeat(run, caps
     (sample, ["--workdir={run}", "--prompt=a", "--temperature=-1"],
      "--temperature: must be >= 0"),
     (sample, ["--workdir={run}", "--prompt=a", "--top_k=-2"], "--top_k: must be in"),
-    (sample, ["--workdir={run}", "--prompt=a", "--temperature=nan"],
-     "--temperature: must be a finite number >= 0, got nan"),
+    (sample, ["--workdir={run}", "--prompt=a", "--temperature=nan"],  # the rule of every flag
+     "--temperature: must be a finite number, got nan"),
     (sample, ["--workdir={run}", "--prompt=a", "--temperature=inf"], "--temperature: must be a "),
-    (sample, ["--workdir={run}", "--prompt=a", f"--max_tokens={10**12}"],
+    (sample, ["--workdir={run}", "--prompt=a", f"--max_tokens={2**21}"],
      r"--max_tokens: must be in \[1, 1048576\]"),
+    (sample, ["--workdir={run}", "--prompt=a", f"--max_tokens={10**12}"],  # every flag's rule
+     r"--max_tokens: must be at most 2147483647 in size"),
     (sample, ["--workdir={run}", "--prompt=a", f"--num_samples={10**6}"],
      r"--num_samples: must be in \[1, 4096\]"),
     (sample, ["--workdir={run}", "--prompt=a", "--max_tokens=many"], "flag --max_tokens=many"),
