@@ -48,6 +48,8 @@ def _plant(store_root):
   with open(os.path.join(store_root, "heartbeats", "l0.json")) as f:
     incarnation = json.load(f)["incarnation"]
   planted, step = {}, 10**6
+  scratch_root = os.path.join(os.path.dirname(store_root), "scratch_store")
+  scratch = Store(scratch_root)
 
   def put(tensors, reason, edit=None, steps=4, tokens=400):
     nonlocal step
@@ -55,10 +57,15 @@ def _plant(store_root):
     payload = Delivery(learner=0, incarnation=incarnation, fragment=0, local_step=step, steps=steps,
                        tokens=tokens, base_version=version, kind="values", tensors=tensors,
                        transit_s=0.0)
-    store.payloads.put(payload)
     name = f"f0_l0_i{incarnation}_s{step}"
-    if edit is not None:
-      edit(os.path.join(store_root, "payloads", name))
+    if edit is None:
+      store.payloads.put(payload)
+    else:  # damaged in a scratch store, then moved in whole: the syncer never sees it half-made
+      scratch.payloads.put(payload)
+      edit(os.path.join(scratch_root, "payloads", name))
+      for part in (name, f"{name}.json"):  # the entry first, its commit marker last
+        os.rename(os.path.join(scratch_root, "payloads", part),
+                  os.path.join(store_root, "payloads", part))
     planted[name] = reason
 
   def marker(field, value):
