@@ -58,7 +58,7 @@ SAFETENSORS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SAFETENSORS_FORMAT = "diloco-safetensors/1"
 # Read by a `tokenizer.json` for its special tokens (`diloco.train.tokenizers`): copied along.
-_TOKENIZER_COMPANIONS = ("tokenizer_config.json",)
+_TOKENIZER_COMPANIONS = (tokenizers.TOKENIZER_CONFIG_FILE,)
 # Elements the saved parameters may list in all (4x the largest preset, gemma_9b): Orbax
 # metadata claiming more is planted, and is refused before anything is allocated.
 MAX_ELEMENTS = 4 * 10**10

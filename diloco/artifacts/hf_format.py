@@ -28,7 +28,7 @@ MODEL_TYPE = "gemma3_text"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_CONFIG_FILE = tokenizers.TOKENIZER_CONFIG_FILE
 # Without a known run length, Gemma 3's own default (the RoPE here does not depend on it).
 _DEFAULT_MAX_POSITIONS = 131_072
 # The byte tokenizer's specials, by the names Gemma's tokenizer gives them.

@@ -15,8 +15,9 @@ import shutil
 import sys
 import tempfile
 
+from diloco.train.tokenizers import TOKENIZER_CONFIG_FILE
+
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 MODEL_FILE = "tokenizer.model"
 # SentencePiece's piece types that matter here (sentencepiece_model.proto); the others are
 # unknown (2), unused (5) and byte (6).

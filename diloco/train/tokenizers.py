@@ -21,6 +21,8 @@ import numpy as np
 from diloco import documents
 from diloco.errors import ConfigError
 
+# The file beside a `tokenizer.json` that names its special tokens (transformers' layout).
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Special tokens looked up by name in a `tokenizer.json` without a `tokenizer_config.json`.
 _BOS_NAMES = ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]", "<|endoftext|>")
 _EOS_NAMES = ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "[SEP]")
@@ -107,7 +109,7 @@ class HuggingFaceTokenizer:
                         f"({str(e)[:200]})") from None
     vocab = self._tok.get_vocab(with_added_tokens=True)
     self.vocab_size = max(vocab.values()) + 1
-    named = self._configured_tokens(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+    named = self._configured_tokens(os.path.join(os.path.dirname(path), TOKENIZER_CONFIG_FILE))
 
     def find(kind: str, candidates: tuple[str, ...]) -> int:
       token = named.get(kind)
