@@ -1139,6 +1139,11 @@ def test_optim_stage_tunes_muons_own_reference_then_runs_the_adamw_picks(tmp_pat
          "1.8720 (-1.47%) |" in table
   assert "| tiny | 40 | Decoupled DiLoCo | 1.9000 (1) |" in table
   assert all(model == "tiny" for _, model, _ in report.size_points(found))
+  # Stage outer in the Muon group keeps its reference's inner and Muon rates.
+  outer = stages.stage_outer(rows.collect(out), STEPS, "tiny+muon", (2,), outers=((0.6, 0.9),))
+  assert [r.method for r in outer] == [f"tiny+muon diloco M=2 outer 0.6/0.9{suffix}",
+                                       f"tiny+muon decoupled M=2 overwrite outer 0.6/0.9{suffix}"]
+  assert dict(outer[1].overrides)["optim.muon_learning_rate"] == 0.04
 
 
 def test_outer_stage_restarts_the_momentum_of_settings_that_have_one_and_reads_it_back(tmp_path):

@@ -40,7 +40,7 @@ def define_flags() -> None:
                     "The model of --stage=size, batch, period, inner, 2 and 3 (its steps: 20N "
                     "unless --steps).")
   flags.DEFINE_enum("optimizer", "adamw", config.OPTIMIZERS,
-                    "The inner optimizer of --stage=optim, 2 and 3: another than AdamW is a "
+                    "The inner optimizer of --stage=optim, outer, 2 and 3: another than AdamW is a "
                     "group of its own, model '<preset>+<optimizer>'.")
   flags.DEFINE_integer("steps", 0, "Steps per run of --preset's model; 0: 20N tokens.")
   flags.DEFINE_integer("small_steps", config.SMALL_STEPS, "Steps of the `small` runs.")
@@ -300,8 +300,8 @@ def main(argv):
   f = flags.FLAGS
   steps = f.steps or config.compute_optimal_steps(f.preset)
   learners = tuple(int(m) for m in f.learners)
-  if f.optimizer != "adamw" and f.stage not in ("optim", "2", "3", "none"):
-    raise app.UsageError(f"--optimizer={f.optimizer} goes with --stage=optim, 2 or 3, "
+  if f.optimizer != "adamw" and f.stage not in ("optim", "outer", "2", "3", "none"):
+    raise app.UsageError(f"--optimizer={f.optimizer} goes with --stage=optim, outer, 2 or 3, "
                          f"not --stage={f.stage}")
   if f.stage == "optim" and f.optimizer == "adamw":
     raise app.UsageError("--stage=optim needs --optimizer (another than adamw)")

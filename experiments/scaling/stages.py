@@ -377,10 +377,11 @@ def stage_batch(rows: list[dict], steps: int, preset: str, learners=config.SIZE_
 
 
 def _setting(kind: str, receipt: str, outer: tuple[float, float], inner: float | None,
-             period: int = config.PERIOD, restart: int = 0) -> str:
+             period: int = config.PERIOD, restart: int = 0, muon: float | None = None) -> str:
   """The setting string of a DiLoCo run (synchronous DiLoCo names no receipt)."""
   return ((f"{receipt} " if kind == "decoupled" else "") + config.outer_label(*outer)
           + (config.inner_label(inner) if inner is not None else "")
+          + (config.muon_label(muon) if muon is not None else "")
           + (config.restart_label(restart) if restart else "") + config.period_label(period))
 
 
@@ -419,7 +420,8 @@ def stage_outer(rows: list[dict], steps: int, preset: str, learners=config.PERIO
                 restarts=(0,)) -> list[Run]:
   """Seed 0 of synchronous DiLoCo and Decoupled (each receipt of `receipts`) at each M of
   `learners` and each outer setting of `outers`, at `preset`'s group at `steps`: its global
-  batch and its data-parallel reference's inner rate, with the outer momentum restarted every
+  batch and its data-parallel reference's inner (and Muon) rate, with the outer momentum
+  restarted every
   R rounds for each R of `restarts` (0: never; a setting without momentum has nothing to
   restart and runs at 0 only). The runs join the group, so the picks (and stages two and
   three) follow the rule over the wider grid."""
@@ -428,9 +430,10 @@ def stage_outer(rows: list[dict], steps: int, preset: str, learners=config.PERIO
   if not any(r["kind"] == "data-parallel" for r in group):
     raise ValueError(f"--stage=outer needs the data-parallel runs of the {preset} model at "
                      f"{steps} steps")
-  inner, batch = inner_of(_reference(rows, steps, preset)), _batch(group)
-  return [method_run(kind, m, _setting(kind, receipt, outer, inner, restart=r), 0, steps,
-                     preset, batch)
+  reference = _reference(rows, steps, preset)
+  inner, muon, batch = inner_of(reference), muon_of(reference), _batch(group)
+  return [method_run(kind, m, _setting(kind, receipt, outer, inner, restart=r, muon=muon), 0,
+                     steps, preset, batch)
           for m in learners for kind in ("diloco", "decoupled")
           for receipt in (receipts if kind == "decoupled" else ("overwrite",))
           for outer in outers for r in restarts if r == 0 or outer[1] > 0]
