@@ -13,6 +13,7 @@ before it reads a byte of data.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from diloco import fragments as fragments_lib
 from diloco.artifacts import export, hf_format
 from diloco.errors import ConfigError, DocumentError
 from diloco.model.config import ModelConfig
+from diloco.settings import check_fields
 
 PREFIX = export.HF_PREFIX
 CONFIG_FILE = "config.json"
@@ -160,10 +162,8 @@ def model_config(folder: str, base: ModelConfig) -> ModelConfig:
       name=os.path.basename(os.path.normpath(folder)) or "custom",
       # Scanning goes over whole patterns: a depth the pattern does not divide is unrolled.
       scan_layers=base.scan_layers and layers % len(pattern) == 0)
-  cfg = base.__class__(**{**{f: getattr(base, f) for f in base.__dataclass_fields__},
-                          **fields})
+  cfg = dataclasses.replace(base, **fields)
   try:
-    from diloco.settings import check_fields  # pylint: disable=import-outside-toplevel
     check_fields("model", cfg)
     cfg.check()
   except ConfigError as e:
