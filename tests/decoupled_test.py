@@ -188,8 +188,11 @@ def test_same_seed_same_tape_and_parameters(tmp_path, jittered_run):
 
 
 def test_threaded_wall_clock_run_with_faults(tmp_path):
+  # Paced steps (24 x at least 0.1 s): the add at 1.0 s lands mid-run on any host, however fast
+  # a warm compilation cache makes the first two learners.
   cfg = _config(learners__count=2, learners__devices="2,2,4", learners__virtual_clock=False,
-                learners__faults="add@1.0", train__steps=24, train__eval_every=12)
+                learners__faults="add@1.0", train__steps=24, train__eval_every=12,
+                learners__min_step_s=0.1)
   rt, summary = decoupled.run_with_runtime(cfg, str(tmp_path))
   tape = _tape(str(tmp_path))
   assert {a["learner"] for r in tape for a in r["admitted"]} == {0, 1, 2}  # 2 joined late
