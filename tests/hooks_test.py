@@ -121,11 +121,10 @@ def test_a_slow_hook_never_holds_a_learner_back(tmp_path):
   def rounds(view):
     seen_rounds.append((view.step, view.metrics["fragment"], sorted(view.params)))
 
-  started = time.monotonic()
   metrics = diloco.run(cfg, str(tmp_path / "run"), hooks=[
       diloco.Hook(slow, every=1), diloco.Hook(watch, every=1),
       diloco.Hook(rounds, every=2, on="syncer", params=True)])
-  assert released == [True] and time.monotonic() - started < 300
+  assert released == [True]  # released by the last step, not by the wait's timeout
   assert np.isfinite(metrics["eval/loss"])
   assert seen_rounds and all(r % 2 == 0 for r, _, _ in seen_rounds)
   with open(os.path.join(tmp_path, "run", "tape.jsonl")) as f:

@@ -252,15 +252,18 @@ def test_a_restart_takes_heartbeats_of_learners_with_no_step_time_yet(without_ti
     assert again.registry[m].step_time == pytest.approx(want)
 
 
+def _quorum_one_syncer(outer: OuterConfig):
+  """K = 1 without grace, one fragment, no sync delay: every delivery closes its own round."""
+  return syncer_lib.Syncer(_params(0), fragments.plan_fragments(SHAPES, num_fragments=1),
+                           SyncConfig(quorum=1, gamma=0.0), outer, sync_delay_s=0.0)
+
+
 @pytest.mark.parametrize("restart", [0, 1, 2, 3])
 def test_outer_momentum_restarts_every_r_rounds_like_a_numpy_oracle(restart):
   """One learner, K = 1, five rounds: Nesterov whose buffer is zero after rounds R, 2R, ...
   (0: never, optax's sgd with Nesterov)."""
-  plan = fragments.plan_fragments(SHAPES, num_fragments=1)
   lr, mu = 0.5, 0.9
-  s = syncer_lib.Syncer(_params(0), plan, SyncConfig(quorum=1, gamma=0.0),
-                        OuterConfig(learning_rate=lr, momentum=mu, momentum_restart=restart),
-                        sync_delay_s=0.0)
+  s = _quorum_one_syncer(OuterConfig(learning_rate=lr, momentum=mu, momentum_restart=restart))
   g = {k: v.astype(np.float64) for k, v in s.global_params().items()}
   b = {k: np.zeros_like(v) for k, v in g.items()}
   for r in range(1, 6):
@@ -285,11 +288,8 @@ def test_align_drops_a_stale_deliverys_part_against_the_momentum_like_a_numpy_or
   """K = 1: learner 0 closes round 1 (momentum b = its outer gradient); learner 1 then
   delivers from version 0. Under "align", a tensor whose outer gradient d has d.b < 0 merges
   d - (d.b / b.b) b; one with d.b > 0 merges as under "paper"."""
-  plan = fragments.plan_fragments(SHAPES, num_fragments=1)
   lr, mu = 0.5, 0.9
-  s = syncer_lib.Syncer(_params(0), plan, SyncConfig(quorum=1, gamma=0.0),
-                        OuterConfig(learning_rate=lr, momentum=mu, stale=rule),
-                        sync_delay_s=0.0)
+  s = _quorum_one_syncer(OuterConfig(learning_rate=lr, momentum=mu, stale=rule))
   g0 = {k: v.astype(np.float64) for k, v in s.global_params().items()}
   theta0 = _params(1)
   merged, _ = s.tick(1.0, _beats(1.0, 0, 1), [_payload(0, theta0)])
