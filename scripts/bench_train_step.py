@@ -68,7 +68,7 @@ _SEQ = flags.DEFINE_integer("seq_len", 0, "Sequence length (0: 2048 on accelerat
 _DTYPE = flags.DEFINE_string("dtype", "", "Compute dtype, float32 or bfloat16 ('' = preset's).")
 _SCAN = flags.DEFINE_enum("scan_layers", "", ["", "true", "false"], "'' = the preset's.")
 _REMAT = flags.DEFINE_string("remat", "", "Remat policy ('' = the preset's).")
-_ATTN = flags.DEFINE_string("attention_impl", "", "reference|xla|cudnn|auto ('' = preset's).")
+_ATTN = flags.DEFINE_string("attention_impl", "", "reference|xla|cudnn|splash|auto ('' = preset's).")
 _CHUNK = flags.DEFINE_integer("loss_chunk", -1, "Tokens per output-head chunk (-1 = the "
                               "config's, 0 = the whole batch).")
 _LAYERS = flags.DEFINE_integer("num_layers", 0, "Override the depth (0 = the preset's).")

@@ -11,7 +11,7 @@ from flax import nnx
 
 from diloco.model import tied_table, transformer
 from diloco.model.sharding import batch_sharding
-from diloco.programs import program_digest
+from diloco.programs import hlo_text, program_digest
 from diloco.train import mesh as mesh_lib
 from diloco.train import optim
 from diloco.train import state as train_state
@@ -157,6 +157,31 @@ def test_gpu_gemms_attention_and_transfers_are_read_from_the_hlo_text():
   assert summary["dot_flops_by_dtypes"] == {"bf16 x bf16 -> bf16": 3 * lt.flops,
                                            "f32 x f32 -> f32": gemm.flops}
   assert d.memory == program_digest.Memory()
+
+
+# A TPU Pallas kernel as libtpu prints it: its attributes run over three lines (the kernel's
+# metadata is a JSON string), the op_name that says which kernel it is on the last.
+_TPU_HLO = """HloModule m, num_partitions=1
+
+ENTRY %main (q: bf16[2,128,16]) -> bf16[2,128,16] {
+  %q = bf16[2,128,16]{2,1,0} parameter(0)
+  %k = bf16[2,128,16]{2,1,0} custom-call(%q), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 128}"
+}}, metadata={op_name="jit(step)/shard_map/vmap(static_sparsity_splash)/pallas_call"}
+  %o = bf16[2,128,16]{2,1,0} custom-call(%k), custom_call_target="tpu_custom_call", metadata={op_name="jit(step)/other_kernel"}
+  ROOT %r = bf16[2,128,16]{2,1,0} add(%k, %o)
+}
+"""
+
+
+def test_a_tpu_kernel_written_over_several_lines_is_one_instruction():
+  d = program_digest.digest_hlo_text(_TPU_HLO)
+  assert [(c.name, c.kind) for c in d.custom_calls] == [("k", "tpu_custom_call"),
+                                                         ("o", "tpu_custom_call")]
+  assert [c.name for c in d.attention_kernels()] == ["k"]  # splash; the other kernel is not
+  instructions, entry, _ = hlo_text.parse_hlo(_TPU_HLO)
+  assert entry == "main" and set(instructions) == {"q", "k", "o", "r"}
+  assert instructions["r"].operands == ("k", "o")
 
 
 def _tiny_step(tiny_config):

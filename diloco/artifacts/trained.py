@@ -46,7 +46,9 @@ def model_config(fields: dict, where: str) -> ModelConfig:
   """The ModelConfig of saved fields (checked as `export.read_model` does), for inference: no
   remat, and an attention that every backend has (the parameters do not depend on either)."""
   cfg = export.read_model(fields, where)
-  impl = "auto" if cfg.attention_impl == "cudnn" else cfg.attention_impl
+  # cuDNN exists only on GPUs, splash runs only in Pallas' (slow) interpreter off TPU: "auto"
+  # picks either where it runs.
+  impl = "auto" if cfg.attention_impl in ("cudnn", "splash") else cfg.attention_impl
   return dataclasses.replace(cfg, remat="none", attention_impl=impl)
 
 

@@ -8,8 +8,8 @@ One learner per slice (each compiled for its own slice's devices) and, with seve
 the data-parallel baseline over all of them at the same tokens per step. Per program: HBM per
 chip against the chip's (fits or not, and the largest buffers when not), compile seconds,
 collective bytes per step by kind and those that cross slices, the program checks (f32 x f32
-dots, scatters, host transfers), the FLOP model's count and a roofline step estimate. Exits 1
-when a program does not fit.
+dots, scatters, host transfers, fused attention kernels), the FLOP model's count and a roofline
+step estimate. Exits 1 when a program does not fit.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ def _row(p: aot.Program, hbm: int) -> str:
            f"{p.alias_bytes / _GIB:.2f}); compiled in {p.compile_s:.1f} s",
            f"  collectives per step: {coll}; across slices: {crossing}",
            f"  checks: f32 x f32 dots {p.f32_dots}, scatters {p.scatters}, host transfers "
-           f"{p.host_transfers}" + (f"; model FLOPs per chip {p.model_flops_per_chip:.3e}{est}"
-                                    if p.model_flops_per_chip is not None else "")]
+           f"{p.host_transfers}, attention kernels {p.attention_kernels}"
+           + (f"; model FLOPs per chip {p.model_flops_per_chip:.3e}{est}"
+              if p.model_flops_per_chip is not None else "")]
   if p.refused:
     lines[1:] = [f"  the compiler: {p.refused}"]
   lines += [f"  largest: {b.what} {b.name} {b.dtype}{list(b.shape)} {b.bytes / _GIB:.2f} GiB"

@@ -28,7 +28,7 @@ from diloco.errors import ConfigError
 from diloco.learner import island
 from diloco.model import transformer
 from diloco.programs import collectives as collectives_lib
-from diloco.programs import program_digest
+from diloco.programs import hlo_text, program_digest
 from diloco.sim import bandwidth
 from diloco.train import flops as flops_lib
 from diloco.train import mesh as mesh_lib
@@ -74,6 +74,7 @@ class Program:
   f32_dot_flops: int
   scatters: int
   host_transfers: int
+  attention_kernels: int  # fused attention calls (Pallas splash on TPU); 0: XLA's attention
   model_flops_per_chip: float | None  # the FLOP model's count for a step; None for init
   estimate_s: float | None  # a roofline estimate (module `estimate`), None for init
 
@@ -116,8 +117,8 @@ def estimate(flops_per_chip: float, ici_bytes: int, dcn_bytes: int, chip: tpu_to
           + dcn_bytes / dcn_bytes_per_s)
 
 
-def _largest(hlo_text: str) -> tuple[Buffer, ...]:
-  instructions, entry, _ = program_digest.parse_hlo(hlo_text)
+def _largest(text: str) -> tuple[Buffer, ...]:
+  instructions, entry, _ = hlo_text.parse_hlo(text)
   found = []
   for inst in instructions.values():
     if inst.opcode in ("get-tuple-element", "tuple", "bitcast") or not inst.types:
@@ -160,7 +161,7 @@ def _refused(name, error, mesh, batch, arguments, compile_s, slices) -> Program:
       output_bytes=0, temp_bytes=temps, alias_bytes=0, hbm_bytes=args + temps, fits=False,
       largest=shards[:_LARGEST], refused=str(error).strip().splitlines()[0],
       collective_bytes={}, cross_slice_bytes=0, cross_slice=(), f32_dots=0, f32_dot_flops=0,
-      scatters=0, host_transfers=0, model_flops_per_chip=None, estimate_s=None)
+      scatters=0, host_transfers=0, attention_kernels=0, model_flops_per_chip=None, estimate_s=None)
 
 
 @contextlib.contextmanager
@@ -218,6 +219,7 @@ def _program(name: str, lowered, mesh, batch: int, chip: tpu_topology.Chip, flop
       f32_dot_flops=sum(d.flops * d.executions for d in f32),
       scatters=len(digest.scatters()),
       host_transfers=len([t for t in digest.host_transfers() if t.name not in network]),
+      attention_kernels=len(digest.attention_kernels()),
       model_flops_per_chip=flops,
       estimate_s=None if flops is None else estimate(flops, ici_bytes, cross_bytes, chip,
                                                      dcn_bytes_per_s))

@@ -27,7 +27,7 @@ EMBED_IMPLS = ("auto", "gather", "gather_f32", "one_hot")
 # "reference": the explicit einsum/softmax path (the numerics of record); the others go through
 # `jax.nn.dot_product_attention`: "xla" on any backend, "cudnn" (fused flash attention, GPU,
 # bf16/fp16), "auto" (cuDNN on a GPU backend where it supports the shapes, XLA elsewhere).
-ATTENTION_IMPLS = ("reference", "xla", "cudnn", "auto")
+ATTENTION_IMPLS = ("reference", "xla", "cudnn", "splash", "auto")
 # Compute and parameter dtypes.
 DTYPES = ("float32", "bfloat16")
 

@@ -9,7 +9,7 @@ them to mesh axes, so the model knows nothing about meshes.
 
 Speed switches (`ModelConfig`), each computing the same function (tests/model_speed_test.py,
 tests/embed_remat_test.py): `dtype` (bf16 compute over fp32 parameters), `attention_impl` (the
-einsum reference or `jax.nn.dot_product_attention`), `scan_layers` (a `jax.lax.scan` over the
+einsum reference, `jax.nn.dot_product_attention` or the Pallas splash kernel), `scan_layers` (a `jax.lax.scan` over the
 layers), `remat` (a policy over the layer's matmuls and its named values, `checkpoint_name`),
 `head_grad_dtype` (the output head's backward in the compute dtype, `head_matmul`) and
 `embed_impl` (how the input embedding reads the table, hence what its gradient is).
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from diloco.model import moe
+from diloco.model import moe, splash
 from diloco.model.config import ModelConfig
 from diloco.model.sharding import constrain
 from diloco.model.tied_table import grad_to_param, head_matmul, one_hot_embed, resolve_embed_impl
@@ -169,9 +169,16 @@ class Attention(nnx.Module):
       window = (self.window - 1, 0) if self.local else None
     else:
       mask, causal, window = self._mask_BLS(positions_BL)[:, None], False, None
+    impl = resolve_attention_impl(self.impl, self.dtype)
+    if impl == "splash" and positions_are_arange:
+      problem = splash.supports(q_BLNH.shape[1], q_BLNH.shape[2], k_BSKH.shape[2])
+      if not problem or self.impl == "splash":  # "auto" falls back to XLA for what it lacks
+        return splash.attention(q_BLNH, k_BSKH, v_BSKH, scale=self.scale,
+                                window=self.window if self.local else None)
+    if impl == "splash":  # positions other than 0..L-1 (packed documents): XLA's, masked
+      impl = "xla"
     kwargs = {"mask": mask, "scale": self.scale, "is_causal": causal,
               "local_window_size": window}
-    impl = resolve_attention_impl(self.impl, self.dtype)
     if impl == "cudnn" and self.impl == "auto":
       try:
         return jax.nn.dot_product_attention(q_BLNH, k_BSKH, v_BSKH, implementation="cudnn",
@@ -182,15 +189,20 @@ class Attention(nnx.Module):
 
 
 def resolve_attention_impl(impl: str, dtype) -> str:
-  """The `jax.nn.dot_product_attention` implementation that `attention_impl` means here.
+  """The attention implementation that `attention_impl` means on the mesh being traced.
 
-  "auto" is cuDNN on a GPU default backend with a 16-bit compute dtype (cuDNN's flash attention
-  has no float32 kernel), XLA otherwise (TPU and CPU).
+  "auto" is Pallas' splash kernel on a TPU mesh (`diloco.model.splash`; XLA's attention for
+  shapes it lacks), cuDNN on a GPU with a 16-bit compute dtype (cuDNN's flash attention has no
+  float32 kernel), XLA otherwise (CPU). The platform is the mesh's (`splash.mesh_platform`), so
+  that a TPU program compiled ahead of time on a CPU host is the TPU one.
   """
   if impl != "auto":
     return impl
+  platform = splash.mesh_platform()
+  if platform == "tpu":
+    return "splash"
   half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  return "cudnn" if jax.default_backend() == "gpu" and half else "xla"
+  return "cudnn" if platform == "gpu" and half else "xla"
 
 
 class GeGLU(nnx.Module):

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diloco.programs.program_digest import parse_hlo, program_executions
+from diloco.programs import hlo_text
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
          "ragged-all-to-all")
@@ -97,10 +97,10 @@ def _groups(attributes: str) -> tuple[tuple[int, ...], ...]:
   return ()
 
 
-def collectives(hlo_text: str) -> tuple[Collective, ...]:
+def collectives(text: str) -> tuple[Collective, ...]:
   """Every collective of an optimized HLO module, in program order."""
-  instructions, entry, callers = parse_hlo(hlo_text)
-  runs = program_executions(instructions, entry, callers)
+  instructions, entry, callers = hlo_text.parse_hlo(text)
+  runs = hlo_text.program_executions(instructions, entry, callers)
 
   def operand_bytes(inst) -> int:
     return _size(a for o in inst.operands if o in instructions for a in instructions[o].types)
@@ -141,10 +141,10 @@ def crosses(collective: Collective, slice_of: Sequence[int]) -> bool:
   return any(len({slice_of[i] for i in group}) > 1 for group in groups)
 
 
-def megascale_transfers(hlo_text: str) -> set[str]:
+def megascale_transfers(text: str) -> set[str]:
   """Names of the instructions (sends, receives and their dones) that carry data between
   slices: host transfers of the program digest that are the network's, not the host's."""
-  instructions, _, _ = parse_hlo(hlo_text)
+  instructions, _, _ = hlo_text.parse_hlo(text)
   names = {i.name for i in instructions.values() if _MEGASCALE in i.attributes}
   return names | {i.name for i in instructions.values()
                   if i.opcode.endswith("-done") and set(i.operands) & names}

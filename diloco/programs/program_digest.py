@@ -1,7 +1,7 @@
 """What a compiled step really runs: its matmuls, scatters, loops, host transfers and memory,
 read from the compiled program so that tests on CPU can hold the step to its performance rules.
 
-Every HLO fact comes from one parser (`parse_hlo`) of the optimized HLO text
+Every HLO fact comes from one parser (`hlo_text.parse_hlo`) of the optimized HLO text
 (`compiled.as_text()`), which sees what the backend made of the program: on CPU a dot sits inside
 a fusion (`__ynn_fusion`, ...), on GPU it is a cuBLAS custom call (`__cublas$gemm`,
 `__cublas$lt$matmul`), a dot inside a Triton fusion, or a cuDNN attention call (`__cudnn$fmha*`).
@@ -21,15 +21,8 @@ import jax
 import jax.ad_checkpoint
 import jax.extend
 
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-$]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-$]+)\s*=\s*(.*)$")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
-_OPERAND = re.compile(r"%([\w.\-$]+)")
-_CALLEES = re.compile(
-    r"\b(calls|to_apply|body|condition|branch_computations|called_computations)="
-    r"(\{[^}]*\}|%?[\w.\-$]+)")
-_TRIP_COUNT = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
-_HOST_MEMORY_SPACE = ":S(5)"  # XLA's memory space of pinned host memory, in a layout
+from diloco.programs import hlo_text
+
 _HOST_OPCODES = ("send", "recv", "send-done", "recv-done", "infeed", "outfeed")
 # Custom calls that place a value in host memory before the compiler turns them into copies.
 _HOST_PLACEMENT_TARGETS = ("annotate_device_placement", "MoveToHost", "MoveToDevice")
@@ -38,25 +31,13 @@ _ATTENTION = re.compile(r"fmha|flash|attention", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
-class Array:
-  """One array type of the program: dtype as HLO names it (f32, bf16, s32, ...) and dims."""
-  dtype: str
-  shape: tuple[int, ...]
-  host: bool = False  # laid out in host memory (memory space S(5))
-
-  @property
-  def size(self) -> int:
-    return math.prod(self.shape)
-
-
-@dataclasses.dataclass(frozen=True)
 class Dot:
   """A matmul: a `dot`, a `convolution` or a cuBLAS gemm custom call."""
   name: str
   kind: str  # "dot", "convolution" or the custom-call target
-  lhs: Array
-  rhs: Array
-  result: Array
+  lhs: hlo_text.Array
+  rhs: hlo_text.Array
+  result: hlo_text.Array
   flops: int  # one execution: 2 x result size x contracted size
   executions: int  # how often it runs per call of the program (known trip counts)
   op_name: str  # the JAX operation it came from (metadata), "" if none
@@ -72,8 +53,8 @@ class Indexed:
   rows between `operand`, an array of `dtype`, and the windows."""
   name: str
   dtype: str
-  operand: Array
-  window: Array
+  operand: hlo_text.Array
+  window: hlo_text.Array
   count: int
   executions: int
   op_name: str
@@ -146,8 +127,10 @@ class ProgramDigest:
     return counts
 
   def attention_kernels(self) -> tuple[Op, ...]:
-    """Fused attention custom calls (cuDNN `__cudnn$fmha*` on GPU); none on CPU."""
-    return tuple(c for c in self.custom_calls if _ATTENTION.search(c.kind))
+    """Fused attention custom calls: cuDNN's (`__cudnn$fmha*`) on GPU, the Pallas splash
+    kernel's (a `tpu_custom_call` from `splash` code) on TPU; none on CPU."""
+    return tuple(c for c in self.custom_calls if _ATTENTION.search(c.kind)
+                 or (c.kind == "tpu_custom_call" and "splash" in c.op_name))
 
   def summary(self) -> dict[str, Any]:
     """A JSON-able account for benches: FLOPs by operand dtypes, the rest as counts."""
@@ -173,99 +156,6 @@ class ProgramDigest:
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class _Instruction:
-  name: str
-  computation: str
-  types: tuple[Array, ...]  # the result: one array, or a tuple's arrays
-  opcode: str
-  operands: tuple[str, ...]
-  attributes: str  # everything after the operand list (dims, targets, metadata, config)
-
-
-def _split_type(text: str) -> tuple[str, str]:
-  """`(shape text, rest)` of an instruction's right-hand side: a tuple type is balanced."""
-  if not text.startswith("("):
-    head, _, rest = text.partition(" ")
-    return head, rest
-  inside, rest = _balanced(text[1:])
-  return f"({inside})", rest.lstrip()
-
-
-def _arrays(type_text: str) -> tuple[Array, ...]:
-  out = []
-  for m in _ARRAY.finditer(type_text):
-    dims = tuple(int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip())
-    out.append(Array(m.group(1), dims, _HOST_MEMORY_SPACE in (m.group(3) or "")))
-  return tuple(out)
-
-
-def _balanced(text: str) -> tuple[str, str]:
-  """`(inside, after)` of text that starts just after an opening parenthesis."""
-  depth = 1
-  for i, ch in enumerate(text):
-    depth += ch == "("
-    depth -= ch == ")"
-    if depth == 0:
-      return text[:i], text[i + 1:]
-  return text, ""
-
-
-def parse_hlo(text: str) -> tuple[dict[str, _Instruction], str | None, dict[str, list]]:
-  """The instructions of an HLO module's text by name, its entry computation, and every
-  computation's call sites as `{callee: [(caller instruction, edge kind)]}`."""
-  instructions: dict[str, _Instruction] = {}
-  callers: dict[str, list] = {}
-  computation, entry = "", None
-  for line in text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header and "=" not in line.split("(")[0]:
-      computation = header.group(2)
-      entry = computation if header.group(1) else entry
-      continue
-    m = _INSTRUCTION.match(line)
-    if not m or not computation:
-      continue
-    type_text, rest = _split_type(m.group(3))
-    op = re.match(r"([\w\-]+)\(", rest)
-    if not op:
-      continue
-    inside, attributes = _balanced(rest[op.end():])
-    inst = _Instruction(m.group(2), computation, _arrays(type_text), op.group(1),
-                        tuple(_OPERAND.findall(inside)), attributes)
-    instructions[inst.name] = inst
-    for kind, callees in _CALLEES.findall(attributes):
-      for callee in re.findall(r"[\w.\-$]+", callees):
-        callers.setdefault(callee, []).append((inst.name, kind))
-  return instructions, entry, callers
-
-
-def program_executions(instructions, entry, callers) -> Callable[[str], int]:
-  """How often each computation runs per call of the entry, from known trip counts."""
-  memo: dict[str, int] = {}
-
-  def runs(computation: str) -> int:
-    if computation == entry or computation not in callers:
-      return 1
-    if computation not in memo:
-      total = 0
-      for caller, kind in callers[computation]:
-        inst = instructions[caller]
-        trips = 1
-        if inst.opcode == "while" and kind == "body":
-          trips = _trip_count(inst) or 1
-        total += runs(inst.computation) * trips
-      memo[computation] = max(total, 1)  # HLO has no recursion: callers finish first
-    return memo[computation]
-
-  return runs
-
-
-def _trip_count(inst: _Instruction) -> int | None:
-  m = _TRIP_COUNT.search(inst.attributes)
-  return int(m.group(1)) if m else None
-
-
 def _dims(attributes: str, key: str) -> tuple[int, ...]:
   m = re.search(key + r"=\{([\d,\s]*)\}", attributes)
   return tuple(int(d) for d in m.group(1).split(",") if d.strip()) if m else ()
@@ -276,14 +166,10 @@ def _json_dims(attributes: str, key: str) -> tuple[int, ...]:
   return tuple(int(d) for d in re.findall(r"\d+", m.group(1))) if m else ()
 
 
-def _attr(attributes: str, key: str) -> str:
-  m = re.search(key + r'="([^"]*)"', attributes)
-  return m.group(1) if m else ""
-
-
-def _matmul(inst: _Instruction, shape_of: Callable[[str], Array | None]) -> Dot | None:
+def _matmul(inst: hlo_text.Instruction,
+            shape_of: Callable[[str], hlo_text.Array | None]) -> Dot | None:
   """The Dot an instruction is, None if it is no matmul (or its operands are unknown)."""
-  target = _attr(inst.attributes, "custom_call_target")
+  target = hlo_text.attr(inst.attributes, "custom_call_target")
   if inst.opcode == "custom-call" and target in _GEMM_TARGETS:
     contracting = _json_dims(inst.attributes, "lhs_contracting_dimensions")
   elif inst.opcode == "dot":
@@ -305,21 +191,21 @@ def _matmul(inst: _Instruction, shape_of: Callable[[str], Array | None]) -> Dot 
   else:
     contracted = math.prod(lhs.shape[d] for d in contracting if d < len(lhs.shape))
   return Dot(inst.name, target or inst.opcode, lhs, rhs, result, 2 * result.size * contracted,
-             1, _attr(inst.attributes, "op_name"))
+             1, hlo_text.attr(inst.attributes, "op_name"))
 
 
 def digest_hlo_text(text: str) -> ProgramDigest:
   """The digest of an optimized HLO module's text alone (no memory or cost figures)."""
-  instructions, entry, callers = parse_hlo(text)
-  runs = program_executions(instructions, entry, callers)
+  instructions, entry, callers = hlo_text.parse_hlo(text)
+  runs = hlo_text.program_executions(instructions, entry, callers)
 
-  def shape_of(name: str) -> Array | None:
+  def shape_of(name: str) -> hlo_text.Array | None:
     inst = instructions.get(name)
     return inst.types[0] if inst and inst.types else None
 
   dots, scatters, gathers, loops, transfers, calls = [], [], [], [], [], []
   for inst in instructions.values():
-    op_name = _attr(inst.attributes, "op_name")
+    op_name = hlo_text.attr(inst.attributes, "op_name")
     n = runs(inst.computation)
     dot = _matmul(inst, shape_of)
     if dot is not None:
@@ -340,9 +226,9 @@ def digest_hlo_text(text: str) -> ProgramDigest:
       if operand is not None:
         gathers.append(Indexed(inst.name, result.dtype, operand, result, slices, n, op_name))
     elif inst.opcode == "while":
-      loops.append(WhileLoop(inst.name, _trip_count(inst), op_name))
+      loops.append(WhileLoop(inst.name, hlo_text.trip_count(inst), op_name))
     if inst.opcode == "custom-call":
-      target = _attr(inst.attributes, "custom_call_target")
+      target = hlo_text.attr(inst.attributes, "custom_call_target")
       calls.append(Op(inst.name, target, op_name))
       if "callback" in target.lower() or target in _HOST_PLACEMENT_TARGETS:
         transfers.append(calls[-1])
@@ -364,9 +250,9 @@ _STABLEHLO_DOT = re.compile(
     r"tensor<([^>]*)>\)\s*->\s*tensor<([^>]*)>")
 
 
-def _tensor(text: str) -> Array:
+def _tensor(text: str) -> hlo_text.Array:
   *dims, dtype = text.split("x")
-  return Array(dtype, tuple(int(d) if d.isdigit() else -1 for d in dims))
+  return hlo_text.Array(dtype, tuple(int(d) if d.isdigit() else -1 for d in dims))
 
 
 def stablehlo_dots(text: str) -> tuple[Dot, ...]:

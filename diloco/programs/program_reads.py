@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from diloco.programs.program_digest import Array, parse_hlo
+from diloco.programs import hlo_text
 
 # Operations that move no data: they name or regroup buffers.
 _FREE = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")
@@ -25,18 +25,19 @@ class Reader:
   name: str
   opcode: str  # "fusion", "while", a custom call...
   computation: str  # the fused computation a fusion calls ("" otherwise)
-  outputs: tuple[Array, ...]
+  outputs: tuple[hlo_text.Array, ...]
   operands: tuple[str, ...]  # the instructions it reads, by name, each once
-  inputs: tuple[tuple[str, Array], ...]  # (operand, array) for each array it reads
+  inputs: tuple[tuple[str, hlo_text.Array], ...]  # (operand, array) for each array it reads
 
   def writes_at_least(self, size: int) -> bool:
     return any(a.size >= size for a in self.outputs)
 
 
-def entry_readers(hlo_text: str) -> tuple[dict[str, tuple[Reader, ...]], dict[str, Array]]:
+def entry_readers(text: str) -> tuple[dict[str, tuple[Reader, ...]],
+                                      dict[str, hlo_text.Array]]:
   """For each parameter of the entry computation (by name), the operations that read it, and
   each parameter's array. Buffer-naming operations (tuples, bitcasts) are not readers."""
-  instructions, entry = _parsed(hlo_text)
+  instructions, entry = _parsed(text)
   ops = [i for i in instructions.values() if i.computation == entry]
   params = {i.name: i.types[0] for i in ops if i.opcode == "parameter" and len(i.types) == 1}
   readers: dict[str, list[Reader]] = {name: [] for name in params}
@@ -50,11 +51,11 @@ def entry_readers(hlo_text: str) -> tuple[dict[str, tuple[Reader, ...]], dict[st
   return {name: tuple(r) for name, r in readers.items()}, params
 
 
-def reduction_passes(hlo_text: str, min_size: int = 2**20) -> tuple[Reader, ...]:
+def reduction_passes(text: str, min_size: int = 2**20) -> tuple[Reader, ...]:
   """Reductions of the entry computation that read an array of at least `min_size` elements and
   write nothing larger than a sixteenth of it: passes that stream an array only to sum it (a
   norm that no producer of the array computed on the way)."""
-  instructions, entry = _parsed(hlo_text)
+  instructions, entry = _parsed(text)
   reducing = {i.computation for i in instructions.values() if i.opcode == "reduce"}
   out = []
   for inst in instructions.values():
@@ -69,9 +70,9 @@ def reduction_passes(hlo_text: str, min_size: int = 2**20) -> tuple[Reader, ...]
 
 
 @functools.lru_cache(maxsize=2)
-def _parsed(hlo_text: str):
+def _parsed(text: str):
   """The instructions and entry of a program, parsed once for its several questions."""
-  instructions, entry, _ = parse_hlo(hlo_text)
+  instructions, entry, _ = hlo_text.parse_hlo(text)
   return instructions, entry
 
 
