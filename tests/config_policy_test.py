@@ -83,6 +83,18 @@ def test_the_sync_defaults_are_the_policy_defaults():
     assert getattr(cfg, field) == getattr(SyncConfig(), field)
 
 
+def test_the_policy_declares_the_sync_fields_it_reads_with_their_types_and_defaults():
+  """`PolicyConfig` is written out (readable, seen by IDEs): its fields are the bounded `sync`
+  fields, declared with `SyncConfig`'s types and defaults, then its own `ema_decay`."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  fields = {f.name: f for f in dataclasses.fields(policy.PolicyConfig)}
+  sync = {f.name: f for f in dataclasses.fields(SyncConfig)}
+  assert list(fields) == [*policy.SYNC_BOUNDS, "ema_decay"]
+  for name in policy.SYNC_BOUNDS:
+    assert (fields[name].type, fields[name].default) == (sync[name].type, sync[name].default)
+  assert policy.PolicyConfig() == policy.PolicyConfig.from_config(SyncConfig())
+
+
 def test_the_syncer_and_the_simulator_build_the_policy_from_the_same_defaults():
   from diloco.sim import params  # pylint: disable=import-outside-toplevel
   assert params.SimConfig().policy_config() == policy.PolicyConfig.from_config(SyncConfig())

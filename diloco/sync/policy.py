@@ -152,9 +152,21 @@ class SyncConfig:
             f"must be below sync.shards={self.shards}, got {self.shard}")
 
 
-class _PolicyChecks:
-  """What `PolicyConfig` adds to its fields: their checks, and its construction from `sync`."""
-  __slots__ = ()
+_SYNC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SyncConfig)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyConfig:
+  """The settings of the syncer policy (docs/design.md 2.3-2.4): the `sync` fields it reads,
+  with `SyncConfig`'s defaults and `SYNC_BOUNDS`' rules (tests/config_policy_test.py holds the
+  two lists equal), built from the group by `from_config(sync)`; plus its own `ema_decay`."""
+  quorum: int = _SYNC_DEFAULTS["quorum"]  # K; 0: every alive learner
+  tau: int = _SYNC_DEFAULTS["tau"]
+  gamma: float = _SYNC_DEFAULTS["gamma"]  # grace-window gain; 0 closes a round at quorum
+  heartbeat_timeout_s: float = _SYNC_DEFAULTS["heartbeat_timeout_s"]
+  max_staleness: int = _SYNC_DEFAULTS["max_staleness"]
+  # The weight of the old value in the EMAs of step, quorum and sync times.
+  ema_decay: float = 0.9
 
   def __post_init__(self):
     for field, bound in SYNC_BOUNDS.items():
@@ -167,26 +179,6 @@ class _PolicyChecks:
     """The policy of a `sync` group, with `changes` (e.g. `gamma=0.0`) applied."""
     values = {field: getattr(sync, field) for field in SYNC_BOUNDS}
     return cls(**{**values, **changes})
-
-
-def _policy_fields() -> list[tuple[str, str, dataclasses.Field]]:
-  """The fields of `PolicyConfig`: the `SyncConfig` fields named in `SYNC_BOUNDS` (their types
-  and defaults), then the policy's own `ema_decay`."""
-  sync = {f.name: f for f in dataclasses.fields(SyncConfig)}
-  fields = [(name, sync[name].type, dataclasses.field(default=sync[name].default))
-            for name in SYNC_BOUNDS]
-  return fields + [("ema_decay", "float", dataclasses.field(default=0.9))]
-
-
-# The settings of the syncer policy (docs/design.md 2.3-2.4): a frozen view of the `sync` fields
-# it reads (quorum K, tau, gamma, heartbeat timeout, staleness bound; see `SyncConfig`), built
-# from the group by `PolicyConfig.from_config(sync)`, plus `ema_decay`, the weight of the old
-# value in the EMAs of step, quorum and sync times. Its fields are derived from `SyncConfig`,
-# so no setting is declared twice.
-PolicyConfig = dataclasses.make_dataclass(
-    "PolicyConfig", _policy_fields(), bases=(_PolicyChecks,), frozen=True, kw_only=True,
-    slots=True)
-PolicyConfig.__module__ = __name__
 
 
 def _require(ok: bool, field: str, value: object, allowed: str) -> None:
