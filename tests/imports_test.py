@@ -57,6 +57,33 @@ def test_every_transport_implements_the_learner_protocol():
       assert list(got.parameters) == list(want.parameters), (cls.__name__, name, got)
 
 
+def test_the_run_config_is_a_learner_config_field_by_field():
+  """`LearnerConfig` names every group a learner reads with its type (no `Any`): the run's
+  `Config` has each group, and each group each field, with the same annotation."""
+  import dataclasses
+  import typing
+
+  from diloco.config import run_config
+  from diloco.learner import learner
+
+  def annotations(cls):
+    return typing.get_type_hints(cls) if not dataclasses.is_dataclass(cls) else {
+        f.name: f.type for f in dataclasses.fields(cls)}
+
+  config_groups = {f.name: f.type for f in dataclasses.fields(run_config.Config)}
+  for group, kind in typing.get_type_hints(learner.LearnerConfig).items():
+    assert kind is not typing.Any, group
+    if group == "seed":
+      assert config_groups[group] in (int, "int")
+      continue
+    have = annotations(getattr(run_config, config_groups[group])
+                       if isinstance(config_groups[group], str) else config_groups[group])
+    for name, want in annotations(kind).items():
+      got = have[name]
+      assert (got if isinstance(got, str) else got.__name__) == (
+          want if isinstance(want, str) else want.__name__), (group, name)
+
+
 @functools.cache  # one parse of the package for every test here (callers do not mutate it)
 def _module_graph():
   """{module: modules of the package it imports}, anywhere in its file (deferred imports too).

@@ -41,6 +41,19 @@ from diloco.train.optim import OptimConfig
 from diloco.transport import Heartbeat, LearnerTransport, Merged
 
 
+class TrainFields(Protocol):
+  """What a learner reads of the runtimes' `train` group (`run_config.TrainConfig`)."""
+  steps: int
+  batch_size: int
+  init_from: str
+
+
+class LearnersFields(Protocol):
+  """What a learner reads of the runtimes' `learners` group (`run_config.LearnersConfig`)."""
+  min_step_s: float
+  join_schedule: str
+
+
 class LearnerConfig(Protocol):
   """The groups of the run configuration that a learner, its island and its loop read
   (`diloco.config.run_config.Config` is one): a Protocol, so that the learner package does not
@@ -52,10 +65,8 @@ class LearnerConfig(Protocol):
   optim: OptimConfig
   sync: SyncConfig
   outer: OuterConfig
-  # The runtimes' groups (diloco/config/run_config.py): `train` (steps, batch_size,
-  # init_from) and `learners` (min_step_s, join_schedule).
-  train: Any
-  learners: Any
+  train: TrainFields
+  learners: LearnersFields
 
 
 class NonFiniteMetrics(FloatingPointError):
