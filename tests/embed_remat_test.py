@@ -147,13 +147,15 @@ def test_the_lowered_embedding_gradient_scatters_as_each_impl_says():
   assert _scatter_dtypes("gather", "float32") == {"f32"}
 
 
-def test_the_one_hot_gradient_is_a_bf16_matmul_with_float32_accumulation():
+def test_the_one_hot_gradient_is_a_bf16_matmul():
   """Under bf16 compute the table's gradient (one-hot by cotangent) takes bf16 operands and
-  returns float32: no float32 x float32 dot of the vocabulary's size (TF32 on GPUs). The rows'
-  own dot is dead code in the gradient of this linear function."""
+  returns bf16, as a layer weight's does (TPU and GPU matmul units accumulate it in float32):
+  no float32 x float32 dot of the vocabulary's size (TF32 on GPUs), and partial sums that cross
+  devices in bf16 (`tied_table`). The rows' own dot is dead code in this linear function's
+  gradient."""
   dots = program_digest.stablehlo_dots(_lowered_embed_grad("one_hot", "bfloat16"))
   assert [d.result.shape for d in dots] == [(384, 64)], dots
-  assert {(d.lhs.dtype, d.rhs.dtype, d.result.dtype) for d in dots} == {("bf16", "bf16", "f32")}
+  assert {(d.lhs.dtype, d.rhs.dtype, d.result.dtype) for d in dots} == {("bf16", "bf16", "bf16")}
   dots = program_digest.stablehlo_dots(_lowered_embed_grad("one_hot", "float32"))
   assert {(d.lhs.dtype, d.rhs.dtype, d.result.dtype) for d in dots} == {("f32", "f32", "f32")}
   assert all('HIGHEST' in t for t in re.findall(

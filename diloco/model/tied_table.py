@@ -4,7 +4,10 @@ The input embedding reads rows of the table and the output head multiplies hidde
 autodiff of either under bf16 compute gives float32 x float32 matmuls (the float32 cotangent of
 a float32-accumulating dot upcasts its operands) or a bf16 scatter-add of every token's row.
 These custom VJPs keep both directions bf16 x bf16 with float32 accumulation
-(tests/head_speed_test.py, tests/embed_remat_test.py check the programs).
+(tests/head_speed_test.py, tests/embed_remat_test.py check the programs), and the table's
+gradient leaves its dot in the table's dtype, as every layer weight's does: the compiler reduces
+a gradient's partial sums across devices where its dot emits them, so a float32 result would
+cross ICI, and the data-center network between slices, at twice the bytes (tests/tpu_compile_test.py).
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ def _head_matmul_bwd(residuals, g_BLV):
   x_BLD, table_VD = residuals
   g_BLV = g_BLV.astype(table_VD.dtype)
   dx_BLD = jnp.einsum("BLV,VD->BLD", g_BLV, table_VD, preferred_element_type=jnp.float32)
-  dtable_VD = jnp.einsum("BLV,BLD->VD", g_BLV, x_BLD, preferred_element_type=jnp.float32)
-  return dx_BLD.astype(x_BLD.dtype), dtable_VD.astype(table_VD.dtype)
+  dtable_VD = jnp.einsum("BLV,BLD->VD", g_BLV, x_BLD, preferred_element_type=table_VD.dtype)
+  return dx_BLD.astype(x_BLD.dtype), dtable_VD
 
 
 head_matmul.defvjp(_head_matmul_fwd, _head_matmul_bwd)
@@ -66,14 +69,14 @@ def one_hot_embed(tokens_BL: jax.Array, table_VD: jax.Array) -> jax.Array:
   return _one_hot_matmul("BLV,VD->BLD", tokens_BL, table_VD, table_VD.shape[0])
 
 
-def _one_hot_matmul(spec, tokens_BL, other, vocab):
+def _one_hot_matmul(spec, tokens_BL, other, vocab, out_dtype=jnp.float32):
   dtype = other.dtype
   one_hot_BLV = constrain(jax.nn.one_hot(tokens_BL, vocab, dtype=dtype), "batch", "length",
                           "vocab")
   # A float32 product must not round (TF32 on GPUs): HIGHEST keeps the rows and sums exact.
   precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
   out = jnp.einsum(spec, one_hot_BLV, other, precision=precision,
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=out_dtype)
   return out.astype(dtype)
 
 
@@ -86,7 +89,7 @@ def _one_hot_embed_fwd(tokens_BL, table_VD):
 def _one_hot_embed_bwd(residuals, g_BLD):
   tokens_BL, like_V0 = residuals
   g_BLD = g_BLD.astype(like_V0.dtype)
-  return None, _one_hot_matmul("BLV,BLD->VD", tokens_BL, g_BLD, like_V0.shape[0])
+  return None, _one_hot_matmul("BLV,BLD->VD", tokens_BL, g_BLD, like_V0.shape[0], g_BLD.dtype)
 
 
 one_hot_embed.defvjp(_one_hot_embed_fwd, _one_hot_embed_bwd)
