@@ -1,24 +1,14 @@
-"""Renders a GKE JobSet that runs Decoupled DiLoCo (one slice or GPU node group per learner,
-one CPU syncer); the logic and the flags are in `diloco.deploy.jobset`.
+"""`diloco jobset` under its older name: renders a GKE JobSet that runs Decoupled DiLoCo (one
+slice or GPU node group per learner, one CPU syncer); the flags and the logic are in
+`diloco.deploy.jobset`, the command in `diloco.cli.jobset_manifest`.
 
   python scripts/make_jobset.py --name=dd-2b --image=IMAGE --store=gs://BUCKET/dd-2b \\
       --config=configs/decoupled.py:gemma_2b --learners=8 --tpu_type=v5p-128 [--output=FILE]
-
-Without --output (or with --dry_run) only the YAML goes to stdout, so
-`... | kubectl apply -f -` works. docs/scale_out.md explains the choices.
 """
 
-from absl import app, flags
+import sys
 
-from diloco.deploy import jobset
-
-
-def _main(argv: list[str]) -> int:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  return jobset.run(flags.FLAGS)
-
+from diloco.cli import jobset_manifest
 
 if __name__ == "__main__":
-  jobset.define_flags(flags.FLAGS)  # here, not at import: tests import the module next to main
-  app.run(_main)
+  jobset_manifest.main(["make_jobset.py", *sys.argv[1:]])

@@ -35,7 +35,7 @@ def _command_flags():
   out.append(("train", flags.FLAGS, sorted(f.name for f in train._OWN_FLAGS)))
   fv = flags.FlagValues()
   jobset.define_flags(fv)
-  out.append(("make_jobset", fv, sorted(n for n in fv if fv[n].name == n)))
+  out.append(("jobset", fv, sorted(n for n in fv if fv[n].name == n)))
   return out
 
 
@@ -91,7 +91,7 @@ def test_every_flag_parses_and_passes_the_rule_or_is_refused_in_one_line(command
 # Valid values of the flags a command requires before it parses the others.
 REQUIRED = {"compile": ("--config=configs/decoupled.py:tiny", "--topology=v5e-4"),
             "slurm": ("--config=configs/decoupled.py:tiny", "--workdir=runs/never"),
-            "make_jobset": ("--name=r", "--store=gs://bucket/run", "--config=configs/decoupled.py:tiny",
+            "jobset": ("--name=r", "--store=gs://bucket/run", "--config=configs/decoupled.py:tiny",
                             "--learners=2", "--tpu_type=v5e-4")}
 
 
@@ -118,7 +118,7 @@ def test_each_command_refuses_a_bad_flag_before_its_body_runs(command, fv, name,
   """The command's real entry point, a bad value of each flag: one line naming the flag, and
   the body never starts (it would fail on the missing run first, naming no flag)."""
   argv = [*REQUIRED.get(command, ()), f"--{name}={_bad_value(fv[name])}"]
-  if command == "make_jobset":
+  if command == "jobset":
     assert jobset.main(argv) == 2
     message = capsys.readouterr().err.strip()
   else:

@@ -1,4 +1,4 @@
-"""diloco.deploy.jobset (scripts/make_jobset.py): the rendered JobSet parses and has the structure GKE needs.
+"""diloco.deploy.jobset (`diloco jobset`): the rendered JobSet parses and has the structure GKE needs.
 
 Nothing here talks to a cluster; these checks guard the manifest's shape (one job per
 learner, hosts per slice, selectors, commands) and that bad flags fail with their name.
@@ -198,16 +198,19 @@ def test_an_output_that_cannot_be_written_is_one_line_naming_the_flag(capsys, tm
   out = tmp_path / where
   assert make_jobset.main(_argv(output=str(out), learners="2")) == 2
   err = capsys.readouterr().err.strip()
-  assert err.startswith("make_jobset.py: error: --output: cannot write") and "\n" not in err
+  assert err.startswith("diloco jobset: error: --output: cannot write") and "\n" not in err
   assert not (tmp_path / "missing").exists()
 
 
 def test_dry_run_subprocess_prints_only_yaml(tmp_path):
-  proc = subprocess.run(
-      [sys.executable, "scripts/make_jobset.py", "--dry_run",
-       *_argv(tpu_type="v5litepod-256", learners="2")],
-      cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
-  assert proc.returncode == 0, proc.stderr
+  """`diloco jobset` prints the manifest; the script under the older name prints the same."""
+  argv = ["--dry_run", *_argv(tpu_type="v5litepod-256", learners="2")]
+  proc, script = (subprocess.run(cmd + argv, cwd=ROOT, capture_output=True, text=True,
+                                 timeout=120, check=False)
+                  for cmd in ([sys.executable, "-m", "diloco", "jobset"],
+                              [sys.executable, "scripts/make_jobset.py"]))
+  assert proc.returncode == 0 == script.returncode, proc.stderr + script.stderr
+  assert proc.stdout == script.stdout
   manifest = yaml.safe_load(proc.stdout)
   assert manifest["kind"] == "JobSet"
   assert [rj["name"] for rj in manifest["spec"]["replicatedJobs"]] == [

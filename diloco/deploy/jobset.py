@@ -1,10 +1,11 @@
 """Renders a GKE JobSet that runs Decoupled DiLoCo: one TPU slice or GPU node group per
-learner, one CPU syncer. The command is `scripts/make_jobset.py`; experiments (the sweep's TPU
-points) call `parse_args` and `render` here directly.
+learner, one CPU syncer. The command is `diloco jobset` (`scripts/make_jobset.py` is the same
+command under its older name); experiments (the sweep's TPU points) call `parse_args` and
+`render` here directly.
 
-  python scripts/make_jobset.py --name=dd-2b --image=IMAGE --store=gs://BUCKET/dd-2b \\
+  diloco jobset --name=dd-2b --image=IMAGE --store=gs://BUCKET/dd-2b \\
       --config=configs/decoupled.py:gemma_2b --learners=8 --tpu_type=v5p-128 [--output=FILE]
-  python scripts/make_jobset.py --name=dd-2b --image=IMAGE --store=gs://BUCKET/dd-2b \\
+  diloco jobset --name=dd-2b --image=IMAGE --store=gs://BUCKET/dd-2b \\
       --config=configs/decoupled.py:gemma_2b --learners=4 --gpu_type=nvidia-h100-80gb \\
       --gpus_per_host=8 --gpu_hosts=2
 
@@ -310,7 +311,7 @@ def render(args: flags.FlagValues) -> str:
   name = args.tpu_type if devices.platform == "tpu" else args.gpu_type
   header = (f"# Decoupled DiLoCo: {args.learners} learner(s), each {devices.describe(name)},\n"
             f"# syncer on {args.syncer_machine}, restart mode {args.restart_mode}; image "
-            f"{image(args)}; from scripts/make_jobset.py (docs/scale_out.md).\n")
+            f"{image(args)}; from diloco jobset (docs/scale_out.md).\n")
   return header + yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False, width=100)
 
 
@@ -350,11 +351,14 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.mark_flags_as_required(["name", "store", "config", "learners"], flag_values=fv)
 
 
-def parse_args(argv: Sequence[str]) -> flags.FlagValues:
-  """A fresh set of the script's flags parsed from `argv` (without the program name)."""
+PROG = "diloco jobset"
+
+
+def parse_args(argv: Sequence[str], prog: str = PROG) -> flags.FlagValues:
+  """A fresh set of the command's flags parsed from `argv` (without the program name)."""
   fv = flags.FlagValues()
   define_flags(fv)
-  rest = fv(["make_jobset.py", *argv])
+  rest = fv([prog, *argv])
   if len(rest) > 1:
     raise FlagError(f"unexpected arguments: {rest[1:]}")
   try:
@@ -364,12 +368,12 @@ def parse_args(argv: Sequence[str]) -> flags.FlagValues:
   return fv
 
 
-def run(args: flags.FlagValues) -> int:
+def run(args: flags.FlagValues, prog: str = PROG) -> int:
   """Renders the manifest to stdout or --output; 2 with a message naming the bad flag."""
   try:
     text = render(args)
   except FlagError as e:
-    print(f"make_jobset.py: error: {e}", file=sys.stderr)
+    print(f"{prog}: error: {e}", file=sys.stderr)
     return 2
   if args.dry_run or not args.output:
     sys.stdout.write(text)
@@ -377,7 +381,7 @@ def run(args: flags.FlagValues) -> int:
   try:
     pathlib.Path(args.output).write_text(text, encoding="utf-8")
   except OSError as e:  # a missing folder, a directory, no permission: the user's path
-    print(f"make_jobset.py: error: --output: cannot write {args.output!r}: "
+    print(f"{prog}: error: --output: cannot write {args.output!r}: "
           f"{e.strerror or e}", file=sys.stderr)
     return 2
   print(f"wrote {args.output}: {args.learners} learner job(s) + syncer; "
@@ -385,11 +389,11 @@ def run(args: flags.FlagValues) -> int:
   return 0
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str], prog: str = PROG) -> int:
   """`run` on flags parsed from `argv` (without the program name), for callers in Python."""
   try:
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
   except (flags.Error, FlagError) as e:
-    print(f"make_jobset.py: error: {e}", file=sys.stderr)
+    print(f"{prog}: error: {e}", file=sys.stderr)
     return 2
-  return run(args)
+  return run(args, prog)

@@ -1,4 +1,4 @@
-"""Launch files of the TPU points: JobSet manifests from scripts/make_jobset.py, and commands.
+"""Launch files of the TPU points: JobSet manifests from `diloco jobset`, and commands.
 
 These points are rendered, never run here: a DiLoCo-family point becomes a JobSet (one TPU
 slice per learner, a CPU syncer, the store on GCS) built by `diloco.deploy.jobset`, so
@@ -62,7 +62,7 @@ def render(points: list[Point], folder: str, *, image: str = config.IMAGE,
       with open(os.path.join(folder, file), "w", encoding="utf-8") as f:
         f.write(jobset.render(jobset.parse_args(argv)))
       script += [f"# {point.label}: {point.M} x {size['tpu_type']} + a CPU syncer",
-                 "python scripts/make_jobset.py " + " ".join(argv) + f" --output={file}",
+                 "diloco jobset " + " ".join(argv) + f" --output={file}",
                  f"kubectl apply -f {file}", ""]
       row["launch"] = file
     rows.append(row)

@@ -118,7 +118,7 @@ def report(points: Sequence[Point], runs: Sequence[harness.Run], rendered: Seque
       *[line for plot in plots for line in (plot, "")],
       "## Points rendered for TPU, not run", "",
       "Launch files under [`launch/`](launch/): a JobSet manifest per DiLoCo-family point "
-      "(scripts/make_jobset.py, one slice per learner) and `commands.sh`, which reproduces "
+      "(`diloco jobset`, one slice per learner) and `commands.sh`, which reproduces "
       "them and holds the data-parallel commands. Image, bucket and data path are "
       "placeholders (the runner's --image, --bucket, --data_path).", "",
       _table([{**r, "launch": f"[{r['launch']}](launch/{r['launch']})"}
