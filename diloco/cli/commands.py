@@ -30,8 +30,10 @@ SUBCOMMANDS = {
                        "add model.safetensors and config.json to a run's export"),
     "compile": ("diloco.cli.tpu_compile", ("will it fit? the run's programs compiled for TPU "
                                           "slices on any host: --topology=v5e-256")),
-    "slurm": ("diloco.cli.slurm_launch", "a multi-process run as SLURM batch jobs (--dry_run prints)"),
-    "jobset": ("diloco.cli.jobset_manifest", "a multi-process run as a GKE JobSet manifest (stdout or --output)"),
+    "slurm": ("diloco.cli.slurm_launch",
+              "a multi-process run as SLURM batch jobs (--dry_run prints)"),
+    "jobset": ("diloco.cli.jobset_manifest",
+               "a multi-process run as a GKE JobSet manifest (stdout or --output)"),
 }
 # Other names people type for a subcommand.
 ALIASES = {"eval": "evaluate", "safetensors": "to_safetensors"}

@@ -7,7 +7,8 @@ These custom VJPs keep both directions bf16 x bf16 with float32 accumulation
 (tests/head_speed_test.py, tests/embed_remat_test.py check the programs), and the table's
 gradient leaves its dot in the table's dtype, as every layer weight's does: the compiler reduces
 a gradient's partial sums across devices where its dot emits them, so a float32 result would
-cross ICI, and the data-center network between slices, at twice the bytes (tests/tpu_compile_test.py).
+cross ICI, and the data-center network between slices, at twice the bytes
+(tests/tpu_compile_test.py).
 """
 
 from __future__ import annotations

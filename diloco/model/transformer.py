@@ -8,11 +8,12 @@ Every parameter carries logical axis names (`out_sharding`); `diloco.model.shard
 them to mesh axes, so the model knows nothing about meshes.
 
 Speed switches (`ModelConfig`), each computing the same function (tests/model_speed_test.py,
-tests/embed_remat_test.py): `dtype` (bf16 compute over fp32 parameters), `attention_impl` (the
-einsum reference, `jax.nn.dot_product_attention` or the Pallas splash kernel), `scan_layers` (a `jax.lax.scan` over the
-layers), `remat` (a policy over the layer's matmuls and its named values, `checkpoint_name`),
-`head_grad_dtype` (the output head's backward in the compute dtype, `head_matmul`) and
-`embed_impl` (how the input embedding reads the table, hence what its gradient is).
+tests/embed_remat_test.py, tests/splash_test.py): `dtype` (bf16 compute over fp32 parameters),
+`attention_impl` (the einsum reference, `jax.nn.dot_product_attention` or the Pallas splash
+kernel), `scan_layers` (a `jax.lax.scan` over the layers), `remat` (a policy over the layer's
+matmuls and its named values, `checkpoint_name`), `head_grad_dtype` (the output head's backward
+in the compute dtype, `head_matmul`) and `embed_impl` (how the input embedding reads the table,
+hence what its gradient is).
 """
 
 from __future__ import annotations
@@ -159,10 +160,11 @@ class Attention(nnx.Module):
     return out_BLKGH.reshape(b, seq, n, h)
 
   def _fused(self, q_BLNH, k_BSKH, v_BSKH, positions_BL, positions_are_arange):
-    """`jax.nn.dot_product_attention` (GQA native, float32 softmax, Gemma's `scale`).
+    """`jax.nn.dot_product_attention` (GQA native, float32 softmax, Gemma's `scale`), or the
+    splash kernel (`diloco.model.splash`) where `attention_impl` means it.
 
-    With positions 0..L-1 the masks are causal plus `local_window_size`, which cuDNN applies
-    without materialising the logits; other positions need an explicit [B, 1, L, S] mask.
+    With positions 0..L-1 the masks are causal plus `local_window_size`, which cuDNN and splash
+    apply without materialising the logits; other positions need an explicit [B, 1, L, S] mask.
     """
     if positions_are_arange:
       mask, causal = None, True
