@@ -80,6 +80,9 @@ setup(
         # Cloud TPU VMs (libtpu). `pip install -e ".[cuda,gcs]"`, `pip install -e ".[tpu,gcs]"`.
         "cuda": ["jax[cuda12]>=0.10.2,<0.13"],
         "tpu": ["jax[tpu]>=0.10.2,<0.13"],
+        # scripts/bench_maxtext.py: MaxText beside diloco, compiled by one libtpu (MaxText's
+        # PyPI release needs Python 3.12; `pip install -e ".[maxtext]"` there).
+        "maxtext": ["maxtext[tpu]==0.2.5; python_version>='3.12'"],
     },
     # `diloco [train] --config=... --workdir=...` is `python -m diloco.main ...`; `diloco compare`,
     # `sample` and `evaluate` are the tools around a run (diloco/cli/commands.py, `diloco --help`).

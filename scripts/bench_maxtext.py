@@ -11,8 +11,8 @@ aliased) and collective bytes per step and chip from the optimized HLO (`diloco.
 collectives`, loop trip counts multiplied in). MaxText runs its own AOT path
 (`maxtext.trainers.pre_train.train_compile`) in a subprocess, its HLO dumped by XLA.
 
-Needs Python 3.12 with `pip install "maxtext[tpu]==0.2.5"` and this project
-(`pip install -e .`) in one environment, so that both use one JAX and one libtpu. Minutes per
+Needs Python 3.12 and `pip install -e ".[maxtext]"` (MaxText 0.2.5 and this project in one
+environment, so that both use one JAX and one libtpu). Minutes per
 program on a 2-core host; run it niced, alone. The ratios are diloco over MaxText: below 1 is
 leaner than MaxText.
 """
