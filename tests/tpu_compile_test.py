@@ -1,6 +1,7 @@
 """`diloco compile`: the run's programs compiled by the real TPU compiler (libtpu) for small
 Cloud TPU slices on this CPU host, and the readers of what it emits (collectives, slices)."""
 
+import json
 import subprocess
 import sys
 
@@ -156,6 +157,25 @@ def test_a_gemma_shaped_model_that_does_not_fit_names_its_largest_buffers():
   assert step.largest[0].shape == (cfg.model.vocab_size, cfg.model.embed_dim)
 
 
+@pytest.mark.parametrize("unit", [1, 4, 64])
+def test_the_batch_search_finds_the_largest_multiple_that_fits(unit):
+  """Against every answer by brute force: a limit below, at and far above the largest batch
+  that fits, and no batch that fits; only multiples of the unit within the limit are tried, in
+  about two compiles per doubling."""
+  for limit in (0, unit - 1, unit, 3 * unit, 64 * unit + 5):
+    for largest in range(0, 70):
+      tried = []
+
+      def fits(batch, largest=largest, limit=limit, tried=tried):
+        assert batch % unit == 0 and 0 < batch <= limit, (batch, limit)
+        tried.append(batch)
+        return batch <= largest * unit
+
+      want = max((k * unit for k in range(1, limit // unit + 1) if k <= largest), default=0)
+      assert aot.largest_multiple(fits, unit, limit) == want, (unit, limit, largest)
+      assert len(tried) <= 2 * max(1, limit // unit).bit_length() + 1
+
+
 def _cli(*args):
   return subprocess.run([sys.executable, "-m", "diloco", "compile", *args], capture_output=True,
                         text=True, timeout=300, cwd=runtime_configs.REPO)
@@ -167,6 +187,11 @@ def test_the_command_prints_a_table_and_one_json_line_and_refuses_bad_input_in_o
   lines = done.stdout.strip().splitlines()
   assert lines[-2] == "1 x v5p-8: every program fits" and lines[-1].startswith('{"fits": true')
   assert "learner 0 step: 4 chips" in done.stdout
+  fit = _cli("--config=decoupled:tiny", "--topology=v5e-4", "--fit=8")
+  assert fit.returncode == 0, fit.stderr[-2000:]
+  found = json.loads(fit.stdout.strip().splitlines()[-1])
+  assert (found["batch"], found["per_shard"], found["probes"]) == (8, 2, 2)
+  assert found["program"]["fits"] and "the largest batch that fits is 8" in fit.stdout
   for args, message in [
       (["--config=decoupled:tiny", "--topology=v9-8"], "--topology='v9-8': unknown TPU slice"),
       (["--config=decoupled:tiny", "--topology=v5e-4", "--config.mesh.fsdp=3"], "mesh"),

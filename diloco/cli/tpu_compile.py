@@ -9,7 +9,8 @@ the data-parallel baseline over all of them at the same tokens per step. Per pro
 chip against the chip's (fits or not, and the largest buffers when not), compile seconds,
 collective bytes per step by kind and those that cross slices, the program checks (f32 x f32
 dots, scatters, host transfers, fused attention kernels), the FLOP model's count and a roofline
-step estimate. Exits 1 when a program does not fit.
+step estimate. Exits 1 when a program does not fit. `--fit=N` instead finds the largest
+batch (up to N sequences) whose learner step fits one slice.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ flags.DEFINE_float("dcn_gbps_per_chip", tpu_topology.DCN_BYTES_PER_S_PER_CHIP * 
                    "Assumed data-center network rate between slices, Gbit/s per chip, for "
                    "the step estimate.", flag_values=FLAGS)
 flags.DEFINE_bool("json", False, "Print only the JSON line.", flag_values=FLAGS)
+flags.DEFINE_integer("fit", 0, "Instead: the largest train.batch_size, up to this many "
+                     "sequences, whose learner step fits one slice (doubling, then bisecting; a "
+                     "compile per probe).", lower_bound=0, flag_values=FLAGS)
 
 _GIB = 2**30
 
@@ -85,6 +89,9 @@ def _body() -> None:
     raw = raw.copy_and_resolve_references()
     raw.data.source = "stdlib"
   cfg = run_config.from_config_dict(raw)
+  if FLAGS.fit:
+    _fit(cfg)
+    return
   show = (lambda p: None) if FLAGS.json else (
       lambda p: print(_row(p, tpu_topology.parse(FLAGS.topology).chip.hbm_bytes), flush=True))
   report = aot.compile_run(cfg, FLAGS.topology, FLAGS.slices, learners=FLAGS.learners,
@@ -102,6 +109,22 @@ def _body() -> None:
   print(json.dumps({"fits": report.fits, **dataclasses.asdict(report),
                     "dcn_ratio_to_ledger": report.ledger.ratio if report.ledger else None}))
   if not report.fits:
+    sys.exit(1)
+
+
+def _fit(cfg) -> None:
+  """`--fit`: the largest batch that fits, each probe's line, then one JSON line."""
+  hbm = tpu_topology.parse(FLAGS.topology).chip.hbm_bytes
+  show = (lambda p: None) if FLAGS.json else (lambda p: print(
+      f"batch {p.batch}: HBM per chip {p.hbm_bytes / _GIB:.2f} of {hbm / _GIB:.0f} GiB, "
+      f"{'fits' if p.fits else 'DOES NOT FIT'}", flush=True))
+  fit = aot.largest_batch(cfg, FLAGS.topology, limit=FLAGS.fit, on_probe=show)
+  if not FLAGS.json:
+    print(f"{FLAGS.topology}: the largest batch that fits is {fit.batch} sequences of "
+          f"{cfg.data.seq_len} ({fit.per_shard} per data x fsdp shard; {fit.probes} compiles)")
+  print(json.dumps({"topology": FLAGS.topology, "seq_len": cfg.data.seq_len,
+                    "remat": cfg.model.remat, **dataclasses.asdict(fit)}))
+  if not fit.batch:
     sys.exit(1)
 
 

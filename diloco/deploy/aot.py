@@ -296,3 +296,54 @@ def ledger(cfg: Config, dp_step: Program, chips_per_slice: int, slices: int) -> 
     return rate.dp_gbps * 1e9 / 8
   return Ledger(compiled_bytes_per_slice=dp_step.cross_slice_bytes * chips_per_slice,
                 ledger_bytes_bf16=per_step(16), ledger_bytes_f32=per_step(32))
+
+
+def largest_multiple(fits: Callable[[int], bool], unit: int, limit: int) -> int:
+  """The largest multiple of `unit`, at most `limit`, for which `fits` holds, found in
+  O(log(limit / unit)) calls by doubling then bisecting; 0 when not even `unit` fits. `fits` must
+  be monotone (a batch that fits fits smaller), as memory is."""
+  if limit < unit or not fits(unit):
+    return 0
+  good, k = 1, 2
+  while k * unit <= limit and fits(k * unit):
+    good, k = k, 2 * k
+  bad = min(k, limit // unit + 1)  # the first multiple known not to fit (or past the limit)
+  while bad - good > 1:
+    mid = (good + bad) // 2
+    good, bad = (mid, bad) if fits(mid * unit) else (good, mid)
+  return good * unit
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fit:
+  """The largest learner batch that fits a slice, and its step's program there."""
+  batch: int  # sequences per step, 0 when not even one per batch shard fits
+  per_shard: int  # sequences per data x fsdp shard
+  probes: int  # step programs compiled to find it
+  program: Program | None  # the step at `batch`
+
+
+def largest_batch(cfg: Config, topology: str, *, limit: int = 1 << 16,
+                  on_probe: Callable[[Program], None] = lambda p: None) -> Fit:
+  """The largest `train.batch_size` (a multiple of the learner mesh's data x fsdp width) whose
+  learner step fits one slice of `topology`, up to `limit` sequences; each probe compiles the
+  step alone (its init does not depend on the batch)."""
+  spec = tpu_topology.parse(topology)
+  devices = tpu_topology.devices(spec, 1)
+  width = mesh_lib.data_parallel_width(mesh_lib.learner_mesh(devices, cfg.mesh))
+  found: dict[int, Program] = {}
+
+  def fits(batch: int) -> bool:
+    probe = _with_batch(cfg, batch)
+    state, _, step = island.lower_learner(probe, devices, 0)
+    found[batch] = _program(f"learner step at batch {batch}", step, state.mesh, batch,
+                            spec.chip, _step_flops(probe, batch, spec.chips),
+                            tpu_topology.DCN_BYTES_PER_S_PER_CHIP, slice_label=0,
+                            arguments=state.abstract)
+    on_probe(found[batch])
+    return found[batch].fits
+
+  batch = largest_multiple(fits, width, limit)
+  return Fit(batch=batch, per_shard=batch // width, probes=len(found),
+             program=found.get(batch))
+
