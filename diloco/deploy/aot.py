@@ -161,7 +161,8 @@ def _refused(name, error, mesh, batch, arguments, compile_s, slices) -> Program:
       output_bytes=0, temp_bytes=temps, alias_bytes=0, hbm_bytes=args + temps, fits=False,
       largest=shards[:_LARGEST], refused=str(error).strip().splitlines()[0],
       collective_bytes={}, cross_slice_bytes=0, cross_slice=(), f32_dots=0, f32_dot_flops=0,
-      scatters=0, host_transfers=0, attention_kernels=0, model_flops_per_chip=None, estimate_s=None)
+      scatters=0, host_transfers=0, attention_kernels=0, model_flops_per_chip=None,
+      estimate_s=None)
 
 
 @contextlib.contextmanager
