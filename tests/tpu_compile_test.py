@@ -176,6 +176,18 @@ def test_the_batch_search_finds_the_largest_multiple_that_fits(unit):
       assert len(tried) <= 2 * max(1, limit // unit).bit_length() + 1
 
 
+def test_both_forms_of_the_compilers_refusal_are_read():
+  """libtpu 0.0.4x names the temporaries it needs; 0.0.5x, for a program just over HBM, the
+  total it used (arguments included), as in this message from a gemma_2b batch search."""
+  old = "... 75.90G required for HLO temporaries (75.90G) ..."
+  assert aot.refused_bytes(old, 5 * 2**30) == int(75.90 * 2**30)
+  new = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out "
+         "of memory in memory space hbm. Used 15.80G of 15.75G hbm. Exceeded hbm capacity by "
+         "52.47M.")
+  assert aot.refused_bytes(new, 2**30) == int(15.80 * 2**30) - 2**30
+  assert aot.refused_bytes("RESOURCE_EXHAUSTED: something else", 0) is None
+
+
 def _cli(*args):
   return subprocess.run([sys.executable, "-m", "diloco", "compile", *args], capture_output=True,
                         text=True, timeout=300, cwd=runtime_configs.REPO)

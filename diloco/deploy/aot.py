@@ -133,7 +133,10 @@ def _largest(text: str) -> tuple[Buffer, ...]:
   return tuple(sorted(found, key=lambda b: -b.bytes)[:_LARGEST])
 
 
+# The compiler's two ways of refusing a program too large for HBM: the temporaries it asked
+# for, or (from libtpu 0.0.5x, when the program exceeds HBM by little) what it used in all.
 _REFUSED = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
+_USED = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -148,13 +151,24 @@ def _argument_buffers(arguments) -> tuple[Buffer, ...]:
   return tuple(sorted(found, key=lambda b: -b.bytes))
 
 
+def refused_bytes(message: str, argument_bytes: int) -> int | None:
+  """The temporaries a refused program needs per chip, read from the compiler's message
+  (`argument_bytes`: its arguments' shards, which a total includes); None if it says neither."""
+  found = _REFUSED.search(message)
+  if found:
+    return int(float(found.group(1)) * _UNITS[found.group(2)])
+  found = _USED.search(message)
+  if found:
+    return max(0, int(float(found.group(1)) * _UNITS[found.group(2)]) - argument_bytes)
+  return None
+
+
 def _refused(name, error, mesh, batch, arguments, compile_s, slices) -> Program:
-  found = _REFUSED.search(str(error))
-  if not found:
-    raise error
-  temps = int(float(found.group(1)) * _UNITS[found.group(2)])
   shards = _argument_buffers(arguments)
   args = sum(b.bytes for b in shards)
+  temps = refused_bytes(str(error), args)
+  if temps is None:
+    raise error
   return Program(
       name=name, chips=mesh.devices.size, slices=slices,
       mesh=dict(mesh.shape), batch=batch, compile_s=round(compile_s, 2), argument_bytes=args,
