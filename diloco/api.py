@@ -75,10 +75,8 @@ def run(cfg: Config, workdir: str, hooks=()) -> dict[str, float]:
   """Trains `cfg` in `workdir` in this process, as `python -m diloco.main` does (Decoupled
   DiLoCo when `learners.count` >= 1, else data-parallel); resumes a workdir that holds a
   checkpoint. `hooks`: `Hook`s run every N learner steps or syncer rounds (data-parallel has
-  learner hooks only). Returns the final evaluation (and accounting) metrics."""
+  learner hooks only), besides those of `log.hooks`. Returns the final evaluation (and accounting) metrics."""
   from diloco.runtime import data_parallel, decoupled  # pylint: disable=import-outside-toplevel
-  if not cfg.learners.count and any(h.on == "syncer" for h in hooks):
-    raise ConfigError("hooks: a data-parallel run has no syncer rounds; use on='learner'")
   return (decoupled.run if cfg.learners.count else data_parallel.run)(cfg, workdir, hooks)
 
 

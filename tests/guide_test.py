@@ -72,6 +72,12 @@ def test_the_guide_still_has_its_tiny_commands():
     assert any(c.startswith(f"python -m diloco.cli.{tool} ") for c in found), tool
   assert any(c.startswith("python -m diloco export ") for c in found)
   assert any("--config.train.init_from=hf:runs/first/hf" in c for c in found)
+  assert any("--config.log.hooks=my_hooks.py" in c for c in found)
+
+
+def hooks_file(markdown: str) -> str:
+  """The guide's `my_hooks.py`: its python block that defines HOOKS."""
+  return next(b for b in re.findall(r"```python\n(.*?)```", markdown, re.S) if "\nHOOKS = " in b)
 
 
 @pytest.mark.slow
@@ -79,6 +85,8 @@ def test_the_guides_tiny_commands_run_as_written(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
   os.symlink(os.path.join(REPO, "docs"), tmp_path / "docs")  # `--data=text:docs` (the root)
+  with open(GUIDE, encoding="utf-8") as f:
+    (tmp_path / "my_hooks.py").write_text(hooks_file(f.read()))  # as the guide says to save it
   for command in tiny_commands():
     argv = shlex.split(command)
     argv[0] = sys.executable
@@ -96,6 +104,8 @@ def test_the_guides_tiny_commands_run_as_written(tmp_path):
       assert (tmp_path / workdir / "export").is_dir(), command
       if "init_from=hf:" in command:  # the folder the export command wrote
         assert "initialised from Hugging Face folder runs/first/hf" in proc.stdout
+      if "log.hooks=" in command:  # the file's hook ran, every 8 steps of each learner
+        assert re.search(r"^hook low_enough: [1-9]\d* calls", proc.stdout, re.M), proc.stdout
     elif "diloco.cli.sample" in command:
       assert proc.stdout.startswith("import "), proc.stdout
     elif "--tasks=" in command:  # lm-evaluation-harness tasks: a line per task, the JSON

@@ -1,6 +1,7 @@
 """A researcher's hooks (`diloco.Hook`, `diloco.observe.hooks`): when they run, what they see,
 that a slow one never holds a learner back, and what a failing or stopping one does."""
 
+import dataclasses
 import json
 import os
 import threading
@@ -56,6 +57,51 @@ def test_a_busy_hook_skips_calls_and_a_failing_one_is_one_line(capsys):
 def test_a_bad_hook_is_refused_naming_it(kwargs, message):
   with pytest.raises(diloco.ConfigError, match=f"hook f: {message}"):
     diloco.Hook(**{"fn": lambda v: None, "every": 2, "name": "f", **kwargs})
+
+
+_HOOKS_FILE = """
+import diloco
+HOOKS = [diloco.Hook(lambda view: None, every=2, name="each"),
+         diloco.Hook(lambda view: None, every=3, on="syncer", name="rounds")]
+"""
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "log.hooks: file '{spec}' does not exist"),
+    ("import no_such_module_here\n", "log.hooks: cannot import '{spec}': ModuleNotFoundError"),
+    ("x = 1\n", "log.hooks: '{spec}' must define HOOKS, a list of diloco.Hook, got NoneType"),
+    ("HOOKS = [print]\n", "log.hooks: '{spec}' must define HOOKS, a list of diloco.Hook, got list"),
+    ("import diloco\nHOOKS = [diloco.Hook(print, every=0)]\n", "hook print: every must be")])
+def test_a_hooks_file_that_cannot_be_used_is_one_line_naming_the_field(tmp_path, text, message):
+  path = tmp_path / "my_hooks.py"
+  if text is not None:
+    path.write_text(text)
+  with pytest.raises(diloco.ConfigError) as e:
+    hooks.load(str(path))
+  assert str(e.value).startswith(message.format(spec=path)) and "\n" not in str(e.value)
+
+
+def test_a_hooks_file_gives_each_process_the_hooks_of_its_kind(tmp_path):
+  path = tmp_path / "my_hooks.py"
+  path.write_text(_HOOKS_FILE)
+  assert [h.name for h in hooks.load(str(path))] == ["each", "rounds"]
+  assert hooks.load("") == []
+  mine = diloco.Hook(print, every=1, name="mine")
+  learner = hooks.for_process(str(path), [mine], on=("learner",))
+  assert [w.hook.name for w in learner.due("learner", 6)] == ["mine", "each"]
+  assert learner.due("syncer", 6) == []
+  syncer = hooks.for_process(str(path), on=("syncer",))
+  assert [w.hook.name for w in syncer.due("syncer", 6)] == ["rounds"]
+  for runner in (learner, syncer):
+    runner.close()
+
+
+def test_a_data_parallel_run_refuses_a_syncer_hook_of_its_hooks_file(tmp_path):
+  path = tmp_path / "my_hooks.py"
+  path.write_text(_HOOKS_FILE)
+  with pytest.raises(diloco.ConfigError, match="a data-parallel run has no syncer rounds"):
+    diloco.run(_config("dp", 4, **{"log.hooks": str(path)}), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
 @pytest.mark.slow
@@ -121,6 +167,15 @@ def test_a_slow_hook_never_holds_a_learner_back(tmp_path):
   def rounds(view):
     seen_rounds.append((view.step, view.metrics["fragment"], sorted(view.params)))
 
+  # `log.hooks` too: a file's hook, imported by the run, beside the ones handed over here.
+  (tmp_path / "file_hooks.py").write_text(
+      "import json, os\nimport diloco\n"
+      "def note(view):\n"
+      "  with open(os.path.join(os.path.dirname(__file__), 'calls.jsonl'), 'a') as f:\n"
+      "    f.write(json.dumps([view.learner, view.step]) + '\\n')\n"
+      "HOOKS = [diloco.Hook(note, every=4)]\n")
+  cfg = dataclasses.replace(cfg, log=dataclasses.replace(
+      cfg.log, hooks=str(tmp_path / "file_hooks.py")))
   metrics = diloco.run(cfg, str(tmp_path / "run"), hooks=[
       diloco.Hook(slow, every=1), diloco.Hook(watch, every=1),
       diloco.Hook(rounds, every=2, on="syncer", params=True)])
@@ -131,3 +186,8 @@ def test_a_slow_hook_never_holds_a_learner_back(tmp_path):
     fragments = {json.loads(line)["round"] + 1: json.loads(line)["fragment"] for line in f}
   for r, fragment, paths in seen_rounds:
     assert fragments[r] == fragment and "embedder/embedding" in paths
+  calls = [tuple(json.loads(line)) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+  # Every learner's calls at its steps 4, 8, ... (a call is skipped only while its learner's
+  # previous one has not started: on a loaded host, possibly one).
+  assert len(set(calls)) == len(calls) and {m for m, _ in calls} == {0, 1}
+  assert set(calls) <= {(m, s) for m in (0, 1) for s in (4, 8, 12, 16)}

@@ -160,7 +160,7 @@ def test_modules_are_imported_normally():
 # A module may import its own layer's units (without a cycle between folders) and the layers
 # below, never one above, deferred imports included. Why each layer sits where it does:
 # - the vocabulary (errors, config rules, document readers, fragments, deliveries, transport
-#   messages and the receipt modes) is imported by all and imports nothing of the package but
+#   messages and the receipt modes, the loader of a user's code) is imported by all and imports nothing of the package but
 #   itself;
 # - `outer` (the syncer's NumPy math), `model` and `programs` (readers of compiled programs)
 #   need only the vocabulary;
@@ -175,7 +175,7 @@ def test_modules_are_imported_normally():
 # - the runtimes (`runtime`, `distributed`, `deploy`) put learners and syncers together from a
 #   Config; `cli` (and the `main`/`__main__` entry points) parse flags and call them.
 LAYERS = (
-    {"errors", "settings", "documents", "fragments", "delivery", "transport"},
+    {"errors", "settings", "documents", "fragments", "delivery", "transport", "user_code"},
     {"outer", "model", "programs"},
     {"train", "observe"},
     {"sync", "artifacts"},

@@ -42,6 +42,7 @@ from diloco.deploy import accelerators
 from diloco.distributed import chaos, launch_report, store_layout, supervision
 from diloco.distributed.store import Store, shard_stores, shared_store
 from diloco.distributed.supervision import EVALUATOR, Proc, syncer_key
+from diloco.observe import hooks as hooks_lib
 from diloco.observe import metrics as metrics_lib
 from diloco.observe import tracking
 from diloco.observe.accounting import span_record
@@ -278,7 +279,7 @@ class Launcher:
     cfg = self.cfg
     self._continue_at: list[tuple[float, Proc]] = []
     pending = list(self.events)
-    last_status = 0.0
+    last_status = last_end_check = 0.0
     chaos_origin = None  # chaos times count from when every initial learner has stepped
     try:
       for syncer in self._syncers():
@@ -308,6 +309,12 @@ class Launcher:
                 f"{len(pending)} chaos events from now on", flush=True)
         while chaos_origin is not None and pending and pending[0].at <= now - chaos_origin:
           self.apply(pending.pop(0))
+        if pending and now - last_end_check >= 1.0:
+          last_end_check = now
+          if self.store.run.end_requested():  # a hook ended the run: no more faults, no adds
+            print(f"launcher: a hook ended the run early (end.json); {len(pending)} chaos "
+                  "events dropped", flush=True)
+            pending.clear()
         active = self._learners("running", "stopped", "waiting", "retiring")
         if not active and not [e for e in pending if e.kind == "add"]:
           break
@@ -391,6 +398,10 @@ def run(cfg: Config, workdir: str) -> dict:
     raise ConfigError("--role=launch needs learners.count >= 1 (a Decoupled DiLoCo config)")
   data_lib.check_vocab(cfg.data, cfg.model.vocab_size)  # before any process starts
   tracking.check(cfg.log)
+  hooks_lib.load(cfg.log.hooks)  # every process imports it: a file that cannot be, fails here
+  if cfg.log.hooks.endswith(".py"):  # the same file for every process, whatever its cwd
+    cfg = dataclasses.replace(cfg, log=dataclasses.replace(
+        cfg.log, hooks=os.path.abspath(cfg.log.hooks)))
   os.makedirs(workdir, exist_ok=True)
   config_json = os.path.abspath(os.path.join(workdir, "config.json"))
   with open(config_json, "w") as f:

@@ -35,13 +35,14 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config, ConfigError
-from diloco.distributed import chaos, global_view, store_layout, wan
+from diloco.distributed import chaos, global_view, process_hooks, store_layout, wan
 from diloco.distributed import hosts as hosts_lib
 from diloco.distributed.learner_registry import DONE, RETIRED
 from diloco.distributed.store import Store, shard_stores, shared_store
 from diloco.learner import island
 from diloco.learner import loop as learner_loop
 from diloco.learner.learner import Learner, Resume
+from diloco.observe import hooks as hooks_lib
 from diloco.observe import metrics as metrics_lib
 from diloco.sync import ownership
 from diloco.train import checkpoint as checkpoint_lib
@@ -144,18 +145,30 @@ def run(cfg: Config, workdir: str, store_root: str, learner_id: int) -> dict:
   writer = _metric_writer(cfg, records, hosts, learner)
   print(f"learner {learner_id} incarnation {incarnation}: joined at local step "
         f"{learner.local_step} on {len(devices)} {jax.default_backend()} devices", flush=True)
-  hooks = _ProcessHooks(cfg, learner, link, ckpt, activity, writer, clock, retiring)
+  user_hooks = process_hooks.learner_hooks(cfg.log.hooks, hosts.leader, hosts.count)
+  # Host 0 decides whether the run is ending; the other hosts follow its agreed retirement.
+  ending = process_hooks.EndWatch(store.run, f"learner {learner_id}", clock, cfg.store.poll_s)
+  hooks = _ProcessHooks(cfg, learner, link, ckpt, activity, writer, clock, retiring, ending,
+                        user_hooks)
+  ended = []  # whether the run ended early, as host 0 saw it when this learner left
+
+  def on_purpose(done: bool) -> bool:
+    ended.append(hosts.share("run_ended", ending.is_set))
+    return done or ended[0] or cfg.store.on_sigterm != "restart"
+
   try:
+    if hosts.leader:
+      ending.watch(user_hooks)
     # A preempted learner comes back (its next incarnation resumes): only a finished or
-    # retired one makes its final deliveries.
-    finished, final = learner_loop.run(
-        learner, cfg, hooks, hooks,
-        on_purpose=lambda done: done or cfg.store.on_sigterm != "restart")
+    # retired one makes its final deliveries, as does every learner of a run a hook ended.
+    finished, final = learner_loop.run(learner, cfg, hooks, hooks, on_purpose=on_purpose)
     state = DONE if finished else RETIRED
-    preempted = not finished and cfg.store.on_sigterm == "restart"
+    preempted = not (finished or any(ended)) and cfg.store.on_sigterm == "restart"
     if not preempted:
       _write_alive(link, learner, clock, final)
   finally:
+    ending.close()
+    hooks_lib.report(user_hooks.close())
     writer.close()
     activity_file.close()
   return _shut_down(cfg, learner, link, ckpt, hosts, saved=hooks.saved,
@@ -280,9 +293,11 @@ class _ProcessHooks:
   metric writer, and a checkpoint every `checkpoint.every_steps` steps."""
 
   def __init__(self, cfg: Config, learner: Learner, link, ckpt, activity, writer, clock,
-               retiring: threading.Event):
+               retiring: threading.Event, ending: process_hooks.EndWatch,
+               user_hooks: hooks_lib.HookRunner):
     self._cfg, self._learner, self._link, self._ckpt = cfg, learner, link, ckpt
     self.span, self._writer, self.now, self._retiring = activity, writer, clock, retiring
+    self._ending, self._user_hooks, self._offered = ending, user_hooks, None
     self._speed = _speed(cfg, learner.id)
     self._rng = np.random.default_rng([cfg.seed, learner.id, learner.incarnation])
     self._written = None
@@ -299,7 +314,8 @@ class _ProcessHooks:
     self._retiring.wait(seconds)
 
   def agree(self, give_up: bool = False) -> learner_loop.Agreement:
-    decision = self._link.agree(retire=self._retiring.is_set(), give_up=give_up)
+    decision = self._link.agree(retire=self._retiring.is_set() or self._ending.is_set(),
+                                give_up=give_up)
     return learner_loop.Agreement(decision.retire, decision.give_up)
 
   def after_step(self, final: bool) -> None:
@@ -308,6 +324,10 @@ class _ProcessHooks:
       self._written = last[0]
       self._writer.write(last[0], dict(last[1], incarnation=self._learner.incarnation,
                                        time=self.now()))
+    if self._user_hooks and self._learner.local_step != self._offered:
+      self._offered = self._learner.local_step  # a hand-over to the hooks' threads
+      hooks_lib.offer_learner_step(self._user_hooks, self._offered, self._learner.id,
+                                   self._learner.hook_parts)
 
   def checkpoint(self) -> None:
     every = self._cfg.checkpoint.every_steps

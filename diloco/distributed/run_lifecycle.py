@@ -4,6 +4,7 @@ Layout under the run's root (shared by every syncer shard):
 
   run.json                          the run's start time (the clock origin of all records)
   ready/l{m}.json                   learner m of the first cohort is compiled and ready
+  end.json                          a hook ended the run early: every learner retires
   stop.json                         the launcher's end of the run: every syncer settles
 """
 
@@ -37,9 +38,20 @@ class RunLifecycle:
     return {int(m[1]) for path in self.blobs.listdir("ready")
             if (m := LEARNER_RECORD.fullmatch(path.name)) is not None}
 
+  def request_end(self, record: dict) -> None:
+    """A hook's stop (`record`: who and why): every learner retires on purpose, with its final
+    deliveries, and the syncer settles once they have all left, as at the run's last step.
+    The first request is kept (the record is for people: nothing reads it back)."""
+    if not self.end_requested():
+      self.blobs.write_json("end.json", record)
+
+  def end_requested(self) -> bool:
+    return self.blobs.exists("end.json")
+
   def request_stop(self, record: dict) -> None:
     """The launcher's `stop.json`: every syncer shard settles and stops."""
     self.blobs.write_json("stop.json", record)
 
   def stop_requested(self) -> bool:
     return self.blobs.exists("stop.json")
+

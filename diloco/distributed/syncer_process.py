@@ -39,7 +39,7 @@ from absl import logging
 from diloco import fragments as fragments_lib
 from diloco.artifacts import export
 from diloco.config.run_config import Config
-from diloco.distributed import chaos, global_view, store_layout, store_markers
+from diloco.distributed import chaos, global_view, process_hooks, store_layout, store_markers
 from diloco.distributed import evaluator as evaluator_lib
 from diloco.distributed.entry_check import StoreError
 from diloco.distributed.learner_registry import DONE, RETIRED
@@ -49,6 +49,7 @@ from diloco.distributed.store_names import WRITE_FAILED, merged_name
 from diloco.distributed.syncer_link import SyncerStoreLink
 from diloco.errors import ConfigError
 from diloco.learner.island import fragment_plan, initial_global
+from diloco.observe import hooks as hooks_lib
 from diloco.observe import metrics as metrics_lib
 from diloco.sync import intake, ownership
 from diloco.sync.syncer import Syncer
@@ -279,6 +280,7 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
               versions={p: syncer.versions[p] for p in syncer.owned} if boot.recovered else None)
   who = (f"syncer shard {cfg.sync.shard}/{cfg.sync.shards}" if cfg.sync.shards > 1
          else "syncer")
+  user_hooks = process_hooks.SyncerHooks(cfg.log.hooks, store.run, syncer, who)
   print(f"{who}: {'resumed at round ' + str(syncer.rounds) if boot.recovered else 'started'}, "
         f"versions {syncer.versions}", flush=True)
   link = SyncerStoreLink(store, boot.expected, boot.merged_keys,
@@ -296,7 +298,8 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
       if not lease.held:
         lease.check()  # raises LeaseLost, with the reason
       beats, deadline = sync_once(store, syncer, link, records, tape, keep, now,
-                                  fence=lease.check)
+                                  fence=lease.check, on_round=user_hooks.after_round)
+      user_hooks.end_if_stopped(clock)
       progress = max([progress] + [b.local_step for b in beats])
       if evaluator is not None and evaluator.due(progress, next_eval, cfg.train.steps):
         evaluator.start(syncer.global_params(), progress, clock(), syncer.rounds)
@@ -313,6 +316,7 @@ def _serve(cfg: Config, workdir: str, store: Store, lease: Lease) -> dict:
       time.sleep(wait)
     final = _finish(cfg, workdir, store, syncer, evaluator, progress, clock)
   finally:
+    hooks_lib.report(user_hooks.runner.close())
     link.close()
     tape.close()
     if writer is not None:
@@ -387,11 +391,12 @@ _SLOW_PASS_S = 2.0
 
 
 def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list[dict], tape,
-              keep: int, now: float, fence=None) -> tuple[list, float | None]:
+              keep: int, now: float, fence=None, on_round=None) -> tuple[list, float | None]:
   """One pass of the syncer loop: poll the store, tick the syncer, make the closed rounds
-  durable, then let go of the entries they consumed (deleted in the background, with all but
-  the newest `keep` versions of each merged fragment). Returns the new heartbeats and when
-  the next round must close (None: no deadline)."""
+  durable (then `on_round(record)` for each), then let go of the entries they consumed
+  (deleted in the background, with all but the newest `keep` versions of each merged
+  fragment). Returns the new heartbeats and when the next round must close (None: no
+  deadline)."""
   t0 = time.perf_counter()
   beats, payloads, rejected, left = link.poll(now)
   t1 = time.perf_counter()
@@ -403,7 +408,10 @@ def sync_once(store: Store, syncer: Syncer, link: SyncerStoreLink, records: list
   for learner, incarnation in left:
     syncer.forget(learner, incarnation)
   t2 = time.perf_counter()
+  committed = list(records) if on_round is not None else []
   _commit(store, syncer, merged, records, tape, fence=fence)
+  for record in committed:
+    on_round(record)
   for m in merged:
     link.collect_merged(m.fragment, keep)
   link.release(syncer.pending_keys())
@@ -449,6 +457,8 @@ def _commit(store: Store, syncer: Syncer, merged: list[Merged], records: list[di
 
 
 def _all_left(store: Store) -> bool:
-  """True once learners have heartbeats and every one of them is done or retired."""
+  """True once learners have heartbeats and every one of them is done or retired (one done,
+  or all retired in a run a hook ended)."""
   states = [r.get("state") for r in store.learners.heartbeats().values()]
-  return bool(states) and all(s in (DONE, RETIRED) for s in states) and DONE in states
+  return bool(states) and all(s in (DONE, RETIRED) for s in states) and (
+      DONE in states or store.run.end_requested())

@@ -32,16 +32,12 @@ syncer work unchanged:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib
-import importlib.util
-import os
-import sys
 import threading
 from collections.abc import Callable
 
 from flax import nnx
 
+from diloco import user_code
 from diloco.errors import ConfigError
 from diloco.model.config import ModelConfig
 
@@ -94,31 +90,8 @@ def names() -> list[str]:
 
 def import_module(spec: str) -> None:
   """Imports `spec`, a dotted module name or a .py file, so that it can register models."""
-  if not spec:
-    return
-  try:
-    if spec.endswith(".py") or os.sep in spec:
-      path = os.path.abspath(spec)
-      if not os.path.isfile(path):
-        raise ConfigError(f"model.module: file {spec!r} does not exist")
-      digest = hashlib.sha1(path.encode()).hexdigest()[:12]
-      module_name = f"_diloco_user_model_{digest}"
-      if module_name in sys.modules:
-        return
-      module_spec = importlib.util.spec_from_file_location(module_name, path)
-      module = importlib.util.module_from_spec(module_spec)
-      sys.modules[module_name] = module
-      try:
-        module_spec.loader.exec_module(module)
-      except BaseException:
-        del sys.modules[module_name]
-        raise
-    else:
-      importlib.import_module(spec)
-  except ConfigError:
-    raise
-  except Exception as e:
-    raise ConfigError(f"model.module: cannot import {spec!r}: {type(e).__name__}: {e}") from e
+  if spec:
+    user_code.load(spec, "model.module")
 
 
 def get(cfg: ModelConfig) -> ModelEntry:

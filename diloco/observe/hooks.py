@@ -18,6 +18,13 @@ A hook that raises is reported in one line naming it (`hook NAME at step S: Erro
 `on_error="continue"` (the default) it is called again at its next step, with "stop" the run
 ends as if it had reached its last step (final evaluation, export, report), and a hook may end
 it on purpose by returning `STOP` (early stopping).
+
+Hooks reach a run two ways: `diloco.run(cfg, workdir, hooks=[...])` in this process, and
+`log.hooks=FILE.py` (or a module name), a module whose `HOOKS` list every process of the run
+imports: `python -m diloco.main`, and in the multi-process runtime each learner process (its
+own learner's hooks, on host 0) and the syncer process (syncer hooks, rounds of the fragments
+it owns). There a hook's stop ends the whole run through the store (`RunLifecycle.request_end`):
+every learner retires with its final deliveries, the syncer merges them, evaluates and exports.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from diloco import user_code
 from diloco.errors import ConfigError
 
 KINDS = ("learner", "syncer")
@@ -77,6 +85,23 @@ class Hook:
     return self.name or getattr(self.fn, "__name__", repr(self.fn))
 
 
+def load(spec: str) -> list[Hook]:
+  """The `HOOKS` of the module or .py file `spec` (`log.hooks`; empty: none)."""
+  if not spec:
+    return []
+  found = getattr(user_code.load(spec, "log.hooks"), "HOOKS", None)
+  if not isinstance(found, (list, tuple)) or not all(isinstance(h, Hook) for h in found):
+    raise ConfigError(f"log.hooks: {spec!r} must define HOOKS, a list of diloco.Hook, got "
+                      f"{type(found).__name__}")
+  return list(found)
+
+
+def for_process(spec: str, hooks=(), on: tuple[str, ...] = KINDS) -> HookRunner:
+  """The hooks this process runs: `hooks` and those of `log.hooks` (`spec`) that are `on`
+  one of these kinds (a learner process leaves the syncer's to the syncer process)."""
+  return HookRunner([h for h in [*hooks, *load(spec)] if not isinstance(h, Hook) or h.on in on])
+
+
 def read_only(flat: Mapping[str, Any]) -> Mapping[str, np.ndarray]:
   """Host copies of `flat`'s arrays that cannot be written, in a mapping that cannot be."""
   out = {}
@@ -107,6 +132,30 @@ def syncer_view(rounds: int, record: Mapping[str, Any],
   `global_params()` returns it (flat host arrays) when the worker reads it."""
   params = read_only(global_params()) if global_params is not None else None
   return HookView("syncer", rounds, None, types.MappingProxyType(dict(record)), params)
+
+
+def offer_learner_step(runner: HookRunner, step: int, learner: int | None,
+                       parts: Callable[[bool], tuple[int, Any, Any]]) -> None:
+  """Hands a learner's step to the hooks due there, if any: `parts(with_params)` (called
+  only then, on the learner's thread) gives its step, its metrics as they come off the device
+  and, when asked, a device copy of its parameters, all read to the host by the hooks' own
+  threads."""
+  due = runner.due("learner", step)
+  if due:
+    at, metrics, params = parts(runner.wants_params(due))
+    runner.offer(due, at, lambda with_params: learner_view(
+        at, learner, metrics, params if with_params else None), source=learner)
+
+
+def offer_round(runner: HookRunner, record: Mapping[str, Any],
+                read_g: Callable[[], Mapping[str, np.ndarray]]) -> None:
+  """Hands a committed round (its tape record) to the syncer hooks due after it, if any;
+  `read_g()` gives G, flat, to those that ask, on the hook's own thread."""
+  rounds = int(record.get("round", -1)) + 1
+  due = runner.due("syncer", rounds)
+  if due:
+    runner.offer(due, rounds, lambda with_params: syncer_view(
+        rounds, record, read_g if with_params else None))
 
 
 def report(summary: Mapping[str, Mapping[str, int]]) -> None:

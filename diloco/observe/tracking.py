@@ -50,6 +50,9 @@ class LogConfig:
   # offline (default: no network or account needed; `wandb sync` uploads later) | online |
   # disabled.
   wandb_mode: str = setting("offline", OneOf(WANDB_MODES))
+  # A module or .py file whose HOOKS (a list of diloco.Hook) every process of the run runs
+  # (diloco/observe/hooks.py); empty: none. Code that runs: name only files you trust.
+  hooks: str = ""
 
   def check(self) -> None:
     """A wandb run needs a project."""

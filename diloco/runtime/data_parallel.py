@@ -97,23 +97,16 @@ def _restore_or_create(cfg: Config, spec, ckpt, data_iter, identity: dict):
   return state
 
 
-def _offer_hooks(runner: hooks_lib.HookRunner, step: int, device_metrics, params) -> None:
-  """Hands step `step` to the hooks due there: its metrics as they come off the device and,
-  for a hook that asks, a copy of the parameters the device makes in the background."""
-  due = runner.due("learner", step)
-  if not due:
-    return
-  copy = jax.tree.map(jnp.copy, params) if runner.wants_params(due) else None
-  runner.offer(due, step, lambda with_params: hooks_lib.learner_view(
-      step, None, device_metrics, copy if with_params else None))
-
-
 def run(cfg: Config, workdir: str, hooks=()) -> dict[str, float]:
   """Trains `cfg` data-parallel in `workdir`, resuming if it holds a checkpoint; `hooks`
-  (`diloco.observe.hooks.Hook`, on="learner") see its steps, and one may end it early.
+  (`diloco.observe.hooks.Hook`, on="learner", and those of `log.hooks`) see its steps, and
+  one may end it early.
 
   Returns the last evaluation metrics.
   """
+  hooks = [*hooks, *hooks_lib.load(cfg.log.hooks)]
+  if any(isinstance(h, hooks_lib.Hook) and h.on == "syncer" for h in hooks):
+    raise ConfigError("hooks: a data-parallel run has no syncer rounds; use on='learner'")
   hook_runner = hooks_lib.HookRunner(hooks)
   try:
     return _run(cfg, workdir, hook_runner)
@@ -169,8 +162,10 @@ def _run(cfg: Config, workdir: str, hook_runner: hooks_lib.HookRunner) -> dict[s
         flush()  # step - 1's metrics: ready by now, read while step runs
         pending = (step, device_metrics)
         last = step
-        if hook_runner:
-          _offer_hooks(hook_runner, step, device_metrics, state["params"])
+        if hook_runner:  # called at once: a device copy of the parameters if a hook asks
+          params = state["params"]
+          hooks_lib.offer_learner_step(hook_runner, step, None, lambda with_params: (
+              step, device_metrics, jax.tree.map(jnp.copy, params) if with_params else None))
         stopping = hook_runner.stop.is_set()
         eval_due = evaluating and (step == total or stopping or (
             cfg.train.eval_every and step % cfg.train.eval_every == 0))

@@ -73,7 +73,8 @@ class Status:
 
 def run(cfg: Config, workdir: str, hooks=()) -> dict[str, float]:
   """Trains `cfg` (learners.count >= 1) in `workdir`; returns final eval and accounting.
-  `hooks` (`diloco.observe.hooks.Hook`) see the learners' steps and the syncer's rounds."""
+  `hooks` (`diloco.observe.hooks.Hook`, and those of `log.hooks`) see the learners' steps and
+  the syncer's rounds."""
   return run_with_runtime(cfg, workdir, hooks)[1]
 
 
@@ -84,14 +85,16 @@ def run_with_runtime(cfg: Config, workdir: str, hooks=()) -> tuple[Runtime, dict
   `diloco.runtime.run_checkpoint`); checkpoints every `checkpoint.every_rounds` rounds and at
   the end.
   """
-  os.makedirs(workdir, exist_ok=True)
-  ckpt = run_checkpoint.RunCheckpointer(workdir, cfg)
-  hook_runner = hooks_lib.HookRunner(hooks)
+  hook_runner = hooks_lib.for_process(cfg.log.hooks, hooks)
+  ckpt = None
   try:
+    os.makedirs(workdir, exist_ok=True)
+    ckpt = run_checkpoint.RunCheckpointer(workdir, cfg)
     return _run(cfg, workdir, ckpt, hook_runner)
   finally:
     hooks_lib.report(hook_runner.close())
-    ckpt.close()  # waits for the last save: a finished run's final checkpoint is committed
+    if ckpt is not None:
+      ckpt.close()  # waits for the last save: a finished run's final checkpoint is committed
 
 
 def _run(cfg: Config, workdir: str, ckpt: run_checkpoint.RunCheckpointer,
@@ -248,27 +251,16 @@ class _Session:
     self.write_learner(slot)
 
   def _syncer_hooks(self, record: dict, first: int) -> None:
-    """The syncer's hooks due after this round (the syncer's thread: a hand-over only)."""
-    rounds = int(record.get("round", -1)) + 1
-    due = self.hooks.due("syncer", rounds) if rounds > first else []
-    if due:
-      read_g = lambda: fragments_lib.flatten_tree(self.rt.global_params())  # noqa: E731
-      self.hooks.offer(due, rounds, lambda with_params: hooks_lib.syncer_view(
-          rounds, record, read_g if with_params else None))
-
-  def _learner_hooks(self, slot: Slot) -> None:
-    """The learner's hooks due after this step (its thread, between steps: a hand-over)."""
-    learner = slot.learner
-    due = self.hooks.due("learner", learner.local_step)
-    if due:
-      step, metrics, params = learner.hook_parts(self.hooks.wants_params(due))
-      index = slot.index
-      self.hooks.offer(due, step, lambda with_params: hooks_lib.learner_view(
-          step, index, metrics, params if with_params else None), source=index)
+    """The syncer's hooks due after this round (the syncer's thread: a hand-over only; G is
+    read, under the runtime's lock, by the hook's thread)."""
+    if int(record.get("round", -1)) + 1 > first:
+      hooks_lib.offer_round(self.hooks, record,
+                            lambda: fragments_lib.flatten_tree(self.rt.global_params()))
 
   def on_step(self, slot: Slot) -> None:
-    if self.hooks:
-      self._learner_hooks(slot)
+    if self.hooks:  # the learner's thread, between steps: a hand-over
+      hooks_lib.offer_learner_step(self.hooks, slot.learner.local_step, slot.index,
+                                   slot.learner.hook_parts)
     self.write_learner(slot)
     every = self.cfg.checkpoint.every_rounds
     if self.virtual and every and self.rt.syncer.rounds >= self.last_saved + every:
