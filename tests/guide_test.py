@@ -1,4 +1,5 @@
-"""The commands of docs/guide.md run as written (the tiny ones, shortened by flags).
+"""The commands of docs/guide.md run as written (the tiny ones, shortened by flags), from a
+fresh venv outside the checkout with the project installed as a package.
 
 Each fenced bash block of the guide is split into commands; those that match `TINY` run in a
 temporary directory, in the guide's order (sampling, scoring, export and the comparison read
@@ -11,6 +12,7 @@ go stale silently.
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -80,16 +82,45 @@ def hooks_file(markdown: str) -> str:
   return next(b for b in re.findall(r"```python\n(.*?)```", markdown, re.S) if "\nHOOKS = " in b)
 
 
+def installed_python(folder) -> str:
+  """A fresh venv in `folder` with this project installed as a user installs it (a built
+  package, not the checkout), beside the test venv's own dependencies: a `.pth` line adds
+  that venv's site-packages, whose editable finder for the checkout is not loaded that way."""
+  venv = os.path.join(folder, "venv")
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+  python = os.path.join(venv, "bin", "python")
+  site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+  deps = [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+  with open(os.path.join(site, "test_deps.pth"), "w") as f:
+    f.write("\n".join(deps) + "\n")
+  source = os.path.join(folder, "source")  # what the package is built from (pip builds in-tree)
+  shutil.copytree(os.path.join(REPO, "diloco"), os.path.join(source, "diloco"),
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  for name in ("setup.py", "pyproject.toml", "README.md"):
+    shutil.copy(os.path.join(REPO, name), source)
+  proc = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps",
+                         "--no-build-isolation", "--no-index", source],
+                        capture_output=True, text=True, cwd=folder, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return python
+
+
 @pytest.mark.slow
 def test_the_guides_tiny_commands_run_as_written(tmp_path):
-  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  """From a fresh venv outside the checkout, as a new user runs them."""
+  python = installed_python(tmp_path / "env")
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  where = subprocess.run([python, "-c", "import diloco; print(diloco.__file__)"], env=env,
+                         capture_output=True, text=True, cwd=tmp_path, check=True).stdout
+  assert not where.startswith(REPO) and "/env/venv/" in where, where
   os.symlink(os.path.join(REPO, "docs"), tmp_path / "docs")  # `--data=text:docs` (the root)
   with open(GUIDE, encoding="utf-8") as f:
     (tmp_path / "my_hooks.py").write_text(hooks_file(f.read()))  # as the guide says to save it
   for command in tiny_commands():
     argv = shlex.split(command)
-    argv[0] = sys.executable
+    argv[0] = python
     if TRAIN.match(command):
       argv = _shortened(argv)
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env,
