@@ -62,7 +62,7 @@ def test_help_lists_the_subcommands_and_only_the_projects_flags(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = proc.stdout.splitlines()
   assert len(lines) < 80  # absl's and JAX's ~700 lines of flags are not in it
-  for name in ("train", "compare", "sample", "evaluate", "to_safetensors"):
+  for name in ("train", "compare", "sample", "evaluate", "export"):
     assert any(line.startswith(f"  {name} ") for line in lines), name
   assert "--workdir" in proc.stdout and "--config" in proc.stdout
   assert "jax_enable_x64" not in proc.stdout and "--only_check_args" not in proc.stdout
@@ -104,6 +104,14 @@ def test_unknown_subcommand_is_one_line(tmp_path):
   assert proc.stderr.strip().splitlines() == [
       "diloco: unknown subcommand 'trian'; subcommands: " + ", ".join(commands.SUBCOMMANDS)
       + " (see diloco --help)"]
+
+
+@pytest.mark.parametrize("old", sorted(commands.MOVED))
+def test_a_folded_subcommand_names_its_new_form(tmp_path, old):
+  proc = _diloco(old, "--workdir=runs/first", cwd=tmp_path)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines() == [
+      f"diloco: {old!r} is now `diloco export --format=safetensors`"]
 
 
 def _jsonl(path, records, compress=False):

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from diloco import documents
 from diloco.artifacts import export, trained
-from diloco.cli import evaluate, sample, to_safetensors
+from diloco.cli import evaluate, export_model, sample
 from diloco.config import run_config
 from diloco.errors import ConfigError, DocumentError
 from diloco.model import registry
@@ -275,7 +275,7 @@ def test_a_tampered_export_json_is_one_line_from_every_command(copy_of, case):
   _edit_export(copy_of, edit)
   for command, argv in ((sample.main, ["--prompt=a", "--max_tokens=1"]),
                         (evaluate.main, ["--num_batches=1"]),
-                        (to_safetensors.main, [])):
+                        (export_model.main, ["--format=safetensors"])):
     with pytest.raises(SystemExit) as e:
       command(["diloco", f"--workdir={copy_of}", *argv])
     _one_line(e, *names)
@@ -289,7 +289,7 @@ def test_params_missing_or_a_plain_file_is_named(copy_of, make):
     _write(params, "not a checkpoint")
   elif make == "empty":
     os.makedirs(params)
-  for command, argv in ((sample.main, ["--prompt=a"]), (to_safetensors.main, [])):
+  for command, argv in ((sample.main, ["--prompt=a"]), (export_model.main, ["--format=safetensors"])):
     with pytest.raises(SystemExit) as e:
       command(["diloco", f"--workdir={copy_of}", *argv])
     _one_line(e, params)
@@ -301,7 +301,7 @@ def test_model_module_runs_only_with_the_flag(copy_of, tmp_path):
   _write(code, f"open({marker!r}, 'w').close()\n")
   _edit_export(copy_of, _set_model(module=code))
   for command, argv in ((sample.main, ["--prompt=a", "--max_tokens=1"]),
-                        (evaluate.main, ["--num_batches=1"]), (to_safetensors.main, [])):
+                        (evaluate.main, ["--num_batches=1"]), (export_model.main, ["--format=safetensors"])):
     with pytest.raises(SystemExit) as e:
       command(["diloco", f"--workdir={copy_of}", *argv])
     _one_line(e, "export.json", "model.module", "--trust_export_code")

@@ -241,7 +241,7 @@ def test_the_cli_exports_a_run_end_to_end(tmp_path, capsys):
   assert _cli(f"--workdir={tmp_path}", "--overwrite", "--max_shard_size=30KB") is None
   assert (out / hf_format.INDEX_FILE).exists() and not (out / hf_format.WEIGHTS_FILE).exists()
   assert sorted(os.listdir(tmp_path)) == ["export", "hf"]
-  # --format=safetensors is `diloco to_safetensors`
+  # --format=safetensors: into the export folder itself
   assert _cli(f"--workdir={tmp_path}", "--format=safetensors") is None
   assert (tmp_path / "export" / export.SAFETENSORS_FILE).is_file()
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 from diloco import fragments
 from diloco.artifacts import export, trained
-from diloco.cli import evaluate, sample, to_safetensors
+from diloco.cli import evaluate, export_model, sample
 from diloco.model import registry
 from diloco.train import data as data_lib
 
@@ -184,7 +184,7 @@ def test_sample_greedy_matches_the_uncached_reference_and_seeds_repeat(run, caps
     (evaluate, ["--workdir={run}", "--batch_size=0"], "--batch_size: must be >= 1"),
     (evaluate, ["--workdir={run}", "--num_batches=-1"], "--num_batches: must be >= 0"),
     (evaluate, ["--workdir={run}", "--seq_len=1"], "--seq_len: must be >= 2"),
-    (to_safetensors, ["--workdir={empty}"], "--workdir: .* holds no export"),
+    (export_model, ["--workdir={empty}", "--format=safetensors"], "--workdir: .* holds no export"),
 ])
 def test_bad_input_fails_in_one_line_naming_the_flag(run, tmp_path, module, args, message):
   os.makedirs(tmp_path / "empty")
@@ -260,7 +260,7 @@ def test_export_is_self_contained_and_loads_from_a_relative_path(run, tmp_path, 
 def test_safetensors_hold_the_exported_tensors(run, tmp_path, capsys):
   from safetensors.numpy import load_file
   workdir, cfg, params = run
-  to_safetensors.main(["to_safetensors", f"--workdir={workdir}"])
+  export_model.main(["diloco export", f"--workdir={workdir}", "--format=safetensors"])
   assert "model.safetensors" in capsys.readouterr().out
   orbax, meta = export.load(workdir)
   want = fragments.flatten_tree(orbax)

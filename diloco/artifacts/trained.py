@@ -3,8 +3,8 @@
 `load(workdir)` reads the run's final export (WORKDIR/export, or an export folder itself);
 `load(workdir, step=N)` reads checkpoint N of the run instead (WORKDIR/run_checkpoints/N of a
 Decoupled DiLoCo run, else WORKDIR/checkpoints/N of a data-parallel one), with the model and
-tokenizer of WORKDIR/config.json. Used by `diloco.cli.sample`, `diloco.cli.evaluate` and
-`diloco.cli.to_safetensors`; every failure is a one-line ConfigError naming the flag, or a
+tokenizer of WORKDIR/config.json. Used by `diloco.cli.sample` and `diloco.cli.evaluate`;
+every failure is a one-line ConfigError naming the flag, or a
 DocumentError naming the file and the field. Every document is checked, and its model fields
 against the saved tensors, before a model is built; a model that names code to import
 (`model.module`) is built only with `trust_code` (`--trust_export_code`).

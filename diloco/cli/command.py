@@ -1,4 +1,4 @@
-"""Running a subcommand (`diloco.cli.sample`, `diloco.cli.evaluate`, `diloco.cli.to_safetensors`).
+"""Running a subcommand (`diloco.cli.sample`, `diloco.cli.evaluate`, `diloco.cli.export_model`).
 
 Each subcommand defines its flags on its own `absl.flags.FlagValues`, not on absl's global
 FLAGS, so that a dispatcher (`diloco.main`) can import all of them beside its own `--workdir`

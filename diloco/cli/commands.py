@@ -26,8 +26,6 @@ SUBCOMMANDS = {
                                        "--model diloco --model_args workdir=RUN --tasks ...")),
     "export": ("diloco.cli.export_model",
                "write a run's model for other tools: --format=hf (transformers) | safetensors"),
-    "to_safetensors": ("diloco.cli.to_safetensors",
-                       "add model.safetensors and config.json to a run's export"),
     "compile": ("diloco.cli.tpu_compile", ("will it fit? the run's programs compiled for TPU "
                                           "slices on any host: --topology=v5e-256")),
     "slurm": ("diloco.cli.slurm_launch",
@@ -36,7 +34,10 @@ SUBCOMMANDS = {
                "a multi-process run as a GKE JobSet manifest (stdout or --output)"),
 }
 # Other names people type for a subcommand.
-ALIASES = {"eval": "evaluate", "safetensors": "to_safetensors"}
+ALIASES = {"eval": "evaluate"}
+# Subcommands folded into another, named in the one-line error of their old name.
+MOVED = {"to_safetensors": "export --format=safetensors",
+         "safetensors": "export --format=safetensors"}
 _HELP = ("-h", "--help", "-help", "--helpshort", "help")
 
 
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     return
   name = args.pop(0) if args[:1] and not args[0].startswith("-") else "train"
   name = ALIASES.get(name, name)
+  if name in MOVED:
+    sys.exit(f"diloco: {name!r} is now `diloco {MOVED[name]}`")
   if name not in SUBCOMMANDS:
     sys.exit(f"diloco: unknown subcommand {name!r}; subcommands: {', '.join(SUBCOMMANDS)} "
              "(see diloco --help)")

@@ -5,8 +5,12 @@
 can be expressed; `diloco.artifacts.hf_format`) at --out (default WORKDIR/hf: the export
 folder's own config.json is the diloco safetensors config). A model with features Gemma 3
 lacks (MoE, no QK-norm, a custom architecture, ...) is refused, naming all of them.
-`--format=safetensors` adds model.safetensors and config.json to the export folder, as
-`diloco to_safetensors` does.
+`--format=safetensors` adds model.safetensors and config.json to the export folder itself:
+the same tensors as the Orbax export under their "/"-joined names (e.g. "layers/0/attn/q_DNH")
+and a config.json with the model's fields, the vocabulary size and the tokenizer file's name
+(copied into the export folder), so that a reader without JAX (`safetensors.numpy.load_file`,
+PyTorch) can load the model; `export.save(..., safetensors=True)` writes the same two files at
+the end of a run.
 
 Flags: --workdir (a run or an export folder), --format (hf | safetensors), --out,
 --max_shard_size (e.g. "5GB", "500MB": larger weights are split into shards),
@@ -24,7 +28,7 @@ from absl import flags
 
 from diloco import documents
 from diloco.artifacts import export, hf_format
-from diloco.cli import command, to_safetensors
+from diloco.cli import command
 from diloco.errors import ConfigError
 
 FORMATS = ("hf", "safetensors")
@@ -55,6 +59,22 @@ def parse_size(text: str) -> int:
   return size
 
 
+def to_safetensors(workdir: str, trust_code: bool) -> None:
+  """Adds model.safetensors and config.json to the export of `workdir` (a run or an export)."""
+  found = export.export_dir(workdir)
+  if found is None:
+    raise ConfigError(f"--workdir: {workdir!r} holds no export "
+                      f"({export.EXPORT_DIR}/{export.META_FILE})")
+  # Nothing here builds the model, but the copy is made for other readers: one that names
+  # code to import is passed on only by a user who trusts it.
+  meta_file = os.path.join(found, export.META_FILE)
+  export.refuse_code(export.read_model(export.read_meta(found)["model"], meta_file), meta_file,
+                     trust_code)
+  params, meta = export.load(found)
+  for path in export.write_safetensors(found, params, meta):
+    print(f"wrote {path}")
+
+
 def _export() -> None:
   if FLAGS.format not in FORMATS:
     raise ConfigError(f"--format: must be one of {', '.join(FORMATS)}, got {FLAGS.format!r}")
@@ -63,7 +83,7 @@ def _export() -> None:
   if FLAGS.format == "safetensors":
     if FLAGS.out:
       raise ConfigError("--out: --format=safetensors writes into the export folder itself")
-    to_safetensors.convert(FLAGS.workdir, FLAGS.trust_export_code)
+    to_safetensors(FLAGS.workdir, FLAGS.trust_export_code)
     return
   max_shard = parse_size(FLAGS.max_shard_size)
   found = export.export_dir(os.path.abspath(FLAGS.workdir))
