@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from diloco import outer
-from diloco.outer import kernels
+from diloco.outer import kernels, merge
 
 # ---- Oracles: plain float64 NumPy, written from docs/design.md 2.4, not from the module. ----
 
@@ -95,6 +95,32 @@ def test_rda_matches_oracle(m, small_chunks):
   got = outer.radial_directional_average(ds, w)
   assert got.dtype == np.float32 and got.shape == (7, 13)
   np.testing.assert_allclose(got, oracle_rda(ds, w), rtol=1e-5, atol=1e-6)
+
+
+# Every method of the merge-method table and its NumPy oracle: a method added to the table
+# without one fails here.
+ORACLES = {"rda": oracle_rda, "mean": oracle_mean}
+
+
+@pytest.mark.parametrize("name", sorted(merge.METHODS))
+def test_every_merge_method_matches_its_oracle_in_both_forms(name, small_chunks):
+  """The table's reference form against the NumPy oracle, and its streamed form (what the
+  fused round consumes) against the reference, bit for bit, embedding rows included."""
+  assert name in ORACLES, f"give merge method {name!r} a NumPy oracle in ORACLES"
+  rule = merge.method_for(name, is_embedding=False)
+  for m in (1, 3, 8):
+    rng = np.random.default_rng(40 + m)
+    ds, w = _deltas(rng, m), rng.uniform(0.1, 2.0, m)
+    flats = [d.reshape(-1) for d in ds]
+    wn = merge.check_weights(w, m)
+    ref = rule.reference(flats, wn)
+    np.testing.assert_allclose(ref.reshape(7, 13), ORACLES[name](ds, w), rtol=1e-5, atol=1e-6)
+    workspace = np.empty(ref.size, np.float32) if rule.workspace else None
+    stream = rule.stream(flats, wn, np.dtype(np.float32), workspace)
+    got = np.empty(ref.size, np.float32)
+    stream.chunk(0, got, stream.scratch(ref.size))
+    np.testing.assert_array_equal(got, ref)
+  assert merge.method_for(name, is_embedding=True).name == "mean"
 
 
 def test_rda_float64_is_accurate():

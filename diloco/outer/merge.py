@@ -13,9 +13,10 @@ exact RDA.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,7 +29,10 @@ PyTree = Any
 
 WEIGHT_SCHEMES = ("tokens2_per_step", "uniform", "tokens")
 
+# The names of `METHODS`, the merge-method table below (each rule's reference and streamed
+# forms), for `outer.merge`'s choice.
 MERGE_METHODS = ("rda", "mean")
+
 
 # Where a delivery's outer gradient is anchored (the syncer's `_outer_gradient`): "syncer", the
 # current global fragment G (`outer_gradient`), or "base", G at the version it started from.
@@ -214,6 +218,72 @@ def _rda_flat(flats: Sequence[np.ndarray], w: np.ndarray) -> np.ndarray:
   np.multiply(out, kernels.scalar(scale, acc), out)
   return out
 
+class Stream(Protocol):
+  """One tensor's merged outer gradient, made chunk by chunk (for the fused round)."""
+
+  def scratch(self, chunk: int) -> Any:
+    """Buffers for one thread's chunks of at most `chunk` elements."""
+
+  def chunk(self, s: int, out: np.ndarray, scratch: Any) -> None:
+    """Writes elements `s:s + out.size` of the merged gradient into `out`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scaled:
+  """A direction written in full, times its scale: the RDA merge's second pass."""
+  direction: np.ndarray
+  scale: np.ndarray
+
+  def scratch(self, chunk: int) -> None:
+    return None
+
+  def chunk(self, s: int, out: np.ndarray, scratch: None) -> None:
+    np.multiply(self.direction[s:s + out.size], self.scale, out)
+
+
+def _mean_stream(flats: Sequence[np.ndarray], w: np.ndarray, acc: np.dtype,
+                 workspace: np.ndarray | None) -> Stream:
+  return mean_sum(flats, w, acc)
+
+
+def _rda_stream(flats: Sequence[np.ndarray], w: np.ndarray, acc: np.dtype,
+                workspace: np.ndarray | None) -> Stream:
+  scale = rda_into(flats, w, acc, workspace)
+  if scale is None:
+    return mean_sum(flats, w, acc)
+  return _Scaled(workspace, kernels.scalar(scale, acc))
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeMethod:
+  """A rule that merges one tensor's outer gradients from M learners, in its two forms:
+  `reference(flats, w)` makes the whole merged gradient (`merge_fragment`), `stream(flats, w,
+  acc, workspace)` the same values chunk by chunk for the fused round (`nesterov.merge_and_step`),
+  with a flat buffer of the tensor's size when `workspace`. Both accumulate through
+  `kernels.WeightedSum`, so they round identically (tests/outer_test.py holds every method of
+  `METHODS` to that)."""
+  name: str
+  reference: Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]
+  stream: Callable[[Sequence[np.ndarray], np.ndarray, np.dtype, np.ndarray | None], Stream]
+  workspace: bool
+
+
+METHODS = {m.name: m for m in (
+    MergeMethod("rda", _rda_flat, _rda_stream, workspace=True),
+    MergeMethod("mean", _mean_flat, _mean_stream, workspace=False),
+)}
+assert tuple(METHODS) == MERGE_METHODS, "name every method of the table in MERGE_METHODS"
+
+
+def method_for(method: str, is_embedding: bool) -> MergeMethod:
+  """The rule for one tensor under `outer.merge=method`: the embedding and a tied head take
+  the weighted mean under any method (RDA's norm would mix token rows that moved with ones
+  that did not)."""
+  if method not in METHODS:
+    raise ValueError(f"unknown merge method {method!r}; allowed: {MERGE_METHODS}")
+  return METHODS["mean"] if is_embedding else METHODS[method]
+
+
 def fragment_layout(deltas: Sequence[Sequence[np.ndarray] | Mapping[str, np.ndarray]],
                      embedding_mask: Sequence[bool] | Mapping[str, bool] | None
                      ) -> tuple[list[Any], list[bool]]:
@@ -257,14 +327,13 @@ def merge_fragment(deltas: Sequence[Sequence[np.ndarray] | Mapping[str, np.ndarr
   Returns:
     The merged tensors, a list or dict like the learners' entries.
   """
-  if method not in MERGE_METHODS:
-    raise ValueError(f"unknown merge method {method!r}; allowed: {MERGE_METHODS}")
+  method_for(method, False)  # an unknown method is refused before anything is read
   keys, flags = fragment_layout(deltas, embedding_mask)
   w = check_weights(weights, len(deltas))
   merged = []
   for k, is_embedding in zip(keys, flags):
     flats, shape, dtype = kernels.flatten_all([d[k] for d in deltas])
-    out = _mean_flat(flats, w) if method == "mean" or is_embedding else _rda_flat(flats, w)
+    out = method_for(method, is_embedding).reference(flats, w)
     merged.append(kernels.finish(out, shape, dtype))
   return dict(zip(keys, merged)) if isinstance(deltas[0], Mapping) else merged
 

@@ -95,27 +95,21 @@ def _inplace_flat(a: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
     raise ValueError(f"{what} has shape {a.shape}, the deltas {shape}")
   return a.reshape(-1)
 
-def _merge_and_step_tensor(flats: Sequence[np.ndarray], w: np.ndarray, acc: np.dtype,
-                           pf: np.ndarray, bf: np.ndarray, lr: float, mu: float,
-                           direction: np.ndarray | None) -> float:
-  """`merge_and_step` on one tensor: RDA through `direction` if given, else the weighted mean."""
-  scale = None if direction is None else merge.rda_into(flats, w, acc, direction)
-  mean = merge.mean_sum(flats, w, acc) if scale is None else None
-  scale = None if scale is None else kernels.scalar(scale, acc)
+def _merge_and_step_tensor(merged: merge.Stream, acc: np.dtype, pf: np.ndarray,
+                           bf: np.ndarray, lr: float, mu: float) -> float:
+  """`merge_and_step` on one tensor: each chunk of the merged gradient, made by `merged`, is
+  consumed by the Nesterov step while in cache; returns the step's squared norm."""
   lr_b, mu_b = kernels.scalar(lr, bf.dtype), kernels.scalar(mu, bf.dtype)
 
   def block(lo: int, hi: int) -> float:
     chunk = min(kernels.CHUNK, hi - lo)
     g, step = np.empty(chunk, acc), np.empty(chunk, bf.dtype)
-    scratch = mean.scratch(chunk) if mean is not None else None
+    scratch = merged.scratch(chunk)
     sq = 0.0
     for s in range(lo, hi, kernels.CHUNK):
       e = min(s + kernels.CHUNK, hi)
       gc, t = g[:e - s], step[:e - s]
-      if mean is not None:
-        mean.chunk(s, gc, scratch)
-      else:
-        np.multiply(direction[s:e], scale, gc)
+      merged.chunk(s, gc, scratch)
       _nesterov_chunk(pf[s:e], bf[s:e], gc, t, lr_b, mu_b)
       sq += float(t.dot(t))
     return sq
@@ -148,9 +142,10 @@ def merge_and_step(params: Sequence[np.ndarray] | Mapping[str, np.ndarray],
     embedding_mask: tensors merged by the weighted mean, as for `merge.merge_fragment`.
     lr: outer learning rate.
     mu: momentum coefficient.
-    method: `rda` or `mean`, as for `merge.merge_fragment`.
+    method: a name of the merge-method table `merge.METHODS`, as for `merge.merge_fragment`.
     workspace: optional flat writeable buffer of the accumulation dtype (float32; float64 for
-      float64 deltas) with at least as many elements as the largest RDA tensor, aliasing no
+      float64 deltas) with at least as many elements as the largest tensor whose method needs
+      one (`merge.MergeMethod.workspace`: RDA's direction), aliasing no
       other argument; it holds an RDA direction between its two passes. Keeping one across
       rounds spares a fresh allocation's page faults; by default one is allocated per call.
 
@@ -163,8 +158,7 @@ def merge_and_step(params: Sequence[np.ndarray] | Mapping[str, np.ndarray],
       updated
       then.
   """
-  if method not in merge.MERGE_METHODS:
-    raise ValueError(f"unknown merge method {method!r}; allowed: {merge.MERGE_METHODS}")
+  merge.method_for(method, False)  # an unknown method is refused before anything is read
   keys, flags = merge.fragment_layout(deltas, embedding_mask)
   w = merge.check_weights(weights, len(deltas))
   for what, tree in (("params", params), ("momentum", momentum)):
@@ -176,10 +170,11 @@ def merge_and_step(params: Sequence[np.ndarray] | Mapping[str, np.ndarray],
     flats, shape, dtype = kernels.flatten_all([d[k] for d in deltas])
     pf = _inplace_flat(params[k], shape, "params")
     bf = _inplace_flat(momentum[k], shape, "momentum")
-    tensors.append((flats, kernels.acc_dtype(dtype), pf, bf, method == "rda" and not is_embedding))
-  sizes = {}  # accumulation dtype -> largest RDA tensor
-  for flats, acc, _, _, rda in tensors:
-    if rda:
+    tensors.append((flats, kernels.acc_dtype(dtype), pf, bf, merge.method_for(method,
+                                                                             is_embedding)))
+  sizes = {}  # accumulation dtype -> largest tensor whose method needs a workspace
+  for flats, acc, _, _, rule in tensors:
+    if rule.workspace:
       sizes[acc] = max(sizes.get(acc, 0), flats[0].size)
   if workspace is None:
     buffers = {acc: np.empty(n, acc) for acc, n in sizes.items()}
@@ -191,7 +186,7 @@ def merge_and_step(params: Sequence[np.ndarray] | Mapping[str, np.ndarray],
                      f"least {max(sizes.values(), default=0)} elements")
   else:
     buffers = {workspace.dtype: workspace}
-  step_sq = [_merge_and_step_tensor(flats, w, acc, pf, bf, lr, mu,
-                                    buffers[acc][:flats[0].size] if rda else None)
-             for flats, acc, pf, bf, rda in tensors]
+  step_sq = [_merge_and_step_tensor(
+      rule.stream(flats, w, acc, buffers[acc][:flats[0].size] if rule.workspace else None),
+      acc, pf, bf, lr, mu) for flats, acc, pf, bf, rule in tensors]
   return dict(zip(keys, step_sq)) if isinstance(deltas[0], Mapping) else step_sq
