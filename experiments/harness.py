@@ -222,6 +222,21 @@ def commit() -> str:
     return "unknown"
 
 
+def carried_rows(runs: Sequence[Run], outdir: str, folder: str) -> dict[tuple[str, int], dict]:
+  """The rows of `folder`'s results.json for runs with no finished folder in `outdir` (run in
+  an earlier session or on another machine), by (method, seed), each marked `carried_from`
+  with the commit it was measured at. Such a run is not run again; delete its row to redo it."""
+  path = os.path.join(folder, "results.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    old = json.load(f)
+  rows = {(r["method"], r["seed"]): dict(r, carried_from=r.get("carried_from", old["commit"]))
+          for r in old["rows"]}
+  return {(r.method, r.seed): rows[(r.method, r.seed)] for r in runs
+          if (r.method, r.seed) in rows and not finished(os.path.join(outdir, r.name))}
+
+
 def write_results(name: str, rows: list[dict], path: str) -> dict:
   results = {"experiment": name, "commit": commit(), "rows": rows}
   with open(path, "w", encoding="utf-8") as f:
@@ -271,7 +286,7 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
            derive: Callable[[list[dict]], list[dict]] | None = None,
            extra: Callable[[Run, str], dict] | None = None,
            sections: Callable[[list[dict]], str | Sequence[str]] | Sequence[str] = (),
-           plot: dict | None = None, about: str = "") -> dict:
+           plot: dict | None = None, about: str = "", carry: bool = False) -> dict:
   """Writes `folder`/results.json, eval.png and README.md from the runs in `outdir`.
 
   `extra(run, workdir)` adds an experiment's own figures to each row; `derive(rows)` adds
@@ -280,12 +295,17 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
   `plot` passes `time_key`/`time_label` to `plot_curves`. README.md is regenerated whole:
   `about` (the config's docstring: setting and expected outcome), the measured tables, the
   plot, when/where/how long, the sections, then `analysis.md` of the same folder (the authored
-  reading of the numbers) if it exists."""
+  reading of the numbers) if it exists. With `carry`, the rows of runs whose folders are not
+  here come from the folder's earlier results.json (`carried_rows`; they have no curve)."""
+  carried = carried_rows(runs, outdir, folder) if carry else {}
   done = [run for run in runs if finished(os.path.join(outdir, run.name))]
   rows = [collect(run, os.path.join(outdir, run.name)) for run in done]
   if extra is not None:
     for run, row in zip(done, rows):
       row.update(extra(run, os.path.join(outdir, run.name)))
+  rows += [carried[(r.method, r.seed)] for r in runs if (r.method, r.seed) in carried]
+  reported = done + [r for r in runs if (r.method, r.seed) in carried]
+  commits = sorted({r["carried_from"][:12] for r in carried.values()})
   if derive:
     rows = derive(rows)
   results = write_results(name, rows, os.path.join(folder, "results.json"))
@@ -299,9 +319,12 @@ def report(name: str, runs: Sequence[Run], outdir: str, folder: str, *,
       f"Measured {today()} at commit `{results['commit'][:12]}` on {machine()}; "
       f"the runs took {sum(r['wall_s'] for r in rows) / 60:.1f} min of wall time in all "
       f"({wall_s / 60:.1f} min in this invocation, which reuses finished runs).", "",
+      *([f"{len(carried)} rows are carried from the results measured at commit "
+         f"{', '.join(f'`{c}`' for c in commits)} (their run folders are not on this machine, "
+         "so the plot has no curve for them).", ""] if carried else []),
       "## Runs", "", table(rows, columns), "",
-      *([f"Not run yet: {', '.join(r.name for r in runs if r not in done)}.", ""]
-        if len(done) < len(runs) else []),
+      *([f"Not run yet: {', '.join(r.name for r in runs if r not in reported)}.", ""]
+        if len(reported) < len(runs) else []),
       "## Over seeds", "", table(summarise(rows), ("method", "eval_loss_mean", "eval_loss_spread",
                                                    "seeds")), "",
       "![eval loss](eval.png)", "",

@@ -5,21 +5,23 @@ import importlib
 import json
 import os
 import pathlib
+import shutil
 import sys
 
 import pytest
 from absl import flags
 
+from diloco.outer.merge import STALE_RULES
 from experiments import compare, harness, summary
 from experiments.stale import config as stale_config
 
 
-def test_stale_experiment_covers_both_rules_and_settings():
+def test_stale_experiment_covers_every_rule_and_setting():
   runs = stale_config.runs("tiny", seeds=(0, 1))
-  assert len(runs) == 8 and len({r.name for r in runs}) == 8
+  assert len(runs) == 12 and len({r.name for r in runs}) == 12
   rules = {dict(r.overrides)["outer.stale"] for r in runs}
   gammas = {dict(r.overrides)["sync.gamma"] for r in runs}
-  assert rules == {"paper", "rebase"} and gammas == {0.0, 0.8}
+  assert rules == set(STALE_RULES) and gammas == {0.0, 0.8}
   assert all(r.config == "configs/decoupled.py:tiny" for r in runs)
 
 
@@ -147,6 +149,19 @@ def test_runs_are_collected_into_results_table_and_plot(tmp_path):
   assert os.path.getsize(tmp_path / "compare" / "eval.png") > 10_000
   with pytest.raises(ValueError, match="no config.json"):
     compare.compare([str(tmp_path)])
+  # A run whose folder is gone (run in an earlier session) is carried from results.json, not
+  # rerun, and the README says from which commit.
+  shutil.move(workdir, str(tmp_path / "elsewhere"))
+  assert harness.carried_rows(runs, outdir, folder) == {
+      ("two learners", 0): dict(row, carried_from=on_disk["commit"])}
+  again = harness.report("smoke", runs, outdir, folder, columns=("method", "eval_loss"),
+                         command="python -m experiments.smoke", wall_s=0.0, carry=True)
+  assert again["rows"] == [dict(row, carried_from=on_disk["commit"])]
+  readme = open(os.path.join(folder, "README.md")).read()
+  assert "1 rows are carried from the results measured at commit" in readme
+  assert "| two learners |" in readme and "Not run yet" not in readme
+  assert harness.report("smoke", runs, outdir, folder, columns=("method", "eval_loss"),
+                        command="x", wall_s=0.0)["rows"] == []  # without carry: not run
 
 
 def _fake_run(path, batch_size, eval_batches, losses):

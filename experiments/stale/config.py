@@ -8,7 +8,7 @@ Setting: 4 learners of the `configs/decoupled.py:cpu` model on the deterministic
 half of them 18% slower with 10% per-step variation (the paper's heterogeneous setting), so the
 slow learners' deliveries regularly miss the round of their base version and arrive stale.
 K = 1 with the grace window (the defaults) and K = 1 without it (gamma = 0, where every round
-merges one learner and staleness is highest), each with the two rules, two seeds each.
+merges one learner and staleness is highest), each with the three rules, two seeds each.
 
 Expected outcome: with `paper`, a stale delivery is anchored at the current G, so its outer
 gradient also points back toward the learner's older lineage and partly undoes the rounds it
@@ -25,7 +25,9 @@ SEEDS = (0, 1)
 HETEROGENEOUS = (("learners.virtual_clock", True), ("learners.speeds", "1,1,1.18,1.18"),
                  ("learners.step_jitter", 0.1))
 SETTINGS = (("K=1 grace", 0.8), ("K=1 no grace", 0.0))
-RULES = ("paper", "rebase")
+# "align" (HeLoCo's projection: a stale delivery's component against the outer momentum removed,
+# per tensor) came later; its runs join the same table.
+RULES = ("paper", "rebase", "align")
 COLUMNS = ("method", "seed", "tokens", "eval_loss", "mean_learners_per_round",
            "staleness_mean", "goodput", "bytes_up", "bytes_down", "wall_s")
 

@@ -17,10 +17,13 @@ def main(argv):
   del argv
   FLAGS = flags.FLAGS
   runs = config.runs(FLAGS.preset, seeds=range(FLAGS.seeds))
-  wall = 0.0 if FLAGS.report_only else harness.run_all(runs, FLAGS.outdir)
+  # Runs measured before (in results.json) whose folders are not here are carried, not rerun.
+  carried = harness.carried_rows(runs, FLAGS.outdir, FLAGS.results_dir)
+  todo = [r for r in runs if (r.method, r.seed) not in carried]
+  wall = 0.0 if FLAGS.report_only else harness.run_all(todo, FLAGS.outdir)
   os.makedirs(FLAGS.results_dir, exist_ok=True)
   results = harness.report(config.NAME, runs, FLAGS.outdir, FLAGS.results_dir,
-                           columns=config.COLUMNS, wall_s=wall,
+                           columns=config.COLUMNS, wall_s=wall, carry=True,
                            command="python -m experiments.stale.run")
   print(harness.table(harness.summarise(results["rows"]),
                       ("method", "eval_loss_mean", "eval_loss_spread", "seeds")))
