@@ -3,7 +3,7 @@ and the in-memory transport that carries them.
 
 Learners and the syncer never import each other: they meet only here. A learner depends on
 `LearnerTransport` alone; three classes implement it: `InMemoryTransport` (the single-controller
-runtime: one process, threads or a virtual clock), `distributed.store_transport.LearnerStoreLink`
+runtime: one process, threads or a virtual clock), `distributed.learner_link.LearnerStoreLink`
 (a learner process over the store's files) and `distributed.hosts.AgreedLink` (a learner
 spanning several hosts). The syncer depends only on the messages: its runtime takes them from a
 transport and hands them to `Syncer.tick`.

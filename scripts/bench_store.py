@@ -39,11 +39,11 @@ from absl import app, flags, logging
 
 from diloco import fragments
 from diloco.delivery import Delivery
-from diloco.distributed import store_transport, syncer_link, syncer_process
-from diloco.distributed.merged_versions import MergedVersions
-from diloco.distributed.payload_box import Payloads
+from diloco.distributed import learner_link, syncer_link, syncer_process
 from diloco.distributed.store import Store
-from diloco.distributed.store_names import payload_name
+from diloco.distributed.store.merged_versions import MergedVersions
+from diloco.distributed.store.names import payload_name
+from diloco.distributed.store.payload_box import Payloads
 from diloco.outer.merge import OuterConfig
 from diloco.sync.policy import SyncConfig
 from diloco.sync.syncer import Syncer
@@ -196,7 +196,7 @@ def _learner_loop(m: int, store: Store, args, num_fragments: int, admitted: dict
                   ready: threading.Event, barrier: threading.Barrier, out: list) -> None:
   """Registers, then per round: deliver, wait until the version that admitted it is visible."""
   incarnation = store.learners.next_incarnation(m)
-  link = store_transport.LearnerStoreLink(store, m, incarnation, poll_s=args.poll_s)
+  link = learner_link.LearnerStoreLink(store, m, incarnation, poll_s=args.poll_s)
   rng = np.random.default_rng(args.seed + 1 + m)
   try:
     link.heartbeat(Heartbeat(m, incarnation, 0, 0.0, time.time()))

@@ -46,9 +46,10 @@ from absl import app, flags, logging
 from diloco import fragments
 from diloco.config import run_config
 from diloco.delivery import Delivery
-from diloco.distributed import learner_registry, store_names
 from diloco.distributed import store as store_lib
 from diloco.distributed.launch_report import param_shapes
+from diloco.distributed.store import learner_registry
+from diloco.distributed.store import names as store_names
 from diloco.sync import ownership
 
 flags.DEFINE_string("config", "configs/multiprocess.py:cpu", "The run config (model shapes).")

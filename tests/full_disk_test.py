@@ -16,10 +16,10 @@ import pytest
 from diloco import fragments
 from diloco.delivery import Delivery
 from diloco.distributed import syncer_process
-from diloco.distributed.entry_check import StoreError
+from diloco.distributed.learner_link import LearnerStoreLink
 from diloco.distributed.store import Store
-from diloco.distributed.store_names import WRITE_FAILED
-from diloco.distributed.store_transport import LearnerStoreLink
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.names import WRITE_FAILED
 from diloco.outer.merge import OuterConfig
 from diloco.sync import syncer as syncer_lib
 from diloco.sync.policy import SyncConfig

@@ -15,8 +15,8 @@ import pytest
 from gcs_emulator import BUCKET
 
 from diloco.delivery import Delivery
-from diloco.distributed.lease import Lease, LeaseLost
 from diloco.distributed.store import Store
+from diloco.distributed.store.lease import Lease, LeaseLost
 
 
 def _other_client():

@@ -47,10 +47,10 @@ def test_every_transport_implements_the_learner_protocol():
   import inspect
 
   from diloco import transport
-  from diloco.distributed import hosts, store_transport
+  from diloco.distributed import hosts, learner_link
 
   methods = ["heartbeat", "deliver", "latest", "latest_version", "wait_for", "count_download"]
-  for cls in (transport.InMemoryTransport, store_transport.LearnerStoreLink, hosts.AgreedLink):
+  for cls in (transport.InMemoryTransport, learner_link.LearnerStoreLink, hosts.AgreedLink):
     for name in methods:
       want = inspect.signature(getattr(transport.LearnerTransport, name))
       got = inspect.signature(getattr(cls, name))
@@ -131,6 +131,20 @@ def _assert_acyclic(graph, what):
 
 def test_the_package_has_no_import_cycles():
   _assert_acyclic(_module_graph(), "import")
+
+
+def test_the_store_is_a_room_of_its_own():
+  """`diloco.distributed.store` is the on-disk layout, below the links and processes that use
+  it: it imports nothing else of `diloco.distributed`, and no store module lives beside them."""
+  graph = _module_graph()
+  for module, deps in graph.items():
+    if module.startswith("diloco.distributed.store"):
+      above = [d for d in deps if d.startswith("diloco.distributed.")
+               and not d.startswith("diloco.distributed.store")]
+      assert not above, (module, above)
+  beside = os.listdir(os.path.join(PACKAGE, "distributed"))
+  assert not [n for n in beside if n.startswith("store_") or n in (
+      "blob_io.py", "entry_check.py", "lease.py", "payload_box.py", "merged_versions.py")]
 
 
 def test_the_model_does_not_import_the_run_configuration():

@@ -31,9 +31,9 @@ def main() -> int:
     os.environ[object_store.ENV] = args.object_dir
     object_store.register()
   from diloco.distributed import store as store_lib  # pylint: disable=import-outside-toplevel
-  from diloco.distributed import store_names  # pylint: disable=import-outside-toplevel
-  from diloco.distributed.entry_check import StoreError  # pylint: disable=import-outside-toplevel
-  from diloco.distributed.lease import Lease, LeaseLost  # pylint: disable=import-outside-toplevel
+  from diloco.distributed.store import names as store_names  # pylint: disable=import-outside-toplevel
+  from diloco.distributed.store.entry_check import StoreError  # pylint: disable=import-outside-toplevel
+  from diloco.distributed.store.lease import Lease, LeaseLost  # pylint: disable=import-outside-toplevel
   from diloco.transport import Merged  # pylint: disable=import-outside-toplevel
 
   store = store_lib.Store(args.root)

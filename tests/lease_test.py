@@ -14,10 +14,10 @@ import numpy as np
 import object_store
 import pytest
 
-from diloco.distributed.entry_check import StoreError
-from diloco.distributed.lease import Lease, LeaseHeld, LeaseLost
 from diloco.distributed.store import Store
-from diloco.distributed.store_names import CONFLICT
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.lease import Lease, LeaseHeld, LeaseLost
+from diloco.distributed.store.names import CONFLICT
 from diloco.transport import Merged
 
 HOLDER = os.path.join(os.path.dirname(__file__), "lease_holder.py")

@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 
-from diloco.distributed.npy_handler import NpyHandler
+from diloco.distributed.store.npy_handler import NpyHandler
 
 
 @pytest.fixture(params=["local", "object"])
@@ -130,7 +130,7 @@ def test_leaves_numpy_cannot_store_are_refused_by_name(tmp_path):
 def test_a_failed_save_returns_only_once_every_write_has_ended(tmp_path, monkeypatch):
   """The store removes a failed entry as soon as the save raises; a write still running
   then would put its file back (on a full disk, writes fail one by one)."""
-  from diloco.distributed import npy_handler  # pylint: disable=import-outside-toplevel
+  from diloco.distributed.store import npy_handler  # pylint: disable=import-outside-toplevel
   real, ended = npy_handler._write, []  # pylint: disable=protected-access
 
   def write(path, value, sync):

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco import fragments
-from diloco.distributed import global_view, store_layout
 from diloco.distributed import store as store_lib
+from diloco.distributed.store import global_view
+from diloco.distributed.store import layout as store_layout
 from diloco.sync import ownership
 from diloco.transport import Merged
 
@@ -108,7 +109,7 @@ def test_another_models_parameters_are_refused(tmp_path):
 def test_a_learners_link_never_takes_a_version_off_the_plan(tmp_path, kind):
   """The learner's store link reads with the plan's shapes: a planted version of other shapes
   or paths is skipped, and the next good one is taken."""
-  from diloco.distributed.store_transport import LearnerStoreLink  # noqa: PLC0415
+  from diloco.distributed.learner_link import LearnerStoreLink  # noqa: PLC0415
   stores = store_lib.shard_stores(str(tmp_path), SHARDS)
   for p in range(PLAN.num_fragments):
     _plant(stores, p, 0, "good")

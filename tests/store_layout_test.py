@@ -9,9 +9,11 @@ import pytest
 import runtime_configs
 
 from diloco import fragments
-from diloco.distributed import global_view, store_layout, syncer_process
 from diloco.distributed import store as store_lib
-from diloco.distributed.lease import Lease
+from diloco.distributed import syncer_process
+from diloco.distributed.store import global_view
+from diloco.distributed.store import layout as store_layout
+from diloco.distributed.store.lease import Lease
 from diloco.errors import ConfigError
 from diloco.sync import ownership
 from diloco.transport import Merged

@@ -15,11 +15,12 @@ from etils import epath
 from diloco import fragments, outer
 from diloco.config.run_config import StoreConfig
 from diloco.delivery import Delivery
-from diloco.distributed import chaos, global_view, store_layout, syncer_process, wan
+from diloco.distributed import chaos, syncer_process, wan
 from diloco.distributed import store as store_lib
-from diloco.distributed.store import Store
-from diloco.distributed.store_names import parse_payload_name, payload_name
-from diloco.distributed.store_transport import LearnerStoreLink
+from diloco.distributed.learner_link import LearnerStoreLink
+from diloco.distributed.store import Store, global_view
+from diloco.distributed.store import layout as store_layout
+from diloco.distributed.store.names import parse_payload_name, payload_name
 from diloco.distributed.syncer_link import SyncerStoreLink
 from diloco.errors import ConfigError
 from diloco.outer.merge import OuterConfig

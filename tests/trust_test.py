@@ -19,13 +19,13 @@ import pytest
 
 from diloco import fragments
 from diloco.delivery import Delivery
-from diloco.distributed import blob_io, global_view, syncer_process
 from diloco.distributed import hosts as hosts_lib
-from diloco.distributed.entry_check import StoreError
-from diloco.distributed.lease import Lease, LeaseHeld
-from diloco.distributed.store import Store
-from diloco.distributed.store_names import NON_FINITE
-from diloco.distributed.store_transport import LearnerStoreLink
+from diloco.distributed import syncer_process
+from diloco.distributed.learner_link import LearnerStoreLink
+from diloco.distributed.store import Store, blob_io, global_view
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.lease import Lease, LeaseHeld
+from diloco.distributed.store.names import NON_FINITE
 from diloco.distributed.syncer_link import SyncerStoreLink
 from diloco.observe import fidelity
 from diloco.outer.merge import OuterConfig

@@ -98,7 +98,7 @@ def _run(cfg: run_config.Config, workdir: str):
 def _quiet_logs() -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
-  # Orbax warns on every save without OCDBT (the store's choice, see diloco/distributed/store.py).
+  # Orbax warns on every save without OCDBT (the store's choice, see diloco/distributed/store/__init__.py).
   logging.get_absl_logger().addFilter(
       lambda record: "Skipping merge of OCDBT" not in record.getMessage())
 

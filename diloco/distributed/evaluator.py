@@ -36,9 +36,9 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config
-from diloco.distributed import store_layout
-from diloco.distributed.global_view import published, read_global, read_store, stopped
 from diloco.distributed.store import Store, global_index, shard_stores
+from diloco.distributed.store import layout as store_layout
+from diloco.distributed.store.global_view import published, read_global, read_store, stopped
 from diloco.learner.island import fragment_plan, initial_global
 from diloco.model.sharding import batch_sharding
 from diloco.observe import metrics as metrics_lib

@@ -25,8 +25,8 @@ from typing import Any, Callable
 import jax
 
 from diloco.delivery import Delivery
+from diloco.distributed.learner_link import LearnerStoreLink
 from diloco.distributed.store import Store
-from diloco.distributed.store_transport import LearnerStoreLink
 from diloco.transport import Heartbeat, Merged
 
 

@@ -39,8 +39,9 @@ from absl import logging
 
 from diloco.config.run_config import Config, ConfigError
 from diloco.deploy import accelerators
-from diloco.distributed import chaos, launch_report, store_layout, supervision
+from diloco.distributed import chaos, launch_report, supervision
 from diloco.distributed.store import Store, shard_stores, shared_store
+from diloco.distributed.store import layout as store_layout
 from diloco.distributed.supervision import EVALUATOR, Proc, syncer_key
 from diloco.observe import hooks as hooks_lib
 from diloco.observe import metrics as metrics_lib

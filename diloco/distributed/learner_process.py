@@ -35,10 +35,11 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config, ConfigError
-from diloco.distributed import chaos, global_view, process_hooks, store_layout, wan
+from diloco.distributed import chaos, process_hooks, wan
 from diloco.distributed import hosts as hosts_lib
-from diloco.distributed.learner_registry import DONE, RETIRED
-from diloco.distributed.store import Store, shard_stores, shared_store
+from diloco.distributed.store import Store, global_view, shard_stores, shared_store
+from diloco.distributed.store import layout as store_layout
+from diloco.distributed.store.learner_registry import DONE, RETIRED
 from diloco.learner import island
 from diloco.learner import loop as learner_loop
 from diloco.learner.learner import Learner, Resume

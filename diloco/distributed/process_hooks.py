@@ -14,7 +14,7 @@ import threading
 
 from absl import logging
 
-from diloco.distributed.run_lifecycle import RunLifecycle
+from diloco.distributed.store.run_lifecycle import RunLifecycle
 from diloco.errors import ConfigError
 from diloco.observe import hooks as hooks_lib
 

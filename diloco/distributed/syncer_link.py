@@ -4,7 +4,7 @@
 rejections of unreadable ones (quarantined, never read again) and of ones a round committed
 before a syncer restart already merged (`replayed`, deleted unread), and releases payload entries
 and old merged versions once the syncer is done with them, on a background deleter thread.
-The learner's side is `store_transport.LearnerStoreLink`.
+The learner's side is `learner_link.LearnerStoreLink`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import time
 from absl import logging
 
 from diloco.delivery import Delivery
-from diloco.distributed.entry_check import StoreError
-from diloco.distributed.learner_registry import DONE, RETIRED, beat_fields
 from diloco.distributed.store import Store
-from diloco.distributed.store_names import GONE, parse_payload_name
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.learner_registry import DONE, RETIRED, beat_fields
+from diloco.distributed.store.names import GONE, parse_payload_name
 from diloco.sync.intake import REJECT_REPLAYED
 from diloco.transport import Heartbeat
 

@@ -39,13 +39,15 @@ from absl import logging
 from diloco import fragments as fragments_lib
 from diloco.artifacts import export
 from diloco.config.run_config import Config
-from diloco.distributed import chaos, global_view, process_hooks, store_layout, store_markers
+from diloco.distributed import chaos, process_hooks
 from diloco.distributed import evaluator as evaluator_lib
-from diloco.distributed.entry_check import StoreError
-from diloco.distributed.learner_registry import DONE, RETIRED
-from diloco.distributed.lease import Lease
-from diloco.distributed.store import Store, shard_stores
-from diloco.distributed.store_names import WRITE_FAILED, merged_name
+from diloco.distributed.store import Store, global_view, shard_stores
+from diloco.distributed.store import layout as store_layout
+from diloco.distributed.store import markers as store_markers
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.learner_registry import DONE, RETIRED
+from diloco.distributed.store.lease import Lease
+from diloco.distributed.store.names import WRITE_FAILED, merged_name
 from diloco.distributed.syncer_link import SyncerStoreLink
 from diloco.errors import ConfigError
 from diloco.learner.island import fragment_plan, initial_global

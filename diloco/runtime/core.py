@@ -27,7 +27,7 @@ from absl import logging
 
 from diloco import fragments as fragments_lib
 from diloco.config.run_config import Config
-from diloco.distributed import global_view
+from diloco.distributed.store import global_view
 from diloco.errors import ConfigError
 from diloco.learner import island
 from diloco.learner import loop as learner_loop

@@ -21,7 +21,7 @@ from absl import logging
 from diloco import fragments as fragments_lib
 from diloco.artifacts import export, hf_import
 from diloco.config.run_config import Config, check_in_process_eval
-from diloco.distributed import global_view
+from diloco.distributed.store import global_view
 from diloco.errors import ConfigError
 from diloco.model.sharding import batch_sharding
 from diloco.observe import hooks as hooks_lib

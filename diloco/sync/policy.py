@@ -122,7 +122,7 @@ class SyncConfig:
   # Deliveries a learner may have on their way (copied off its devices, not yet uploaded)
   # before its next delivery waits for the oldest: bounds the host and device memory a slow
   # link can pin. The wait is recorded as "wait" activity (not useful time). Also the size of
-  # a learner process's upload outbox (`distributed.store_transport`).
+  # a learner process's upload outbox (`distributed.learner_link`).
   send_queue: int = setting(8, AT_LEAST_ONE)
   # Bytes of fragment copies a learner may hold on their way (on its devices, then its host);
   # the next delivery waits while its own would pass this, unless none is on its way (one

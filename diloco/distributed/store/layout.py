@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from diloco import fragments as fragments_lib
-from diloco.distributed.blob_io import Blobs
-from diloco.distributed.entry_check import StoreError
-from diloco.distributed.merged_versions import MergedVersions
-from diloco.distributed.store_names import MERGED_NAME, NON_FINITE, shard_folder
+from diloco.distributed.store.blob_io import Blobs
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.merged_versions import MergedVersions
+from diloco.distributed.store.names import MERGED_NAME, NON_FINITE, shard_folder
 from diloco.errors import ConfigError
 from diloco.sync import ownership
 

@@ -1,6 +1,6 @@
 """The payload mailbox: learners' deliveries, committed, read back, quarantined, collected.
 
-Layout under a store folder (names from `store_names`):
+Layout under a store folder (names from `names`):
 
   payloads/f{p}_l{m}_i{i}_s{t}/     Orbax: a learner's delivery of fragment p at local step t
   payloads/f{p}_l{m}_i{i}_s{t}.json commit marker: the delivery's counters
@@ -21,10 +21,10 @@ import numpy as np
 
 from diloco import outer
 from diloco.delivery import Delivery
-from diloco.distributed import entry_check
-from diloco.distributed.blob_io import Blobs
-from diloco.distributed.entry_check import StoreError
-from diloco.distributed.store_names import (
+from diloco.distributed.store import entry_check
+from diloco.distributed.store.blob_io import Blobs
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.names import (
   GONE,
   UNREADABLE,
   checked_array,

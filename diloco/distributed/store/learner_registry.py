@@ -1,6 +1,6 @@
 """The learner registry: heartbeats, incarnation numbers and learner folders, at the root.
 
-Layout under the run's root (shared by every syncer shard, names from `store_names`):
+Layout under the run's root (shared by every syncer shard, names from `names`):
 
   heartbeats/l{m}.json              the latest heartbeat of learner m (its status: `UP`,
                                     `RETIRED` or `DONE`)
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from etils import epath
 
-from diloco.distributed.blob_io import Blobs
-from diloco.distributed.entry_check import StoreError
-from diloco.distributed.store_names import LEARNER_RECORD, checked_int, learner_record
+from diloco.distributed.store.blob_io import Blobs
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.names import LEARNER_RECORD, checked_int, learner_record
 from diloco.sync import intake
 
 # A learner incarnation's status in its heartbeat: running, gone for good, or finished.

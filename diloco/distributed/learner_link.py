@@ -19,11 +19,11 @@ from typing import Callable
 from absl import logging
 
 from diloco.delivery import Delivery
-from diloco.distributed import global_view, wan
-from diloco.distributed.entry_check import StoreError
-from diloco.distributed.learner_registry import UP
-from diloco.distributed.store import Store
-from diloco.distributed.store_names import NON_FINITE, WRITE_FAILED
+from diloco.distributed import wan
+from diloco.distributed.store import Store, global_view
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.learner_registry import UP
+from diloco.distributed.store.names import NON_FINITE, WRITE_FAILED
 from diloco.transport import Heartbeat, Merged
 
 # A merged version the index still names but that cannot be read this many polls in a row is

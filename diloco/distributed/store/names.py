@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from diloco.distributed.entry_check import StoreError
+from diloco.distributed.store.entry_check import StoreError
 
 
 def num_pattern(digits: int) -> str:

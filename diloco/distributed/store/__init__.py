@@ -5,7 +5,7 @@
 deliveries and the quarantine), `merged` (`merged_versions`: the syncer's published
 versions, markers and index), `learners` (`learner_registry`: heartbeats, incarnations,
 learner checkpoint folders) and `run` (`run_lifecycle`: run start, readiness, stop). Every
-name is built from validated integers and fixed words (`store_names`), never from what an
+name is built from validated integers and fixed words (`names`), never from what an
 entry contains. Under the root:
 
   merged/ payloads/ quarantine/     the syncer's own records (`merged_versions`, `payload_box`)
@@ -36,12 +36,12 @@ import os
 
 from etils import epath
 
-from diloco.distributed.blob_io import Blobs
-from diloco.distributed.learner_registry import LearnerRegistry
-from diloco.distributed.merged_versions import MergedVersions
-from diloco.distributed.payload_box import Payloads
-from diloco.distributed.run_lifecycle import RunLifecycle
-from diloco.distributed.store_names import shard_folder
+from diloco.distributed.store.blob_io import Blobs
+from diloco.distributed.store.learner_registry import LearnerRegistry
+from diloco.distributed.store.merged_versions import MergedVersions
+from diloco.distributed.store.names import shard_folder
+from diloco.distributed.store.payload_box import Payloads
+from diloco.distributed.store.run_lifecycle import RunLifecycle
 from diloco.errors import ConfigError
 
 # Folders of a syncer shard's own, and folders every shard and learner shares (at the root).

@@ -28,9 +28,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from diloco.distributed import npy_handler
-from diloco.distributed.entry_check import StoreError
-from diloco.distributed.store_names import UNREADABLE, WRITE_FAILED
+from diloco.distributed.store import npy_handler
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.names import UNREADABLE, WRITE_FAILED
 
 _MAX_JSON_BYTES = 1 << 22
 

@@ -46,8 +46,8 @@ from collections.abc import Callable
 
 from absl import logging
 
-from diloco.distributed.entry_check import StoreError
 from diloco.distributed.store import Store
+from diloco.distributed.store.entry_check import StoreError
 from diloco.sync import intake
 
 # A generation of any length (canonical ASCII digits, matched whole); 240 digits keep a

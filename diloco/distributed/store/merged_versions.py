@@ -1,6 +1,6 @@
 """Merged versions: the syncer's published fragments, their commit markers and the index.
 
-Layout under a store folder (names from `store_names`):
+Layout under a store folder (names from `names`):
 
   merged/index.json                 {fragment: latest committed version}, written last
   merged/f{p}_v{v}.{w}/params       Orbax: the fragment's tensors (what learners download)
@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from diloco.distributed import entry_check
-from diloco.distributed.blob_io import Blobs, fsync_dir
-from diloco.distributed.entry_check import StoreError
-from diloco.distributed.store_names import (
+from diloco.distributed.store import entry_check
+from diloco.distributed.store.blob_io import Blobs, fsync_dir
+from diloco.distributed.store.entry_check import StoreError
+from diloco.distributed.store.names import (
   CONFLICT,
   MERGED_DATA,
   MERGED_NAME,

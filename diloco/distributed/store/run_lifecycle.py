@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from diloco.distributed.blob_io import Blobs
-from diloco.distributed.store_names import LEARNER_RECORD, learner_record
+from diloco.distributed.store.blob_io import Blobs
+from diloco.distributed.store.names import LEARNER_RECORD, learner_record
 
 
 class RunLifecycle:

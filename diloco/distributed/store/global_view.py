@@ -15,9 +15,9 @@ import numpy as np
 from absl import logging
 
 from diloco.distributed import store as store_lib
-from diloco.distributed import store_layout
-from diloco.distributed.entry_check import StoreError
 from diloco.distributed.store import Store
+from diloco.distributed.store import layout as store_layout
+from diloco.distributed.store.entry_check import StoreError
 from diloco.errors import ConfigError
 from diloco.sync import ownership
 
