@@ -1,5 +1,5 @@
 """A multi-process run under attack, against the same run left alone: does the trust boundary
-keep G on course? (docs/decisions.md "How the trust boundary is tested: fuzzing, planted
+keep G on course? (docs/decisions/store_and_trust.md "How the trust boundary is tested: fuzzing, planted
 entries, a run under attack").
 
 While a 2-learner run trains (`configs/multiprocess.py:tiny`, no chaos), an attacker thread

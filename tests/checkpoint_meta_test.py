@@ -1,6 +1,6 @@
 """Data-parallel and learner checkpoints (`checkpoints/N`) and the arrays an export lists, read
 back from disk: typed before use, one error naming the file and the field, no allocation of
-what planted metadata claims (docs/decisions.md, "Documents read back from disk")."""
+what planted metadata claims (docs/decisions/store_and_trust.md, "Documents read back from disk")."""
 
 import copy
 import dataclasses

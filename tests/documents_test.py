@@ -1,4 +1,4 @@
-"""Documents read back from disk (docs/decisions.md "Documents read back from disk"): an export's
+"""Documents read back from disk (docs/decisions/store_and_trust.md "Documents read back from disk"): an export's
 export.json and params/, a run's config.json and `--config_json`, a run checkpoint's meta, a
 tokenizer's tokenizer_config.json.
 

@@ -223,6 +223,6 @@ def _collect_garbage_after_each_test():
   """Collects each test's garbage (failed Orbax writes: event loops, futures, files) before
   the next test patches `open` again. Left to pile up over the file, it crashed CPython
   3.12.1's collector (a segfault in `gc`) in about 4 runs of 10; never on 3.11, and never in
-  10 runs with this (docs/decisions.md, "Durability of store entries, and a full disk")."""
+  10 runs with this (docs/decisions/store_and_trust.md, "Durability of store entries, and a full disk")."""
   yield
   gc.collect()

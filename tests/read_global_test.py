@@ -1,5 +1,5 @@
 """The one reader of G (`global_view.read_global`): planted version sets yield the newest usable
-G or one clear error, never a wrong G (docs/decisions.md, "The readers of G")."""
+G or one clear error, never a wrong G (docs/decisions/store_and_trust.md, "The readers of G")."""
 
 import os
 import tempfile

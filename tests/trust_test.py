@@ -1,6 +1,5 @@
 """The trust boundary against well-typed input: no learner, file or clock steers G, merges
-twice, or stalls the syncer (docs/design.md 2.4; docs/decisions.md, section "Store and trust
-boundary").
+twice, or stalls the syncer (docs/design.md 2.4; docs/decisions/store_and_trust.md).
 
 Each case crafts one delivery, heartbeat or store entry against the real `Syncer`, `Store`,
 `SyncerStoreLink`, `sync_once`/`recover` and `Lease`, and checks what G, the counters and the

@@ -13,7 +13,7 @@ from diloco.settings import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, OneOf, frozen,
 # "save_dots_and_attention" keeps that and the matmul outputs without batch dimensions,
 # "offload_dots" moves those matmul outputs to pinned host memory. With cuDNN attention the
 # backward still reruns its forward kernel for the softmax statistics under every policy but
-# "none" (measured; docs/decisions.md, "Learner speed: the embedding gradient, named remat").
+# "none" (measured; docs/decisions/model_and_speed.md, "Learner speed: the embedding gradient, named remat").
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "nothing_saveable", "save_attention", "save_dots_and_attention",
                   "offload_dots")
