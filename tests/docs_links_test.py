@@ -7,7 +7,7 @@ import re
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 # A path in backticks is checked when it starts at one of these (paths are written from the
 # repository's root); run outputs (runs/, WORKDIR/) and placeholders are not repository files.
 TOP = ("diloco/", "experiments/", "configs/", "scripts/", "tests/", "docs/", ".ci/")
@@ -66,6 +66,19 @@ def test_named_paths_and_symbols_exist(doc):
         file.read_text(encoding="utf-8"), re.MULTILINE):
       bad.append(reference)
   assert not bad, f"{doc.name}: named paths or symbols that do not exist: {bad}"
+
+
+def test_the_decisions_index_lists_every_entry_of_every_topic():
+  folder = REPO / "docs" / "decisions"
+  index = (folder / "README.md").read_text(encoding="utf-8")
+  listed = set(re.findall(r"^- \[.+\]\(([a-z_]+\.md#[\w-]+)\)$", index, re.M))
+  entries = set()
+  for topic in folder.glob("*.md"):
+    if topic.name != "README.md":
+      for title in re.findall(r"^## (.+)$", topic.read_text(encoding="utf-8"), re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        entries.add(f"{topic.name}#{slug}")
+  assert listed == entries, (sorted(listed - entries), sorted(entries - listed))
 
 
 def test_the_checks_find_what_they_should():
