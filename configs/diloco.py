@@ -17,6 +17,6 @@ def get_config(preset: str = "cpu"):
   cfg.sync.num_fragments = 1
   cfg.sync.quorum = diloco.ALL_LEARNERS  # K = M, whatever --config.learners.count says
   cfg.sync.gamma = 0.0
-  cfg.sync.receipt = "overwrite"  # DiLoCo's rule: every learner restarts from the merged G
+  cfg.receipt.mode = "overwrite"  # DiLoCo's rule: every learner restarts from the merged G
   cfg.sync.period = {"tiny": 16, "nano": 16, "mini": 16, "cpu": 40, "m35": 30}.get(preset, 100)
   return cfg

@@ -15,6 +15,6 @@ def get_config(preset: str = "cpu"):
       os.path.join(os.path.dirname(__file__), "decoupled.py") + ":" + preset)
   cfg.sync.quorum = diloco.ALL_LEARNERS  # K = M, whatever --config.learners.count says
   cfg.sync.gamma = 0.0
-  cfg.sync.receipt = "mix"
-  cfg.sync.mixing_alpha = 0.5
+  cfg.receipt.mode = "mix"
+  cfg.receipt.mixing_alpha = 0.5
   return cfg

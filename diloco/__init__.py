@@ -9,7 +9,8 @@ import importlib
 
 _PUBLIC = frozenset((
     "Config", "ModelConfig", "DataConfig", "MeshConfig", "OptimConfig", "TrainConfig",
-    "CheckpointConfig", "LogConfig", "SyncConfig", "OuterConfig", "LearnersConfig",
+    "CheckpointConfig", "LogConfig", "SyncConfig", "ReceiptConfig", "OuterConfig",
+    "LearnersConfig",
     "StoreConfig", "LaunchConfig", "SlurmConfig", "base_config", "load_config_dict",
     "load_config", "ALL_LEARNERS", "ConfigError",
     "run", "Hook", "HookView", "STOP", "load_model", "export_hf", "evaluate_tasks"))

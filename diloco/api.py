@@ -27,6 +27,7 @@ from diloco.config.run_config import (
 )
 from diloco.config.slurm_config import SlurmConfig
 from diloco.errors import ConfigError
+from diloco.learner.receipt import ReceiptConfig
 from diloco.model.config import ModelConfig
 from diloco.observe.hooks import STOP, Hook, HookView
 from diloco.observe.tracking import LogConfig
@@ -40,7 +41,7 @@ from diloco.train.optim import OptimConfig
 __all__ = [
     # The configuration: its groups, a config file's starting point, loading one.
     "Config", "ModelConfig", "DataConfig", "MeshConfig", "OptimConfig", "TrainConfig",
-    "CheckpointConfig", "LogConfig", "SyncConfig", "OuterConfig", "LearnersConfig",
+    "CheckpointConfig", "LogConfig", "SyncConfig", "ReceiptConfig", "OuterConfig", "LearnersConfig",
     "StoreConfig", "LaunchConfig", "SlurmConfig", "base_config", "load_config_dict",
     "load_config", "ALL_LEARNERS", "ConfigError",
     # Training, a researcher's hooks into it, and what a run leaves.

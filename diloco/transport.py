@@ -42,19 +42,6 @@ class Merged:
     return int(sum(t.nbytes for t in self.tensors.values()))
 
 
-# How a learner takes a `Merged` fragment G_p, selected by `sync.receipt` (docs/design.md 2.3,
-# "Receipt"); the learner (`Learner._apply`) does the arithmetic on its devices.
-#   overwrite:  theta_p = G_p. The paper's rule; the tau steps made on p since the delivery are
-#               dropped (the next delivery starts counting from zero).
-#   mix:        theta_p = alpha * theta_p + (1 - alpha) * G_p (Streaming DiLoCo).
-#   keep_local: theta_p = G_p + (theta_p - reference_p), where the reference is theta_p as it
-#               was delivered (or, with no delivery since the last receipt, the G_p received
-#               then). The steps made since are kept and counted, so the learner's next delivery
-#               carries them to the syncer: the overlap tau then throws no work away.
-# A learner that joins (or rejoins) always overwrites: its own values are only its init.
-RECEIPT_MODES = ("overwrite", "mix", "keep_local")
-
-
 class LearnerTransport(Protocol):
   """What a learner needs from a transport: send heartbeats and deliveries up, read the latest
   merged fragments down. Sends never wait on the syncer; `wait_for` is the only call that

@@ -16,7 +16,8 @@ from diloco.config import run_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The public names: a change here is a change of the API (docs/reference.md lists them).
 PUBLIC = {"Config", "ModelConfig", "DataConfig", "MeshConfig", "OptimConfig", "TrainConfig",
-          "CheckpointConfig", "LogConfig", "SyncConfig", "OuterConfig", "LearnersConfig",
+          "CheckpointConfig", "LogConfig", "SyncConfig", "ReceiptConfig", "OuterConfig",
+          "LearnersConfig",
           "StoreConfig", "LaunchConfig", "SlurmConfig", "base_config", "load_config_dict",
           "load_config", "ALL_LEARNERS", "ConfigError", "run", "Hook", "HookView", "STOP",
           "load_model", "export_hf", "evaluate_tasks"}

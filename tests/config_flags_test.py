@@ -135,3 +135,27 @@ def test_resolved_config_printed_and_saved(tmp_path):
   assert "checkpoint: every_steps=2" in proc.stdout  # derived from train.eval_every
   saved = json.loads((tmp_path / "config.json").read_text())
   assert saved["train"]["steps"] == 2 and saved["checkpoint"]["every_steps"] == 2
+
+
+@pytest.mark.parametrize("old, new", [("receipt", "mode"), ("mixing_alpha", "mixing_alpha"),
+                                      ("final_sync", "final_sync"),
+                                      ("reset_moments", "reset_moments")])
+def test_the_receipt_fields_moved_out_of_sync_are_read_and_named(tmp_path, old, new):
+  """The learner's `receipt` group took four fields of `sync`: a run's config.json written
+  before reads them into the group (nothing lost), a config that has the group and names
+  the old field, or a flag of the old name, is one line saying where it went."""
+  value = {"receipt": "mix", "mixing_alpha": 0.25, "final_sync": False,
+           "reset_moments": True}[old]
+  cfg = dataclasses.asdict(run_config.from_config_dict(diloco.get_config("tiny")))
+  cfg["receipt"][new] = dataclasses.asdict(run_config.ReceiptConfig())[new]
+  before = dict(cfg, sync=dict(cfg["sync"], **{old: value}))
+  before.pop("receipt")
+  if old == "mixing_alpha":
+    before["sync"]["receipt"] = "mix"
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(before))
+  assert getattr(run_config.read_file(str(path)).receipt, new) == value
+  with pytest.raises(ConfigError, match=f"unknown field sync.{old}: it is now receipt.{new}$"):
+    run_config.from_config_dict(dict(cfg, sync=dict(cfg["sync"], **{old: value})))
+  assert config_flags.unknown_key_message(diloco.get_config("tiny"), f"sync.{old}") == (
+      f"--config.sync.{old} is now --config.receipt.{new} (the learner's receipt group)")

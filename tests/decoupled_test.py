@@ -121,7 +121,7 @@ def test_heterogeneous_quorum_and_grace(tmp_path, quorum, gamma):
   _, summary = decoupled.run_with_runtime(cfg, str(tmp_path))
   tape = _tape(str(tmp_path))
   slow_admitted = sum(a["learner"] == 2 for r in tape for a in r["admitted"])
-  # The rounds of the final sync (`sync.final_sync`) wait for every learner still alive,
+  # The rounds of the final sync (`receipt.final_sync`) wait for every learner still alive,
   # whatever K: the quorum and grace rules are those of the other rounds.
   regular = [r for r in tape if not any(a["final"] for a in r["admitted"])]
   assert 0 < len(regular) < len(tape)

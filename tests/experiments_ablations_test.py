@@ -42,11 +42,11 @@ def test_run_list_covers_every_factor_level_once_per_seed():
           for d in varied["merge"]} == {("mean", 4), ("rda", 8), ("mean", 8)}
   assert [d["sync.tau"] for d in varied["tau"]] == [1, 5]
   assert varied["anchor"] == [{"outer.anchor": "base"}]
-  assert varied["receipt"] == [{"sync.receipt": "mix", "sync.mixing_alpha": 0.5}]
+  assert varied["receipt"] == [{"receipt.mode": "mix", "receipt.mixing_alpha": 0.5}]
   # The baseline is the preset's defaults, so each factor's baseline level is what it says.
   base = run_config.from_config_dict(decoupled.get_config("tiny"))
   assert (base.outer.merge, base.learners.count, base.outer.quantize_bits, base.sync.scheme,
-          base.outer.anchor, base.sync.mixing_alpha, base.sync.tau) == (
+          base.outer.anchor, base.receipt.mixing_alpha, base.sync.tau) == (
               "rda", 4, 0, "balanced", "syncer", 0.0, 2)
 
 

@@ -18,13 +18,13 @@ def test_heterogeneous_runs_cover_every_policy_and_outer_setting_at_equal_tokens
   inner = [r for r in runs if "optim.learning_rate" in dict(r.overrides)]
   assert len(inner) == 2 * 3 * 2 and all(
       dict(r.overrides)["optim.learning_rate"] == 6e-3 and r.method.endswith(", inner 6e-3")
-      and dict(r.overrides)["sync.receipt"] == "overwrite" for r in inner)
+      and dict(r.overrides)["receipt.mode"] == "overwrite" for r in inner)
   # Each differs from its presets'-rate twin by the inner rate alone.
   twins = {(r.method, r.seed): dict(r.overrides) for r in runs}
   for r in inner:
     twin = twins[(r.method.removesuffix(", inner 6e-3"), r.seed)]
     assert {k: v for k, v in dict(r.overrides).items() if k != "optim.learning_rate"} == twin
-  receipts = [(dict(r.overrides)["sync.receipt"], dict(r.overrides)["outer.stale"])
+  receipts = [(dict(r.overrides)["receipt.mode"], dict(r.overrides)["outer.stale"])
               for r in runs]
   assert receipts.count(("keep_local", "paper")) == 2 * 3
   assert receipts.count(("keep_local", "rebase")) == 2 * 3

@@ -331,7 +331,7 @@ def test_m8_stage_picks_each_mode_at_m4_and_m1_at_m2_from_carried_rows(tmp_path)
   assert all(dict(r.overrides)["train.batch_size"] == 4 for r in m8[:5])
   assert dict(m8[5].overrides)["train.batch_size"] == config.DP_BATCH
   assert dict(m8[6].overrides)["sync.tau"] == 0 and dict(m8[6].overrides)["learners.count"] == 1
-  assert dict(m8[3].overrides)["sync.receipt"] == "mix"
+  assert dict(m8[3].overrides)["receipt.mode"] == "mix"
 
 
 def test_m8_stage_lists_missing_modes_and_small_batches_get_fewer_devices(tmp_path):
@@ -523,7 +523,7 @@ def test_m1_stage_runs_the_controls_at_the_reference_inner_rate_once(tmp_path):
   assert len(planned) == len(config.M1_RUNS)
   assert {dict(r.overrides)["optim.learning_rate"] for r in planned} == {base * 2}
   decoupled = dict(planned[1].overrides)
-  assert (decoupled["sync.tau"], decoupled["sync.receipt"]) == (config.TAU, "overwrite")
+  assert (decoupled["sync.tau"], decoupled["receipt.mode"]) == (config.TAU, "overwrite")
   assert dict(planned[0].overrides)["sync.tau"] == 0
 
 

@@ -1,4 +1,4 @@
-"""The final sync (`sync.final_sync`): a learner that finishes or retires on purpose delivers
+"""The final sync (`receipt.final_sync`): a learner that finishes or retires on purpose delivers
 every fragment before it leaves (`learner_loop.leave`), and the run ends only once the syncer
 has merged those deliveries, so every learner's last local step reaches G."""
 
@@ -10,7 +10,7 @@ import pytest
 import runtime_configs
 
 from diloco import fragments as fragments_lib
-from diloco import transport
+from diloco.learner.receipt import RECEIPT_MODES
 from diloco.observe import accounting
 from diloco.runtime import decoupled
 
@@ -41,7 +41,7 @@ def test_every_learners_last_step_is_in_the_last_round_of_every_fragment(tmp_pat
   """keep_local receipts keep every local step, so at step 24 every learner holds progress on
   every fragment: fragment 0 is due at 24, the others go as final deliveries at 24, and the
   last round of each fragment merges both learners' step 24."""
-  rt, summary, tape = _run(tmp_path, learners__virtual_clock=True, sync__receipt="keep_local")
+  rt, summary, tape = _run(tmp_path, learners__virtual_clock=True, receipt__mode="keep_local")
   assert [s.status for s in rt.slots] == ["done", "done"]
   last = _last_rounds(tape, rt.plan.num_fragments)
   for p, r in last.items():
@@ -97,7 +97,7 @@ def _check_claimed_once(rt, tape, steps, learners):
                      if r["fragment"] == p for a in r["admitted"] if a["learner"] == m)
       assert all(a[1] < b[0] for a, b in itertools.pairwise(spans)), (p, m, spans)
       assert spans[-1][1] == steps, (p, m, spans)
-      if rt.cfg.sync.receipt == "keep_local":
+      if rt.cfg.receipt.mode == "keep_local":
         assert sum(b - a + 1 for a, b in spans) == steps, (p, m, spans)
 
 
@@ -124,7 +124,7 @@ def _check_last_rounds(rt, tape, steps, tau, learners, same_round=True):
   _check_claimed_once(rt, tape, steps, learners)
 
 
-@pytest.mark.parametrize("receipt", transport.RECEIPT_MODES)
+@pytest.mark.parametrize("receipt", RECEIPT_MODES)
 def test_a_round_received_at_the_last_step_keeps_the_steps_the_final_sync_delivers(tmp_path,
                                                                                    receipt):
   """The fragment whose regular round (delivered at steps - tau) is received exactly at the
@@ -133,7 +133,7 @@ def test_a_round_received_at_the_last_step_keeps_the_steps_the_final_sync_delive
   and that fragment's last round held steps - tau. A property over drawn (steps, H, tau, P),
   on the virtual clock."""
   for i, (steps, period, tau, num) in enumerate(_schedules(3)):
-    rt, _, tape = _run(tmp_path / str(i), learners__virtual_clock=True, sync__receipt=receipt,
+    rt, _, tape = _run(tmp_path / str(i), learners__virtual_clock=True, receipt__mode=receipt,
                        train__steps=steps, sync__period=period, sync__tau=tau,
                        sync__num_fragments=num)
     assert [s.status for s in rt.slots] == ["done", "done"], (steps, period, tau, num)
@@ -142,20 +142,20 @@ def test_a_round_received_at_the_last_step_keeps_the_steps_the_final_sync_delive
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("receipt", transport.RECEIPT_MODES)
+@pytest.mark.parametrize("receipt", RECEIPT_MODES)
 def test_threaded_run_keeps_the_steps_of_a_round_received_at_the_last_step(tmp_path, receipt):
   """The same on the wall clock (paced steps; a late round is waited for at the last step,
   where the receipt keeps the progress too): tau = 3, H = 8, P = 8, 21 steps, so fragment 2's
   round of step 18 is received at step 21."""
   steps, tau = 21, 3
-  rt, _, tape = _run(tmp_path, train__steps=steps, sync__tau=tau, sync__receipt=receipt,
+  rt, _, tape = _run(tmp_path, train__steps=steps, sync__tau=tau, receipt__mode=receipt,
                      learners__min_step_s=0.1)
   assert [s.status for s in rt.slots] == ["done", "done"]
   _check_last_rounds(rt, tape, steps, tau, learners=(0, 1), same_round=False)
   assert rt.syncer.settled()
 
 
-@pytest.mark.parametrize("receipt", transport.RECEIPT_MODES)
+@pytest.mark.parametrize("receipt", RECEIPT_MODES)
 def test_a_round_landing_after_the_last_step_claims_no_step_twice(tmp_path, receipt):
   """A fragment delivered within tau steps of the end has its round land after the last step:
   the finishing learner takes it in at its last sync point (waiting for it if need be),
@@ -164,7 +164,7 @@ def test_a_round_landing_after_the_last_step_claims_no_step_twice(tmp_path, rece
   second time. A property over drawn (steps, H, tau, P), on the virtual clock, read from the
   run's tape."""
   for i, (steps, period, tau, num) in enumerate(_ending_schedules(3)):
-    rt, _, tape = _run(tmp_path / str(i), learners__virtual_clock=True, sync__receipt=receipt,
+    rt, _, tape = _run(tmp_path / str(i), learners__virtual_clock=True, receipt__mode=receipt,
                        train__steps=steps, sync__period=period, sync__tau=tau,
                        sync__num_fragments=num)
     assert [s.status for s in rt.slots] == ["done", "done"], (steps, period, tau, num)
@@ -182,7 +182,7 @@ def test_threaded_run_claims_no_step_twice_when_a_round_lands_after_the_last_ste
   hold up)."""
   steps, period, tau, num = _ending_schedules(1, seed=2)[0]
   rt, _, tape = _run(tmp_path, train__steps=steps, sync__period=period, sync__tau=tau,
-                     sync__num_fragments=num, sync__receipt="overwrite",
+                     sync__num_fragments=num, receipt__mode="overwrite",
                      sync__block_on_late_round=False, learners__min_step_s=0.1)
   assert [s.status for s in rt.slots] == ["done", "done"]
   _check_claimed_once(rt, tape, steps, learners=(0, 1))  # each learner's last claim: its last step
@@ -191,8 +191,8 @@ def test_threaded_run_claims_no_step_twice_when_a_round_lands_after_the_last_ste
 
 def test_without_final_sync_the_steps_after_a_fragments_last_slot_are_lost(tmp_path):
   """The contrast: the last rounds of fragments 1..7 hold steps 17..23, not 24."""
-  rt, _, tape = _run(tmp_path, learners__virtual_clock=True, sync__final_sync=False,
-                     sync__receipt="overwrite")
+  rt, _, tape = _run(tmp_path, learners__virtual_clock=True, receipt__final_sync=False,
+                     receipt__mode="overwrite")
   last = _last_rounds(tape, rt.plan.num_fragments)
   assert _admitted(last[0]) == {(0, STEPS), (1, STEPS)}
   for p in range(1, rt.plan.num_fragments):
@@ -201,7 +201,7 @@ def test_without_final_sync_the_steps_after_a_fragments_last_slot_are_lost(tmp_p
 
 def test_a_retired_learner_delivers_every_fragment_at_its_retirement_step(tmp_path):
   """(keep_local: it holds progress on every fragment when it retires.)"""
-  rt, _, tape = _run(tmp_path, learners__virtual_clock=True, sync__receipt="keep_local",
+  rt, _, tape = _run(tmp_path, learners__virtual_clock=True, receipt__mode="keep_local",
                      learners__faults="retire:1@10.5")
   assert [s.status for s in rt.slots] == ["done", "retired"]
   retired_at = rt.slots[1].resume.local_step
@@ -223,7 +223,7 @@ def test_threaded_run_merges_every_learners_final_deliveries(tmp_path):
   steps = 48
   rt, summary, tape = _run(tmp_path, learners__count=3, learners__devices="2,2,2",
                            train__steps=steps, learners__min_step_s=0.2,
-                           learners__faults="retire:2@6.0", sync__receipt="keep_local")
+                           learners__faults="retire:2@6.0", receipt__mode="keep_local")
   assert [s.status for s in rt.slots] == ["done", "done", "retired"]
   for p in range(rt.plan.num_fragments):  # each finishing learner's last step reached every one
     assert {0, 1} <= {a["learner"] for r in tape if r["fragment"] == p

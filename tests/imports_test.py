@@ -174,7 +174,7 @@ def test_modules_are_imported_normally():
 # A module may import its own layer's units (without a cycle between folders) and the layers
 # below, never one above, deferred imports included. Why each layer sits where it does:
 # - the vocabulary (errors, config rules, document readers, fragments, deliveries, transport
-#   messages and the receipt modes, the loader of a user's code) is imported by all and imports nothing of the package but
+#   messages, the loader of a user's code) is imported by all and imports nothing of the package but
 #   itself;
 # - `outer` (the syncer's NumPy math), `model` and `programs` (readers of compiled programs)
 #   need only the vocabulary;

@@ -59,8 +59,8 @@ class _Hooks:
 
 def _cfg(steps=3, timeout=30.0, final_sync=True):
   return types.SimpleNamespace(train=types.SimpleNamespace(steps=steps),
-                               sync=types.SimpleNamespace(heartbeat_timeout_s=timeout,
-                                                          final_sync=final_sync))
+                               sync=types.SimpleNamespace(heartbeat_timeout_s=timeout),
+                               receipt=types.SimpleNamespace(final_sync=final_sync))
 
 
 def _drive(life, learner, hooks, blocked, wait_s=1.0, events=False):
@@ -191,8 +191,8 @@ def test_the_wall_clock_executor_paces_steps():
   learner = Learner(hooks)
   cfg = types.SimpleNamespace(train=types.SimpleNamespace(steps=2),
                               learners=types.SimpleNamespace(min_step_s=0.0),
-                              sync=types.SimpleNamespace(heartbeat_timeout_s=30.0,
-                                                         final_sync=True))
+                              sync=types.SimpleNamespace(heartbeat_timeout_s=30.0),
+                              receipt=types.SimpleNamespace(final_sync=True))
   finished, final = learner_loop.run(learner, cfg, hooks, Clock(), on_purpose=lambda done: done)
   assert (finished, final) == (True, [0])
   # Each step takes 0.5 s and is paced to 1 s (speed factor 2); the next reports its time.

@@ -227,7 +227,7 @@ def test_added_learner_joins_from_global_and_retired_one_leaves(run_dir):
 
 
 def test_final_sync_merges_every_finished_learners_last_steps(run_dir):
-  """`sync.final_sync` (on by default): a learner that finishes (or retires) delivers every
+  """`receipt.final_sync` (on by default): a learner that finishes (or retires) delivers every
   fragment with progress not yet delivered, and the syncer merges every one of those final
   deliveries before it stops and exports. (A fragment whose merged version overwrote the
   learner's values at its last step holds no progress and is not delivered again.)"""

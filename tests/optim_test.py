@@ -116,14 +116,14 @@ def test_a_receipt_resets_muons_momentum_of_its_fragment_only():
 
 @pytest.mark.slow
 def test_decoupled_learners_train_with_muon_and_reset_its_moments_on_receipt(tmp_path):
-  """A virtual-clock Decoupled run with Muon inside and `sync.reset_moments`: every learner in
+  """A virtual-clock Decoupled run with Muon inside and `receipt.reset_moments`: every learner in
   every round, the global model's loss well below its start, and the export written."""
   import json
 
   from diloco.runtime import decoupled
   cfg = runtime_configs.load("decoupled.py:tiny", optim__name="muon",
                              learners__virtual_clock=True, train__steps=24,
-                             sync__reset_moments=True)
+                             receipt__reset_moments=True)
   final = decoupled.run(cfg, str(tmp_path))
   with open(tmp_path / "tape.jsonl", encoding="utf-8") as f:
     tape = [json.loads(line) for line in f if line.strip()]

@@ -33,7 +33,7 @@ def _config(**dotted):
   overwrite (the options below are checked against that rule; receipt_test.py covers the rest)."""
   return runtime_configs.load(**{"learners__count": 1, "learners__devices": "2",
                             "learners__virtual_clock": True, "train__steps": STEPS,
-                            "sync__receipt": "overwrite", **dotted})
+                            "receipt__mode": "overwrite", **dotted})
 
 
 def _compiled_key(cfg):
@@ -121,12 +121,12 @@ def test_a_restarted_learner_goes_on_at_its_steps_learning_rate(setup):
   learner.close()
 
 
-# sync.mixing_alpha and sync.reset_moments (docs/design.md 2.3, receipt).
+# receipt.mixing_alpha and receipt.reset_moments (docs/design.md 2.3, receipt).
 
 
 def test_mixing_alpha_mixes_only_the_received_fragment(setup):
   alpha = 0.3
-  cfg = _config(sync__receipt="mix", sync__mixing_alpha=alpha)
+  cfg = _config(receipt__mode="mix", receipt__mixing_alpha=alpha)
   transport = _transport(setup, cfg)
   learner = _learner(setup, cfg, transport)
   for _ in range(3):
@@ -159,7 +159,7 @@ def test_joining_learner_loads_the_published_fragments_despite_mixing(setup):
   # docs/design.md 2.5: a learner that joins or rejoins first loads the latest published global
   # fragments. Mixing is a receipt rule for a learner that trained; on a fresh init it would
   # start Streaming DiLoCo (alpha = 0.5) learners half from noise.
-  cfg = _config(sync__receipt="mix", sync__mixing_alpha=0.5)
+  cfg = _config(receipt__mode="mix", receipt__mixing_alpha=0.5)
   learner = _learner(setup, cfg, _transport(setup, cfg))
   params = learner.params_flat()
   for k, v in setup.g0.items():
@@ -179,7 +179,7 @@ def _adam_moments(state):
 
 @pytest.mark.parametrize("reset", [True, False])
 def test_reset_moments_zeroes_exactly_the_received_fragment(setup, reset):
-  cfg = _config(sync__reset_moments=reset)
+  cfg = _config(receipt__reset_moments=reset)
   transport = _transport(setup, cfg)
   learner = _learner(setup, cfg, transport)
   for _ in range(3):

@@ -45,7 +45,7 @@ def _check(receipt, steps, period, tau):
 @pytest.mark.parametrize("receipt", ["overwrite", "keep_local"])
 def test_virtual_clock_run_counts_the_kept_steps(tmp_path, receipt):
   cfg = runtime_configs.load(learners__count=2, learners__devices="2,2",
-                        learners__virtual_clock=True, train__steps=32, sync__receipt=receipt)
+                        learners__virtual_clock=True, train__steps=32, receipt__mode=receipt)
   decoupled.run(cfg, str(tmp_path))
   _check(receipt, _later_deliveries(tmp_path), cfg.sync.period, cfg.sync.tau)
 
@@ -58,7 +58,7 @@ def test_multi_process_run_counts_the_kept_steps(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "diloco.main", "--config=configs/multiprocess.py:tiny",
        f"--workdir={tmp_path}", "--role=launch", "--config.learners.count=2",
-       "--config.train.steps=40", f"--config.sync.receipt={receipt}",
+       "--config.train.steps=40", f"--config.receipt.mode={receipt}",
        "--config.launch.chaos_faults=0",  # fault-free: every learner delivers on schedule
        "--config.launch.timeout_s=600"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=700, check=False)

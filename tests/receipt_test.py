@@ -48,7 +48,7 @@ def _first_delivery(setup, cfg, transport):  # noqa: F811
 
 @pytest.mark.parametrize("quantize_bits", [0, 8])
 def test_keep_local_adds_the_progress_since_delivery(setup, quantize_bits):  # noqa: F811
-  cfg = options_test._config(sync__receipt="keep_local", outer__quantize_bits=quantize_bits)
+  cfg = options_test._config(receipt__mode="keep_local", outer__quantize_bits=quantize_bits)
   tau, tps = cfg.sync.tau, options_test._tokens_per_step(cfg)
   transport = _Capture()
   for merged in syncer_lib.Syncer(setup.g0, setup.plan, cfg.sync, cfg.outer).initial(0.0):
@@ -81,7 +81,7 @@ def test_keep_local_adds_the_progress_since_delivery(setup, quantize_bits):  # n
 
 
 def test_keep_local_without_a_delivery_keeps_all_progress_since_the_last_receipt(setup):  # noqa: F811
-  cfg = options_test._config(sync__receipt="keep_local")
+  cfg = options_test._config(receipt__mode="keep_local")
   transport = options_test._transport(setup, cfg)
   learner = options_test._learner(setup, cfg, transport)
   for _ in range(3):
@@ -100,7 +100,7 @@ def test_keep_local_without_a_delivery_keeps_all_progress_since_the_last_receipt
 
 
 def test_overwrite_drops_the_progress_and_a_join_always_overwrites(setup):  # noqa: F811
-  cfg = options_test._config(sync__receipt="overwrite")
+  cfg = options_test._config(receipt__mode="overwrite")
   transport = options_test._transport(setup, cfg)
   learner, p, _, _ = _first_delivery(setup, cfg, transport)
   published = options_test._random_fragment(setup, p, seed=9)
@@ -111,7 +111,7 @@ def test_overwrite_drops_the_progress_and_a_join_always_overwrites(setup):  # no
     np.testing.assert_array_equal(after[k], v)
   assert learner.steps[p] == 0 and learner.tokens[p] == 0
   # A (re)joining learner under keep_local loads G exactly: its own values are only its init.
-  joiner = options_test._learner(setup, options_test._config(sync__receipt="keep_local"), transport)
+  joiner = options_test._learner(setup, options_test._config(receipt__mode="keep_local"), transport)
   loaded = joiner.params_flat()
   for k in setup.g0:
     expected = published[k] if k in published else setup.g0[k]

@@ -241,7 +241,7 @@ def test_virtual_clock_resume_reaches_the_same_versions(tmp_path, monkeypatch, s
   m, steps, h = 2, 24, 8
   cfg = _config(learners__count=m, learners__virtual_clock=True, sync__gamma=0.0,
                 train__steps=steps, train__eval_every=0, checkpoint__every_rounds=10,
-                sync__receipt="overwrite", sync__shards=shards)
+                receipt__mode="overwrite", sync__shards=shards)
   workdir = str(tmp_path)
   save = run_checkpoint.RunCheckpointer.save
 
@@ -259,7 +259,7 @@ def test_virtual_clock_resume_reaches_the_same_versions(tmp_path, monkeypatch, s
   saved = run_checkpoint.RunCheckpointer(workdir, cfg).load().meta
   assert 0 < saved["rounds"] < m * steps
   rt, summary = decoupled.run_with_runtime(cfg, workdir)
-  # The final sync (`sync.final_sync`) adds one round per fragment with progress left at step
+  # The final sync (`receipt.final_sync`) adds one round per fragment with progress left at step
   # 24, merging both learners' final deliveries: all but fragment 0 (due at 24). Fragment 6
   # (due at 22, its round received at 22 + tau = 24, the last step) keeps its last tau steps
   # and delivers them too.

@@ -24,6 +24,7 @@ import ml_collections
 from diloco.cli import command
 from diloco.config import files as config_files
 from diloco.config import run_config
+from diloco.learner import receipt
 
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=\s]+)")
 _SPEC = re.compile(r"^--?config(?:=(.*))?$")
@@ -75,6 +76,10 @@ def nearest_keys(key: str, valid: list[str], n: int = 3) -> list[str]:
 
 def unknown_key_message(cfg: ml_collections.ConfigDict, key: str) -> str | None:
   """A short message naming `key` and the nearest valid keys, or None if `key` exists."""
+  group, _, field = key.partition(".")
+  if group == "sync" and field in receipt.FORMER_SYNC_FIELDS:
+    return (f"--config.{key} is now --config.receipt.{receipt.FORMER_SYNC_FIELDS[field]} "
+            "(the learner's receipt group)")
   node, parts = cfg, key.split(".")
   for depth, part in enumerate(parts):
     if isinstance(node, ml_collections.ConfigDict) and part in node:

@@ -25,6 +25,8 @@ from diloco import documents
 from diloco.artifacts import hf_import
 from diloco.config.slurm_config import SlurmConfig
 from diloco.errors import ConfigError
+from diloco.learner import receipt as receipt_lib
+from diloco.learner.receipt import ReceiptConfig
 from diloco.model import presets as model_presets
 from diloco.model.config import ModelConfig
 from diloco.observe.tracking import LogConfig
@@ -228,6 +230,7 @@ class Config:
   checkpoint: CheckpointConfig
   log: LogConfig
   sync: SyncConfig = SyncConfig()
+  receipt: ReceiptConfig = ReceiptConfig()
   outer: OuterConfig = OuterConfig()
   learners: LearnersConfig = LearnersConfig()
   store: StoreConfig = StoreConfig()
@@ -240,7 +243,7 @@ class Config:
 _GROUPS = {
     "model": ModelConfig, "data": DataConfig, "mesh": MeshConfig, "optim": OptimConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "log": LogConfig,
-    "sync": SyncConfig, "outer": OuterConfig, "learners": LearnersConfig,
+    "sync": SyncConfig, "receipt": ReceiptConfig, "outer": OuterConfig, "learners": LearnersConfig,
     "store": StoreConfig, "launch": LaunchConfig, "slurm": SlurmConfig,
 }
 GROUPS = _GROUPS  # read by the command line's help (diloco/cli/config_flags.py)
@@ -275,6 +278,7 @@ def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
   if not isinstance(raw, dict):
     raise ConfigError(f"the config must be an object of groups ({sorted(_GROUPS)}, seed), "
                       f"got {type(raw).__name__}")
+  raw = _former_fields(raw)
   unknown = set(raw) - set(_GROUPS) - {"seed"}
   if unknown:
     raise ConfigError(f"unknown config groups {sorted(unknown)}; allowed: "
@@ -286,6 +290,21 @@ def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
   config = with_hf_start(Config(**kwargs, seed=seed))
   validate(config)
   return config
+
+
+def _former_fields(raw: dict) -> dict:
+  """A config of before the `receipt` group (a run's config.json of then: no such group)
+  names its fields in `sync` (`sync.receipt` was `receipt.mode`): they are read into the
+  group. In a config with the group they are unknown fields (`group_from_dict` says where
+  each went)."""
+  sync = raw.get("sync")
+  if "receipt" in raw or not isinstance(sync, Mapping):
+    return raw
+  moved = {new: sync[old] for old, new in receipt_lib.FORMER_SYNC_FIELDS.items() if old in sync}
+  if not moved:
+    return raw
+  sync = {k: v for k, v in sync.items() if k not in receipt_lib.FORMER_SYNC_FIELDS}
+  return dict(raw, sync=sync, receipt=moved)
 
 
 def with_hf_start(cfg: Config) -> Config:
@@ -325,6 +344,9 @@ def group_from_dict(name: str, values: dict[str, Any]) -> Any:
   fields = {f.name: f for f in dataclasses.fields(cls)}
   for key in values:
     if key not in fields:
+      if name == "sync" and key in receipt_lib.FORMER_SYNC_FIELDS:
+        raise ConfigError(f"unknown field sync.{key}: it is now "
+                          f"receipt.{receipt_lib.FORMER_SYNC_FIELDS[key]}")
       raise ConfigError(f"unknown field {name}.{key}; allowed: {sorted(fields)}")
   for key, value in values.items():
     expected = type(getattr(cls(), key))

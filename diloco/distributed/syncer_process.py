@@ -373,13 +373,13 @@ def _settle(cfg: Config, store: Store, syncer: Syncer, link: SyncerStoreLink,
             records: list[dict], tape, keep: int, clock, fence) -> None:
   """The run's end, before the final eval and export: one more pass, so that rounds holding
   what the last learners flushed before leaving close now that nobody is left to wait for.
-  With `sync.final_sync` those are their final deliveries (every fragment): passes go on until
+  With `receipt.final_sync` those are their final deliveries (every fragment): passes go on until
   the syncer has settled (all of them merged), for at most `sync.heartbeat_timeout_s`, the
   time a learner that died without leaving takes to stop counting."""
   until = clock() + cfg.sync.heartbeat_timeout_s
   while True:
     sync_once(store, syncer, link, records, tape, keep, clock(), fence=fence)
-    if not cfg.sync.final_sync or syncer.settled():
+    if not cfg.receipt.final_sync or syncer.settled():
       return
     if clock() > until:
       logging.warning("syncer: not every final delivery was merged within "

@@ -27,6 +27,7 @@ from optax.contrib import MuonState
 from diloco import fragments as fragments_lib
 from diloco import outer
 from diloco.delivery import Delivery
+from diloco.learner.receipt import KEEP_LOCAL, MIX, OVERWRITE, ReceiptConfig
 from diloco.learner.sender import Sender
 from diloco.model.config import ModelConfig
 from diloco.model.sharding import batch_sharding
@@ -64,6 +65,7 @@ class LearnerConfig(Protocol):
   mesh: MeshConfig
   optim: OptimConfig
   sync: SyncConfig
+  receipt: ReceiptConfig
   outer: OuterConfig
   train: TrainFields
   learners: LearnersFields
@@ -163,38 +165,38 @@ class Learner:
     for p in range(self.plan.num_fragments):
       merged = self.transport.latest(p)
       if merged is not None:
-        self._apply(merged, mode="overwrite")  # a joining learner's own values are its init
+        self._apply(merged, mode=OVERWRITE)  # a joining learner's own values are its init
 
   def _apply(self, merged: Merged, mode: str | None = None) -> None:
-    """Takes merged fragment p by the receipt `mode` (default `sync.receipt`; the modes are
-    defined beside `Merged` in `diloco/transport.py`)."""
+    """Takes merged fragment p by the receipt `mode` (default `receipt.mode`; the modes are
+    defined in `diloco/learner/receipt.py`)."""
     p = merged.fragment
     delivered = self._delivered.pop(p, None)
     if mode is None:
-      mode = self.cfg.sync.receipt
+      mode = self.cfg.receipt.mode
       if self._keeping and (delivered is None or delivered[0] is not None):
-        mode = "keep_local"
+        mode = KEEP_LOCAL
     flat = fragments_lib.flatten_tree(self.state["params"])
     paths = self.plan.fragments[p]
-    if mode == "keep_local" and delivered is None and p in self._base_values:
+    if mode == KEEP_LOCAL and delivered is None and p in self._base_values:
       # No delivery since the last receipt: all local progress is measured from that G_p.
       delivered = ([jax.device_put(self._base_values[p][k], self._flat_shardings[k])
                     for k in paths], 0, 0)
-    if mode == "keep_local" and delivered is None:
-      mode = "overwrite"  # no reference to measure local progress from
-    references = dict(zip(paths, delivered[0])) if mode == "keep_local" else {}
+    if mode == KEEP_LOCAL and delivered is None:
+      mode = OVERWRITE  # no reference to measure local progress from
+    references = dict(zip(paths, delivered[0])) if mode == KEEP_LOCAL else {}
     for path, value in merged.tensors.items():
       new = jax.device_put(value, self._flat_shardings[path])
-      if mode == "mix":
-        new = _mixed(flat[path], new, self.cfg.sync.mixing_alpha)
-      elif mode == "keep_local":
+      if mode == MIX:
+        new = _mixed(flat[path], new, self.cfg.receipt.mixing_alpha)
+      elif mode == KEEP_LOCAL:
         new = _kept_local(flat[path], new, references[path])
       flat[path] = new
     self.state = dict(self.state, params=fragments_lib.unflatten_tree(flat))
-    if self.cfg.sync.reset_moments:
+    if self.cfg.receipt.reset_moments:
       self.state["opt_state"] = _zero_moments(self.state["opt_state"], set(merged.tensors))
     self.base[p] = merged.version
-    if mode == "keep_local":  # the steps made since the delivery are kept: keep counting them
+    if mode == KEEP_LOCAL:  # the steps made since the delivery are kept: keep counting them
       self.steps[p] -= delivered[1]
       self.tokens[p] -= delivered[2]
     else:
@@ -205,7 +207,7 @@ class Learner:
   def keep_progress(self) -> None:
     """Ends the overlap before the final sync (docs/design.md 2.3): from now on a receipt keeps
     the local steps made since the fragment's delivery, as `keep_local` does, whatever
-    `sync.receipt` says, and the round of every delivery the learner has stepped past is due at
+    `receipt.mode` says, and the round of every delivery the learner has stepped past is due at
     once (`sync_point`; one not published yet is waited for, whatever
     `sync.block_on_late_round`). Called at the last sync point of a learner that finishes, and
     before a retiring learner's final sync: a round received there would otherwise overwrite
@@ -305,13 +307,12 @@ class Learner:
     leaves = [flat[k] for k in paths]
     copies = self._copy(leaves)  # survives the next step's donation
     self._last_delivery[p] = self.local_step
-    sync = self.cfg.sync
     # The reference a keeping receipt subtracts, in the parameters' own sharding: always under
     # `keep_local`; otherwise only where the receipt is due at or after the last step, where
     # `keep_progress` may keep what it would overwrite (a copy held tau steps costs memory).
     reference = None
-    if sync.receipt == "keep_local" or (
-        sync.final_sync and self.local_step + sync.tau >= self.cfg.train.steps):
+    if self.cfg.receipt.mode == KEEP_LOCAL or (self.cfg.receipt.final_sync and (
+        self.local_step + self.cfg.sync.tau >= self.cfg.train.steps)):
       reference = copies if self._copy is _copy_leaves else _copy_leaves(leaves)
     self._delivered[p] = (reference, int(self.steps[p]), int(self.tokens[p]))
     self._awaiting[p] = _Awaiting(self.local_step + self.cfg.sync.tau,

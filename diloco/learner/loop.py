@@ -4,7 +4,7 @@ A learner (`diloco.learner.learner.Learner`) knows how to step, deliver and appl
 this module decides when: step, pace to the configured speed, record step and wait spans,
 apply what is due (`sync_point`), wait for a late round with heartbeats and give up on it
 after `sync.heartbeat_timeout_s`, and, when the learner finishes or retires on purpose,
-deliver every fragment one last time (`sync.final_sync`) before flushing.
+deliver every fragment one last time (`receipt.final_sync`) before flushing.
 
 `life` is a generator: it yields what the learner does next (`Step`, `SyncPoint`,
 `WaitForRound`, `Leave`) and receives the outcome. Each runtime executes the requests on its
@@ -134,7 +134,7 @@ def life(learner: Learner, cfg: LearnerConfig, hooks: LoopHooks) -> Life:
   while learner.local_step < cfg.train.steps and not stop and not hooks.stopped():
     end, step_time = yield from _step(learner, hooks, previous, step_time)
     stop = hooks.agree().stop
-    if cfg.sync.final_sync and finished(learner, cfg):
+    if cfg.receipt.final_sync and finished(learner, cfg):
       # The rounds received from here on keep its last steps, which the final sync delivers;
       # those of the deliveries it stepped past are due now and waited for (below).
       learner.keep_progress()
@@ -233,7 +233,7 @@ def finished(learner: Learner, cfg: LearnerConfig) -> bool:
 
 def leave(learner: Learner, cfg: LearnerConfig, on_purpose: bool) -> list[int]:
   """Ends the learner's training: a learner that finished or retires on purpose delivers
-  every fragment with progress not yet delivered (`sync.final_sync`), so its last local steps
+  every fragment with progress not yet delivered (`receipt.final_sync`), so its last local steps
   reach the global parameters, then every delivery is flushed to its transport. A failed
   learner only flushes (the syncer times it out, as it would a crashed island). Returns the
   fragments of the final deliveries.
@@ -243,7 +243,7 @@ def leave(learner: Learner, cfg: LearnerConfig, on_purpose: bool) -> list[int]:
   learner has waited for them at its last sync point (`life`), a retiring one does not wait.
   """
   final = []
-  if on_purpose and cfg.sync.final_sync:
+  if on_purpose and cfg.receipt.final_sync:
     learner.keep_progress()
     learner.sync_point()
     final = learner.deliver_final()

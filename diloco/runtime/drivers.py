@@ -68,10 +68,10 @@ class Driver:
     raise NotImplementedError
 
   def _settle(self) -> None:
-    """With `sync.final_sync`, the rounds that hold the learners' final deliveries close
+    """With `receipt.final_sync`, the rounds that hold the learners' final deliveries close
     after the last learner left: the syncer goes on until it has merged them, for at most
     `sync.heartbeat_timeout_s` more of the run's clock."""
-    if not self.cfg.sync.final_sync or self._aborted():
+    if not self.cfg.receipt.final_sync or self._aborted():
       return
     until = self._clock() + self.cfg.sync.heartbeat_timeout_s
     mark = self._settle_mark()

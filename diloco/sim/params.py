@@ -105,8 +105,6 @@ class SimConfig:
     _require(self.days > 0, own, "days", self.days, "a number > 0")
     check_fields("sync", self.sync)
     self.sync.check()
-    require(self.sync.receipt == "overwrite", "sync.receipt",
-            f"the simulator models 'overwrite' only, got {self.sync.receipt!r}")
     require(self.sync.block_on_late_round, "sync.block_on_late_round",
             "the simulator models learners that wait for a late round, got False")
     _require(all(s > 0 for s in self.speeds), own, "speeds", self.speeds, "factors > 0")

@@ -46,7 +46,6 @@ from diloco import fragments, settings
 from diloco.delivery import Delivery
 from diloco.settings import (
   AT_LEAST_ONE,
-  FRACTION,
   NON_NEGATIVE,
   OneOf,
   Range,
@@ -54,7 +53,6 @@ from diloco.settings import (
   require,
   setting,
 )
-from diloco.transport import RECEIPT_MODES
 
 # Reasons returned by `check_delivery` for rejected deliveries (stable strings, used as counter
 # names by the syncer and the simulator).
@@ -83,7 +81,7 @@ EMA_DECAY_BOUND = settings.FRACTION
 
 @frozen
 class SyncConfig:
-  """Fragments, schedule, quorum and receipt rules of the outer loop (docs/design.md 2.2-2.4)."""
+  """Fragments, schedule, quorum and delivery bounds of the outer loop (docs/design.md 2.2-2.4)."""
   # P: the parameters are split into this many fragments, each synchronised on its own.
   num_fragments: int = setting(24, AT_LEAST_ONE)
   # H: each fragment is due every `period` local steps, at offset p * H // P.
@@ -102,20 +100,6 @@ class SyncConfig:
   heartbeat_timeout_s: float = setting(30.0, SYNC_BOUNDS["heartbeat_timeout_s"])
   # Deliveries whose base is more than this many versions behind are rejected.
   max_staleness: int = setting(8, SYNC_BOUNDS["max_staleness"])
-  # How a learner takes a merged fragment G_p (docs/design.md 2.3, `transport.RECEIPT_MODES`):
-  # "overwrite" theta_p = G_p (the paper; drops the tau steps made since the delivery);
-  # "mix" theta_p = alpha * theta_p + (1 - alpha) * G_p with alpha = `mixing_alpha`;
-  # "keep_local" theta_p = G_p + (theta_p - theta_p at the delivery), the kept steps counted
-  # in the next delivery, so the overlap throws nothing away.
-  receipt: str = setting("overwrite", OneOf(RECEIPT_MODES))
-  # alpha of the "mix" receipt.
-  mixing_alpha: float = setting(0.0, FRACTION)
-  # A learner that finishes (or retires on purpose) delivers every fragment at its last step,
-  # and that fragment's last round waits for every live learner (bounded by the heartbeat
-  # timeout): the final G, its eval and the export hold every learner's last step.
-  final_sync: bool = True
-  # Zero the AdamW moments of a fragment's tensors when its merged values arrive.
-  reset_moments: bool = False
   # A learner whose round is not merged tau steps after its delivery waits for it (False:
   # it trains on and applies the merge when it comes).
   block_on_late_round: bool = True
@@ -143,8 +127,6 @@ class SyncConfig:
     # delivery of the same fragment would come first and it could never apply a merged version.
     require(self.period > self.tau, "sync.period",
             f"must be greater than sync.tau={self.tau} (docs/design.md 2.3), got {self.period}")
-    require(self.receipt == "mix" or self.mixing_alpha == 0, "sync.mixing_alpha",
-            f"only applies with sync.receipt='mix', got receipt={self.receipt!r}")
     # Each shard owns at least one fragment (the plan may hold fewer than P: `fragments.py`).
     require(self.shards <= self.num_fragments, "sync.shards",
             f"must be at most sync.num_fragments={self.num_fragments}, got {self.shards}")

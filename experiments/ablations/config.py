@@ -30,7 +30,7 @@ SEEDS = (0, 1)
 # The receipt is pinned to the rule these runs were made with (overwrite), so that the
 # baseline stays what it was whatever the preset's default.
 COMMON = (("learners.virtual_clock", True), ("log.tensorboard", False),
-          ("sync.receipt", "overwrite"))
+          ("receipt.mode", "overwrite"))
 
 
 def _bits(bits: int, feedback: bool = False) -> tuple:
@@ -59,7 +59,7 @@ FACTORS = {
         ("tensor", (("sync.scheme", "tensor"),)),
     ),
     "anchor": (("base", (("outer.anchor", "base"),)),),
-    "receipt": (("mix 0.5", (("sync.receipt", "mix"), ("sync.mixing_alpha", 0.5))),),
+    "receipt": (("mix 0.5", (("receipt.mode", "mix"), ("receipt.mixing_alpha", 0.5))),),
     "tau": (("1", (("sync.tau", 1),)), ("5", (("sync.tau", 5),))),
 }
 COLUMNS = ("method", "factor", "seed", "tokens", "eval_loss", "mean_learners_per_round",

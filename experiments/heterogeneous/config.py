@@ -67,7 +67,7 @@ def runs(seeds=SEEDS, steps: int = STEPS) -> list[Run]:
             label += ("" if stale == "paper" else f", stale={stale}") + inner
             out.append(Run(label, CONFIG, seed, SETTING + (
                 ("sync.quorum", quorum), ("sync.gamma", gamma), ("outer.learning_rate", lr),
-                ("outer.momentum", momentum), ("sync.receipt", receipt),
+                ("outer.momentum", momentum), ("receipt.mode", receipt),
                 ("outer.stale", stale), ("train.steps", steps))
                 + ((("optim.learning_rate", inner_lr),) if inner_lr else ())))
   return out

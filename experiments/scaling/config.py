@@ -305,9 +305,9 @@ def diloco(kind: str, learners: int, outer: tuple[float, float], seed: int, step
       ("checkpoint.every_rounds", 0))
   if kind == "decoupled":
     overrides += (("sync.num_fragments", fragments(period)), ("sync.tau", TAU),
-                  ("sync.receipt", receipt))
+                  ("receipt.mode", receipt))
     if receipt == "mix":
-      overrides += (("sync.mixing_alpha", MIX_ALPHA),)
+      overrides += (("receipt.mixing_alpha", MIX_ALPHA),)
     setting = f"{receipt} {outer_label(lr, momentum)}"
   elif kind == "diloco":  # the study's DiLoCo: no overlap, the merge applied at once
     overrides += (("sync.tau", 0),)

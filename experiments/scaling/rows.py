@@ -22,9 +22,12 @@ from experiments.scaling import config, pool
 CURVE_KEYS = ("step", "tokens", "time", "eval_loss")
 
 
-def receipt_of(sync: dict) -> str:
-  """The receipt mode of a run's sync group (configs written before `sync.receipt` existed
-  mixed when `mixing_alpha` > 0 and overwrote otherwise)."""
+def receipt_of(cfg: dict) -> str:
+  """The receipt mode of a run's config.json: its `receipt` group's, or in a config of before
+  that group its sync group's `receipt` (and, before that field, mix when `mixing_alpha` > 0)."""
+  if "receipt" in cfg:
+    return cfg["receipt"]["mode"]
+  sync = cfg["sync"]
   if "receipt" in sync:
     return sync["receipt"]
   return "mix" if sync.get("mixing_alpha", 0.0) > 0 else "overwrite"
@@ -59,7 +62,7 @@ def describe(cfg: dict) -> dict:
              + (config.restart_label(restart) if restart else "") + config.period_label(period))
   if sync["quorum"] == 0 and sync["num_fragments"] == 1:
     return dict(labels, kind="diloco", setting=setting)
-  return dict(labels, kind="decoupled", setting=f"{receipt_of(sync)} {setting}")
+  return dict(labels, kind="decoupled", setting=f"{receipt_of(cfg)} {setting}")
 
 
 def _read(path: str) -> dict:
