@@ -12,6 +12,7 @@ from configs import diloco, dp, multiprocess, streaming
 from diloco.cli import config_flags
 from diloco.config import run_config
 from diloco.errors import ConfigError
+from diloco.learner import receipt
 from diloco.sync import policy
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -137,15 +138,14 @@ def test_resolved_config_printed_and_saved(tmp_path):
   assert saved["train"]["steps"] == 2 and saved["checkpoint"]["every_steps"] == 2
 
 
-@pytest.mark.parametrize("old, new", [("receipt", "mode"), ("mixing_alpha", "mixing_alpha"),
-                                      ("final_sync", "final_sync"),
-                                      ("reset_moments", "reset_moments")])
+@pytest.mark.parametrize("old, new", sorted(receipt.FORMER_SYNC_FIELDS.items()))
 def test_the_receipt_fields_moved_out_of_sync_are_read_and_named(tmp_path, old, new):
   """The learner's `receipt` group took four fields of `sync`: a run's config.json written
   before reads them into the group (nothing lost), a config that has the group and names
   the old field, or a flag of the old name, is one line saying where it went."""
-  value = {"receipt": "mix", "mixing_alpha": 0.25, "final_sync": False,
-           "reset_moments": True}[old]
+  # A value other than the field's default, of the field's own type.
+  value = {str: "mix", float: 0.25, bool: not getattr(run_config.ReceiptConfig(), new)}[
+      type(getattr(run_config.ReceiptConfig(), new))]
   cfg = dataclasses.asdict(run_config.from_config_dict(diloco.get_config("tiny")))
   cfg["receipt"][new] = dataclasses.asdict(run_config.ReceiptConfig())[new]
   before = dict(cfg, sync=dict(cfg["sync"], **{old: value}))

@@ -47,11 +47,12 @@ def _jsonl(path):
   return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
-def _wait(condition, timeout_s=20.0):
+def _wait(condition, timeout_s=20.0) -> bool:
+  """Whether `condition()` came true within `timeout_s` (a bound on a hang, not a speed)."""
   deadline = time.monotonic() + timeout_s
-  while not condition():
-    assert time.monotonic() < deadline
+  while not condition() and time.monotonic() < deadline:
     time.sleep(0.05)
+  return condition()
 
 
 def test_end_watch_writes_the_marker_for_its_hooks_and_follows_anothers(tmp_path):
@@ -64,7 +65,7 @@ def test_end_watch_writes_the_marker_for_its_hooks_and_follows_anothers(tmp_path
   time.sleep(0.3)
   assert not stopper.is_set() and not follower.is_set() and not store.run.end_requested()
   mine.request_stop("hook steps asked to stop at step 32")
-  _wait(lambda: stopper.is_set() and follower.is_set())
+  assert _wait(lambda: stopper.is_set() and follower.is_set())
   record = store.blobs.read_json("end.json")
   assert record == {"by": "learner 0", "reason": "hook steps asked to stop at step 32",
                     "at": 1.5}
