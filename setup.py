@@ -53,6 +53,8 @@ setup(
                  "hypothesis>=6.100,<7", "gcsfs>=2024.12", "gcp-storage-emulator>=2026.7,<2027",
                  # The linter `.ci/run` runs first (pyproject.toml's [tool.ruff]).
                  "ruff>=0.17.6,<0.18",
+                 # Line coverage of the package over the suite (scripts/suite_coverage.sh).
+                 "coverage>=7.10,<8",
                  # libtpu, the TPU compiler: `diloco compile` compiles for TPU slices on any
                  # host (tests/tpu_compile_test.py); the tests run with JAX_PLATFORMS=cpu.
                  "jax[tpu]>=0.10.2,<0.13",
