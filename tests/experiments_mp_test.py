@@ -93,14 +93,15 @@ def _check_rows(results, name, methods):
 @pytest.mark.slow
 @pytest.mark.processes
 def test_chaos_pipeline_end_to_end(tmp_path):
-  methods = ["decoupled, faults", "sync DiLoCo, faults"]
+  # One faulted method: the synchronous one runs in the multi-process runtime in the bandwidth
+  # pipeline below, and both get the same kills by construction (test_experiments_cover_...).
+  methods = ["decoupled, faults"]
   results, readme = _runner(tmp_path, "experiments.chaos.run", "--seeds=1",
                             *[f"--only={m}" for m in methods])
   _check_rows(results, "chaos", methods)
   for row in results["rows"]:
     assert row["kills"] >= 1 and row["kills_applied"] <= row["kills"]
-  for name in ("eval.png", "progress.png", "timeline_decoupled_faults.png",
-               "timeline_sync_DiLoCo_faults.png"):
+  for name in ("eval.png", "progress.png", "timeline_decoupled_faults.png"):
     assert os.path.getsize(tmp_path / "results" / name) > 10_000
     assert f"({name})" in readme
   assert "| decoupled, faults | 0 |" in readme and "## Fault schedules" in readme
