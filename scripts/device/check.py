@@ -100,7 +100,7 @@ def plan(name: str, out: str) -> list[Item]:
   # cache (the tests set one) compiles once, and the profile reuses the sweep's first program.
   batch = 0 if gpu else 8
   accel = ("--dtype=bfloat16", "--scan_layers=true", "--attention_impl=auto")
-  small = () if gpu else ("--seq_len=32", "--matmul_size=64", "--num_layers=3")
+  small = () if gpu else ("--seq_len=16", "--matmul_size=32", "--num_layers=1")
   m35 = ("--preset=m35", "--seq_len=512", "--steps=20") if gpu else ("--preset=tiny", "--steps=2")
   gemma = (("--preset=gemma_2b", "--seq_len=2048", "--steps=6") if gpu else
            ("--preset=tiny", "--steps=2"))
