@@ -95,8 +95,8 @@ def test_scan_and_remat_give_the_loop_loss_and_grads(preset, scan, remat):
 
 @pytest.mark.slow
 def test_scan_handles_a_pattern_longer_than_two_and_a_remainder():
-  # A 2:1 pattern (Gemma's is 5:1) over 8 layers: two scanned groups of 3, two local layers
-  # after them.
+  # A 2:1 pattern (Gemma's is 5:1) over 8 layers: two scanned groups of 3 (the fewest that
+  # scan), two local layers after them.
   cfg = _cfg(num_layers=8, attention_pattern="LLG", sliding_window=4)
   tokens = _tokens(length=17)
   loss0, _, grads0, _ = _loss_and_grads(cfg, tokens)
@@ -203,7 +203,7 @@ def test_train_step_on_an_fsdp_mesh_with_every_switch(tiny_config, replace):
       state, metrics = step_fn(state, batch)
     return jax.device_get(metrics), state
 
-  base_cfg = tiny_config.model  # 2 layers: one scanned group of (L, G)
+  base_cfg = dataclasses.replace(tiny_config.model, num_layers=4)
   m0, _ = first_step(base_cfg)
   m1, state = first_step(dataclasses.replace(
       base_cfg, dtype="bfloat16", scan_layers=True, remat="dots_saveable", attention_impl="xla"))
