@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import shutil
 import threading
 import time
 
@@ -400,6 +401,22 @@ def test_a_payload_entry_that_is_a_symlink_to_a_folder_outside_is_refused(tmp_pa
   link.close()
   assert s.versions == [0] and s.rejections["bad_metadata"] == 1
   assert os.path.isdir(tmp_path / "outside" / "payloads" / "f0_l0_i0_s4")  # never followed
+
+
+def test_a_payloads_folder_that_is_a_symlink_is_never_read(tmp_path):
+  """The whole `payloads/` folder replaced by a link to well-formed deliveries elsewhere: none
+  is merged or collected (found by scripts/mutation_check.py: nothing caught its removal)."""
+  store, s, records, link = _store_syncer(tmp_path / "store")
+  outside = Store(tmp_path / "outside")
+  outside.payloads.put(_delivery(step=4))
+  shutil.rmtree(tmp_path / "store" / "payloads")
+  os.symlink(tmp_path / "outside" / "payloads", tmp_path / "store" / "payloads")
+  _beat_record(store, 1)
+  syncer_process.sync_once(store, s, link, records, io.StringIO(), keep=3, now=1.0)
+  link.close()
+  assert s.versions == [0] and s.rounds == 0
+  assert sorted(os.listdir(tmp_path / "outside" / "payloads")) == [
+      "f0_l0_i0_s4", "f0_l0_i0_s4.json"]  # never followed, never deleted
 
 
 @pytest.mark.parametrize("name", ["f00_l0_i0_s4", "f0_l0_i0_s04", "f0_l0_i0_s4\n",
